@@ -1,0 +1,234 @@
+"""The problem instance: a chain of stages, read from and written to ``offremat.chain/1`` JSON.
+
+Indices follow Herrmann, Beaumont et al., "Optimal checkpointing for heterogeneous chains"
+(2019): stages are numbered 1..L, stage i maps activation a_{i-1} to a_i, and a_0 is the input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+CHAIN_FORMAT = "offremat.chain/1"
+
+
+class ChainFormatError(ValueError):
+    """A chain file or value breaks the ``offremat.chain/1`` format; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the chain: its compute times and the bytes its forward leaves behind.
+
+    ``saved_bytes`` (x̄_i) counts a_i plus everything autograd saves for the backward, but not
+    the input a_{i-1}. The two temporaries are transient peaks above that.
+    """
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    out_bytes: int
+    saved_bytes: int
+    fwd_tmp_bytes: int = 0
+    bwd_tmp_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"stage {self.name!r}"
+        for attr in ("fwd_s", "bwd_s"):
+            _check_number(getattr(self, attr), f"{where}: field {attr!r}")
+        for attr in ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
+            _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
+        if self.saved_bytes < self.out_bytes:
+            raise ChainFormatError(
+                f"{where}: field 'saved_bytes' ({self.saved_bytes}) is smaller than 'out_bytes' "
+                f"({self.out_bytes}); the saved set always contains the stage's output"
+            )
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bandwidths of the two copy channels between GPU and pinned host memory."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        for attr in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
+            value = getattr(self, attr)
+            _check_number(value, f"link: field {attr!r}")
+            if value <= 0:
+                raise ChainFormatError(f"link: field {attr!r} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A model's training step seen as a chain of stages (the problem every solver takes)."""
+
+    name: str
+    input_bytes: int
+    stages: tuple[Stage, ...]
+    link: Link | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_bytes(self.input_bytes, "chain: field 'input_bytes'")
+        if not self.stages:
+            raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
+        object.__setattr__(self, "stages", tuple(self.stages))
+
+    @property
+    def length(self) -> int:
+        """L, the number of stages."""
+        return len(self.stages)
+
+    def stage(self, i: int) -> Stage:
+        """Stage i, numbered from 1 as in the papers."""
+        if not 1 <= i <= self.length:
+            raise IndexError(f"stage index {i} outside 1..{self.length}")
+        return self.stages[i - 1]
+
+    def activation_bytes(self, i: int) -> int:
+        """x_i, the size of activation a_i (and of its gradient δ_i); x_0 is the input."""
+        return self.input_bytes if i == 0 else self.stage(i).out_bytes
+
+    def saved_bytes(self, i: int) -> int:
+        """x̄_i, what a grad-enabled forward of stage i keeps until its backward."""
+        return self.stage(i).saved_bytes
+
+    @property
+    def compute_time_s(self) -> float:
+        """Σ f_i + Σ b_i: the step time of plain autograd, the floor of every plan."""
+        return sum(s.fwd_s + s.bwd_s for s in self.stages)
+
+    def with_link(self, link: Link | None) -> Chain:
+        """The same chain with another link (None: offloading impossible)."""
+        return replace(self, link=link)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``offremat.chain/1`` JSON object."""
+        data: dict[str, Any] = {
+            "format": CHAIN_FORMAT,
+            "name": self.name,
+            "input_bytes": self.input_bytes,
+            "stages": [
+                {
+                    "name": s.name,
+                    "fwd_s": s.fwd_s,
+                    "bwd_s": s.bwd_s,
+                    "out_bytes": s.out_bytes,
+                    "saved_bytes": s.saved_bytes,
+                    "fwd_tmp_bytes": s.fwd_tmp_bytes,
+                    "bwd_tmp_bytes": s.bwd_tmp_bytes,
+                }
+                for s in self.stages
+            ],
+        }
+        if self.link is not None:
+            data["link"] = {
+                "d2h_bytes_per_s": self.link.d2h_bytes_per_s,
+                "h2d_bytes_per_s": self.link.h2d_bytes_per_s,
+            }
+        if self.metadata:
+            data["metadata"] = self.metadata
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Chain:
+        """Parse and validate an ``offremat.chain/1`` object; errors name the field."""
+        if not isinstance(data, dict):
+            raise ChainFormatError("chain: the top level must be a JSON object")
+        fmt = data.get("format")
+        if fmt != CHAIN_FORMAT:
+            raise ChainFormatError(f"chain: field 'format' is {fmt!r}; expected {CHAIN_FORMAT!r}")
+        _require(data, ("name", "input_bytes", "stages"), "chain")
+        if not isinstance(data["stages"], list):
+            raise ChainFormatError("chain: field 'stages' must be a list")
+        stages = []
+        for index, raw in enumerate(data["stages"], start=1):
+            where = f"stage {index}"
+            if not isinstance(raw, dict):
+                raise ChainFormatError(f"{where}: must be a JSON object")
+            if "name" in raw:
+                where = f"stage {index} ({raw['name']!r})"
+            _require(raw, ("name", "fwd_s", "bwd_s", "out_bytes", "saved_bytes"), where)
+            unknown = set(raw) - _STAGE_FIELDS
+            if unknown:
+                raise ChainFormatError(f"{where}: unknown field(s) {sorted(unknown)}")
+            try:
+                stages.append(Stage(**raw))
+            except ChainFormatError as error:
+                raise ChainFormatError(f"{where}: {error}") from None
+        link = None
+        if data.get("link") is not None:
+            raw_link = data["link"]
+            if not isinstance(raw_link, dict):
+                raise ChainFormatError("link: must be a JSON object")
+            _require(raw_link, ("d2h_bytes_per_s", "h2d_bytes_per_s"), "link")
+            link = Link(float(raw_link["d2h_bytes_per_s"]), float(raw_link["h2d_bytes_per_s"]))
+        return cls(
+            name=str(data["name"]),
+            input_bytes=data["input_bytes"],
+            stages=tuple(stages),
+            link=link,
+            metadata=dict(data.get("metadata") or {}),
+        )
+
+    def to_json(self) -> str:
+        """The chain as ``offremat.chain/1`` JSON text."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Chain:
+        """Parse ``offremat.chain/1`` JSON text."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ChainFormatError(f"chain: not valid JSON ({error})") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the chain to a JSON file."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Chain:
+        """Read a chain from a JSON file."""
+        return cls.from_json(Path(path).read_text())
+
+
+_STAGE_FIELDS = {
+    "name",
+    "fwd_s",
+    "bwd_s",
+    "out_bytes",
+    "saved_bytes",
+    "fwd_tmp_bytes",
+    "bwd_tmp_bytes",
+}
+
+
+def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    for name in names:
+        if name not in data:
+            raise ChainFormatError(f"{where}: missing field {name!r}")
+
+
+def _check_number(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ChainFormatError(f"{where} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ChainFormatError(f"{where} must be finite, got {value}")
+    if value < 0:
+        raise ChainFormatError(f"{where} must be non-negative, got {value}")
+
+
+def _check_bytes(value: Any, where: str) -> None:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ChainFormatError(f"{where} must be an integer number of bytes, got {value!r}")
+    if value < 0:
+        raise ChainFormatError(f"{where} must be non-negative, got {value}")

@@ -1,0 +1,263 @@
+"""Replay a plan on the cost model: one compute stream and two FIFO copy channels.
+
+This is the single source of truth for every time and peak that a solver reports. The rules
+(issue times, when bytes are allocated and released, the memory admission wait) are those of
+``docs/plan-format.md``.
+
+Design note, memory admission: an offload frees GPU memory only when its copy ends, which may
+be later than the compute stream would otherwise reach the next allocation. Rather than let the
+peak depend on copy speed, an allocation (a compute op's output and temporaries, or a prefetch)
+waits until the bytes already committed, counting every release and allocation scheduled so far,
+stay within the budget from then on. The executor implements this wait with stream events, so
+the simulated peak is the one the GPU sees. Plans without offloads never wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solvers.chain import Chain
+from solvers.plan import (
+    ACTIVATION,
+    BACKWARD,
+    F_ALL,
+    F_NONE,
+    FORWARD_KINDS,
+    FREE,
+    OFFLOAD,
+    PREFETCH,
+    SAVED,
+    Op,
+    Plan,
+    PlanError,
+    validate,
+)
+
+COMPUTE_LANE, D2H_LANE, H2D_LANE = "compute", "d2h", "h2d"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One operation's span on its lane."""
+
+    op_index: int
+    label: str
+    lane: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What :func:`simulate` predicts for a plan."""
+
+    makespan_s: float
+    peak_bytes: int
+    budget_bytes: int | None
+    timeline: tuple[Interval, ...]
+    memory_curve: tuple[tuple[float, int], ...]
+    wait_s: float
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the peak is within the budget (always true without a budget)."""
+        return self.budget_bytes is None or self.peak_bytes <= self.budget_bytes
+
+
+class _Memory:
+    """Resident GPU bytes as a list of timed changes, with the admission query.
+
+    Changes before ``horizon`` can no longer be overtaken by a new allocation, so they are folded
+    into ``settled``; only the few still-pending copy events are scanned by :meth:`admit`.
+    """
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[float, int, int]] = []
+        self.pending: list[tuple[float, int, int]] = []
+        self.settled = 0
+
+    def add(self, time: float, delta: int, instant: bool = False) -> None:
+        """Record a change; ``instant`` marks the release of an op that took no time."""
+        # At equal times releases go first (an op may start the instant another ends), except
+        # the release that closes a zero-length op, which must follow its own allocation.
+        phase = 2 if instant else (1 if delta > 0 else 0)
+        self.changes.append((time, phase, delta))
+        self.pending.append((time, phase, delta))
+
+    def settle(self, horizon: float) -> None:
+        keep = []
+        for event in self.pending:
+            if event[0] < horizon:
+                self.settled += event[2]
+            else:
+                keep.append(event)
+        self.pending = keep
+
+    def admit(self, ready: float, size: int, budget: int | None) -> float:
+        """The earliest time >= ready from which ``size`` more bytes stay within the budget."""
+        if budget is None or not self.pending:
+            return ready
+        levels = _levels(self.pending, self.settled)
+        at_ready = self.settled + sum(e[2] for e in self.pending if e[0] <= ready)
+        candidates = [(ready, at_ready)] + [(t, lv) for t, lv in levels if t > ready]
+        suffix_max = [0] * len(candidates)
+        running = -(1 << 62)
+        for k in range(len(candidates) - 1, -1, -1):
+            running = max(running, candidates[k][1])
+            suffix_max[k] = running
+        for (time, _), highest in zip(candidates, suffix_max, strict=True):
+            if highest + size <= budget:
+                return time
+        return ready
+
+
+def simulate(
+    plan: Plan | list[Op] | tuple[Op, ...], chain: Chain, budget: int | None = None
+) -> Simulation:
+    """Replay ``plan`` on ``chain``: makespan, peak, timeline and memory curve.
+
+    Raises :class:`PlanError` listing every broken rule if the plan is not valid, and
+    ``ValueError`` if it copies on a chain without a link.
+    """
+    ops = plan.ops if isinstance(plan, Plan) else tuple(plan)
+    problems = validate(ops, chain)
+    if problems:
+        raise PlanError(problems)
+    if chain.link is None and any(op.kind in (OFFLOAD, PREFETCH) for op in ops):
+        raise ValueError("the plan copies tensors but the chain has no link; add a 'link'")
+
+    def size(tensor: tuple[str, int]) -> int:
+        kind, i = tensor
+        if kind == SAVED:
+            return chain.saved_bytes(i)
+        return chain.activation_bytes(i)
+
+    memory = _Memory()
+    memory.add(0.0, chain.activation_bytes(0) + chain.activation_bytes(chain.length))
+    timeline: list[Interval] = []
+    compute_free = 0.0
+    last_compute_start = 0.0
+    channel_free = {D2H_LANE: 0.0, H2D_LANE: 0.0}
+    produced_at: dict[tuple[str, int], float] = {}
+    host_ready_at: dict[tuple[str, int], float] = {}
+    gpu_ready_at: dict[tuple[str, int], float] = {}
+    last_reader_end: dict[tuple[str, int], float] = {}
+    wait_total = 0.0
+
+    def reads(op: Op) -> list[tuple[str, int]]:
+        i = op.index
+        inputs = []
+        if op.kind == BACKWARD:
+            inputs = [(SAVED, i)]
+        # a_{i-1} lives either alone or inside the saved set of stage i-1.
+        for candidate in ((ACTIVATION, i - 1), (SAVED, i - 1)):
+            if candidate in gpu_ready_at:
+                inputs.append(candidate)
+                break
+        return inputs
+
+    for n, op in enumerate(ops):
+        label = str(op)
+        if op.is_compute:
+            i = op.index
+            inputs = reads(op)
+            ready = max([compute_free] + [gpu_ready_at[t] for t in inputs])
+            if op.kind == BACKWARD:
+                persistent, transient = chain.activation_bytes(i - 1), chain.stage(i).bwd_tmp_bytes
+            elif op.kind == F_ALL:
+                persistent, transient = chain.saved_bytes(i), chain.stage(i).fwd_tmp_bytes
+            else:
+                persistent, transient = chain.activation_bytes(i), chain.stage(i).fwd_tmp_bytes
+            memory.settle(last_compute_start)
+            start = memory.admit(ready, persistent + transient, budget)
+            duration = chain.stage(i).bwd_s if op.kind == BACKWARD else chain.stage(i).fwd_s
+            end = start + duration
+            wait_total += start - compute_free
+            memory.add(start, persistent + transient)
+            memory.add(end, -transient, instant=end == start)
+            for tensor in inputs:
+                last_reader_end[tensor] = end
+            if op.kind in FORWARD_KINDS:
+                out = (SAVED, i) if op.kind == F_ALL else (ACTIVATION, i)
+                produced_at[out] = end
+                gpu_ready_at[out] = end
+                if op.kind == F_NONE and (ACTIVATION, i - 1) in gpu_ready_at:
+                    _release(memory, gpu_ready_at, last_reader_end, (ACTIVATION, i - 1), end, size)
+            else:
+                _release(memory, gpu_ready_at, last_reader_end, (SAVED, i), end, size)
+                memory.add(end, -chain.activation_bytes(i))  # δ_i
+                if (ACTIVATION, i - 1) in gpu_ready_at:
+                    _release(memory, gpu_ready_at, last_reader_end, (ACTIVATION, i - 1), end, size)
+            timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
+            compute_free = end
+            last_compute_start = start
+        elif op.kind == OFFLOAD:
+            tensor = op.tensor
+            issue = max(last_compute_start, produced_at.get(tensor, 0.0), gpu_ready_at[tensor])
+            start = max(issue, channel_free[D2H_LANE])
+            end = start + size(tensor) / chain.link.d2h_bytes_per_s
+            channel_free[D2H_LANE] = end
+            host_ready_at[tensor] = end
+            release = max(end, last_reader_end.get(tensor, 0.0))
+            del gpu_ready_at[tensor]
+            memory.add(release, -size(tensor))
+            timeline.append(Interval(n, label, D2H_LANE, start, end))
+        elif op.kind == PREFETCH:
+            tensor = op.tensor
+            ready = max(last_compute_start, channel_free[H2D_LANE], host_ready_at[tensor])
+            start = memory.admit(ready, size(tensor), budget)
+            end = start + size(tensor) / chain.link.h2d_bytes_per_s
+            channel_free[H2D_LANE] = end
+            memory.add(start, size(tensor))
+            gpu_ready_at[tensor] = end
+            last_reader_end.pop(tensor, None)
+            timeline.append(Interval(n, label, H2D_LANE, start, end))
+        elif op.kind == FREE:
+            _release(memory, gpu_ready_at, last_reader_end, op.tensor, compute_free, size)
+
+    curve = _levels(memory.changes)
+    peak = max(level for _, level in curve)
+    return Simulation(
+        makespan_s=compute_free,
+        peak_bytes=peak,
+        budget_bytes=budget,
+        timeline=tuple(timeline),
+        memory_curve=tuple(curve),
+        wait_s=wait_total,
+    )
+
+
+def _release(memory, gpu_ready_at, last_reader_end, tensor, time, size) -> None:
+    del gpu_ready_at[tensor]
+    last_reader_end.pop(tensor, None)
+    memory.add(time, -size(tensor))
+
+
+def _levels(changes: list[tuple[float, int, int]], start: int = 0) -> list[tuple[float, int]]:
+    """Resident bytes over time, as (time, highest level reached at that time)."""
+    level = start
+    curve: list[tuple[float, int]] = []
+    for time, phase, delta in sorted(changes, key=lambda e: (e[0], e[1])):
+        level += delta
+        if curve and curve[-1][0] == time:
+            # A zero-length op's release (phase 2) follows its allocation within the instant;
+            # keep the level it reached.
+            curve[-1] = (time, max(curve[-1][1], level) if phase == 2 else level)
+        else:
+            curve.append((time, level))
+    return curve
+
+
+def score(plan: Plan, chain: Chain, budget: int | None) -> Plan:
+    """The plan with its budget, predicted time and predicted peak filled in by :func:`simulate`."""
+    result = simulate(plan, chain, budget)
+    return Plan(
+        ops=plan.ops,
+        stage_names=tuple(s.name for s in chain.stages),
+        solver=plan.solver,
+        budget_bytes=budget,
+        predicted_time_s=result.makespan_s,
+        predicted_peak_bytes=result.peak_bytes,
+        chain_name=chain.name,
+        info=plan.info,
+    )
