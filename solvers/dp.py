@@ -1,0 +1,229 @@
+"""The optimal recompute-only schedule: rotor's persistent dynamic program.
+
+Herrmann, Beaumont, Eyraud-Dubois, Hermenier, Pacheco, "Optimal checkpointing for heterogeneous
+chains: how to train deep neural networks with limited memory" (2019). Write opt(m, s, t) for
+the least time to run the backward of stages s..t given a_{s-1} and δ_t resident, with m bytes
+available besides a_{s-1}. It is the better of
+
+- F_all(s), then opt(m - x̄_s, s+1, t), then B(s);
+- F_ck(s), F_none(s+1..j-1), then opt(m - x_{j-1}, j, t), then opt(m, s, j-1), for s < j <= t.
+
+Design note, two feasibility conditions: the recurrence as rotor states it never checks the
+memory of the F_all(s) and B(s) that bracket the first option. F_all(s) runs with δ_t resident
+and needs x_t + x̄_s + ftmp_s; B(s) runs after the sub-problem has left δ_s and needs
+x_{s-1} + x_s + x̄_s + btmp_s. Where neither condition binds (for example on chains with equal
+activation sizes and no temporaries) the optimum is rotor's; where one binds, rotor's plan
+exceeds its budget on rotor's own memory model (``tests/test_dp.py`` shows such a chain), so we
+check both.
+
+Sizes are rounded up to multiples of budget/slots, as rotor does; the plan is therefore
+feasible in exact bytes as well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain
+from solvers.plan import Op, Plan, backward, forward_all, forward_checkpoint, forward_none
+from solvers.simulator import score
+
+DEFAULT_SLOTS = 500
+_FORWARD_ALL = 0
+_INFEASIBLE = -1
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The chain's sizes in one unit (slots or bytes), 1-based like the papers; index 0 unused
+    except for ``activation`` where it is the input a_0."""
+
+    activation: np.ndarray  # x_0..x_L
+    saved: np.ndarray  # x̄_i
+    fwd_tmp: np.ndarray
+    bwd_tmp: np.ndarray
+
+    @classmethod
+    def of(cls, chain: Chain, unit: float = 1.0) -> _Sizes:
+        def rounded(values: list[int]) -> np.ndarray:
+            return np.array([math.ceil(v / unit) for v in values], dtype=np.int64)
+
+        stages = chain.stages
+        return cls(
+            activation=rounded([chain.input_bytes] + [s.out_bytes for s in stages]),
+            saved=rounded([0] + [s.saved_bytes for s in stages]),
+            fwd_tmp=rounded([0] + [s.fwd_tmp_bytes for s in stages]),
+            bwd_tmp=rounded([0] + [s.bwd_tmp_bytes for s in stages]),
+        )
+
+    def single_stage_need(self, i: int) -> int:
+        """The memory opt(m, i, i) needs besides a_{i-1}."""
+        x, xb = self.activation, self.saved
+        return int(max(x[i] + xb[i] + self.fwd_tmp[i], x[i - 1] + x[i] + xb[i] + self.bwd_tmp[i]))
+
+    def forward_room(self, s: int, t: int) -> int:
+        """The memory the no-grad forwards of s..t-1 need with δ_t resident (s < t)."""
+        x, ft = self.activation, self.fwd_tmp
+        room = x[s] + ft[s]
+        for j in range(s + 1, t):
+            room = max(room, x[j - 1] + x[j] + ft[j])
+        return int(x[t] + room)
+
+    def forward_all_need(self, s: int, t: int) -> int:
+        """The memory that the F_all(s) and B(s) of the first option need themselves."""
+        x, xb = self.activation, self.saved
+        return int(max(x[t] + xb[s] + self.fwd_tmp[s], x[s - 1] + x[s] + xb[s] + self.bwd_tmp[s]))
+
+
+class _Table:
+    """opt(m, s, t) and the choice that reaches it, for m = 0..capacity."""
+
+    def __init__(self, chain: Chain, sizes: _Sizes, capacity: int):
+        self.chain = chain
+        self.sizes = sizes
+        length = chain.length
+        self.capacity = capacity
+        self.time = np.full((length + 2, length + 1, capacity + 1), np.inf)
+        self.choice = np.full((length + 2, length + 1, capacity + 1), _INFEASIBLE, dtype=np.int32)
+        forward = np.array([0.0] + [s.fwd_s for s in chain.stages])
+        backward_s = np.array([0.0] + [s.bwd_s for s in chain.stages])
+        # prefix[j] = f_1 + ... + f_j, so f_s + ... + f_{j-1} = prefix[j-1] - prefix[s-1].
+        self.prefix = np.cumsum(forward)
+        self.forward = forward
+        self.backward = backward_s
+        self.memory = np.arange(capacity + 1)
+        for t in range(1, length + 1):
+            for s in range(t, 0, -1):
+                self._fill(s, t)
+
+    def _shifted(self, row: np.ndarray, shift: int) -> np.ndarray:
+        """row[m - shift] for each m, infinite where m < shift."""
+        out = np.full_like(row, np.inf)
+        if shift <= self.capacity:
+            out[shift:] = row[: self.capacity + 1 - shift]
+        return out
+
+    def _fill(self, s: int, t: int) -> None:
+        sizes, m = self.sizes, self.memory
+        if s == t:
+            feasible = m >= sizes.single_stage_need(s)
+            self.time[s, t] = np.where(feasible, self.forward[s] + self.backward[s], np.inf)
+            self.choice[s, t] = np.where(feasible, _FORWARD_ALL, _INFEASIBLE)
+            return
+        # First option: F_all(s), the sub-chain s+1..t with x̄_s resident, then B(s).
+        inner = self._shifted(self.time[s + 1, t], sizes.saved[s])
+        best = self.forward[s] + self.backward[s] + inner
+        best[m < sizes.forward_all_need(s, t)] = np.inf
+        choice = np.full(m.shape, _FORWARD_ALL, dtype=np.int32)
+        # Second option, for every split j in s+1..t at once: rows are j, columns m.
+        splits = np.arange(s + 1, t + 1)
+        shifts = sizes.activation[splits - 1]
+        index = m[None, :] - shifts[:, None]
+        rows = np.arange(len(splits))[:, None]
+        right = np.where(index >= 0, self.time[splits, t][rows, np.maximum(index, 0)], np.inf)
+        left = self.time[s, splits - 1]
+        forwards = (self.prefix[splits - 1] - self.prefix[s - 1])[:, None]
+        split_cost = forwards + right + left
+        best_split = np.argmin(split_cost, axis=0)
+        split_time = split_cost[best_split, np.arange(len(m))]
+        better = split_time < best
+        best = np.where(better, split_time, best)
+        choice = np.where(better, splits[best_split], choice)
+        infeasible = (m < sizes.forward_room(s, t)) | np.isinf(best)
+        self.time[s, t] = np.where(infeasible, np.inf, best)
+        self.choice[s, t] = np.where(infeasible, _INFEASIBLE, choice)
+
+    def ops(self, s: int, t: int, m: int) -> list[Op]:
+        """The operations that reach opt(m, s, t)."""
+        result: list[Op] = []
+        # An explicit stack of pending sub-problems and closing backwards keeps long chains
+        # clear of Python's recursion limit.
+        stack: list[tuple[int, int, int] | Op] = [(s, t, m)]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, Op):
+                result.append(item)
+                continue
+            s, t, m = item
+            choice = int(self.choice[s, t, m])
+            if choice == _INFEASIBLE:
+                raise AssertionError(f"reconstructing an infeasible sub-problem ({s}, {t}, {m})")
+            if s == t:
+                result += [forward_all(s), backward(s)]
+            elif choice == _FORWARD_ALL:
+                result.append(forward_all(s))
+                stack += [backward(s), (s + 1, t, m - int(self.sizes.saved[s]))]
+            else:
+                j = choice
+                result.append(forward_checkpoint(s))
+                result += [forward_none(k) for k in range(s + 1, j)]
+                stack += [(s, j - 1, m), (j, t, m - int(self.sizes.activation[j - 1]))]
+        return result
+
+
+def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Plan:
+    """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
+
+    Raises :class:`InfeasibleBudgetError`, naming the least feasible budget, when none fits.
+    """
+    if slots < 1:
+        raise ValueError(f"slots must be positive, got {slots}")
+    unit = budget_bytes / slots
+    sizes = _Sizes.of(chain, unit)
+    capacity = slots - int(sizes.activation[0])
+    if capacity < 0:
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
+    table = _Table(chain, sizes, capacity)
+    if not np.isfinite(table.time[1, chain.length, capacity]):
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
+    ops = table.ops(1, chain.length, capacity)
+    plan = Plan(
+        ops=tuple(ops),
+        stage_names=tuple(stage.name for stage in chain.stages),
+        solver="dp",
+        info={"slots": slots, "dp_time_s": float(table.time[1, chain.length, capacity])},
+    )
+    return score(plan, chain, budget_bytes)
+
+
+def memory_need(chain: Chain, unit: float = 1.0) -> int:
+    """The least memory, in ``unit``s (sizes rounded up), any recompute-only plan needs.
+
+    It counts a_0, and follows the same recurrence as the DP with min in place of the time.
+    """
+    sizes = _Sizes.of(chain, unit)
+    length = chain.length
+    need = np.zeros((length + 2, length + 1), dtype=np.int64)
+    for t in range(1, length + 1):
+        need[t, t] = sizes.single_stage_need(t)
+        for s in range(t - 1, 0, -1):
+            first = max(int(sizes.saved[s]) + need[s + 1, t], sizes.forward_all_need(s, t))
+            second = min(
+                max(int(sizes.activation[j - 1]) + need[j, t], need[s, j - 1])
+                for j in range(s + 1, t + 1)
+            )
+            need[s, t] = max(sizes.forward_room(s, t), min(first, second))
+    return int(sizes.activation[0] + need[1, length])
+
+
+def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:
+    """The least budget, in bytes, at which :func:`solve_dp` with ``slots`` finds a plan."""
+    exact = memory_need(chain)
+
+    def fits(budget: int) -> bool:
+        return memory_need(chain, budget / slots) <= slots
+
+    low, high = exact - 1, exact
+    while not fits(high):
+        low, high = high, int(high * 1.05) + 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high

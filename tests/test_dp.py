@@ -1,0 +1,261 @@
+"""The DP is optimal: against exhaustive search, against the recurrence, and on its properties."""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain, Stage
+from solvers.dp import memory_need, min_feasible_budget, solve_dp
+from solvers.plan import validate
+from solvers.simulator import simulate
+
+INF = math.inf
+
+
+def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bool = True) -> Chain:
+    """A chain with small integer sizes, so that budget = slots gives a unit of one byte."""
+    size = rng.randint(1, 6)
+    stages = []
+    for i in range(1, length + 1):
+        out = size if uniform else rng.randint(1, 6)
+        stages.append(
+            Stage(
+                name=f"s{i}",
+                fwd_s=float(rng.randint(1, 5)),
+                bwd_s=float(rng.randint(1, 8)),
+                out_bytes=out,
+                saved_bytes=out + rng.randint(0, 8),
+                fwd_tmp_bytes=rng.randint(0, 3) if tmp else 0,
+                bwd_tmp_bytes=rng.randint(0, 4) if tmp else 0,
+            )
+        )
+    return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages))
+
+
+def exhaustive_optimum(chain: Chain, budget: int) -> float:
+    """Dijkstra over every valid sequence of F_all, F_ck, F_none and B (design.md's model).
+
+    A state is the set of tensors resident on the GPU; each op is allowed when its transient
+    peak fits. This is written from design.md alone, independently of the simulator.
+    """
+    x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
+    length = chain.length
+
+    def resident_bytes(state: frozenset) -> int:
+        total = 0
+        for kind, i in state:
+            total += chain.saved_bytes(i) if kind == "saved" else x[i]
+        return total
+
+    def has_input(state: frozenset, i: int) -> bool:
+        return ("a", i - 1) in state or ("saved", i - 1) in state
+
+    start = frozenset({("a", 0), ("grad", length)})
+    best = {start: 0.0}
+    queue = [(0.0, 0, start)]
+    counter = 0
+    while queue:
+        time, _, state = heapq.heappop(queue)
+        if time > best.get(state, INF):
+            continue
+        grad = next(i for kind, i in state if kind == "grad")
+        if grad == 0:
+            return time
+        used = resident_bytes(state)
+        moves = []
+        for i in range(1, grad + 1):
+            stage = chain.stage(i)
+            if not has_input(state, i):
+                continue
+            fits_saved = used + stage.saved_bytes + stage.fwd_tmp_bytes <= budget
+            if ("saved", i) not in state and fits_saved:
+                moves.append((stage.fwd_s, state | {("saved", i)}))
+            if ("a", i) not in state and used + x[i] + stage.fwd_tmp_bytes <= budget:
+                moves.append((stage.fwd_s, state | {("a", i)}))  # F_ck
+                moves.append((stage.fwd_s, (state - {("a", i - 1)}) | {("a", i)}))  # F_none
+        stage = chain.stage(grad)
+        if (
+            ("saved", grad) in state
+            and has_input(state, grad)
+            and used + x[grad - 1] + stage.bwd_tmp_bytes <= budget
+        ):
+            after = state - {("saved", grad), ("grad", grad), ("a", grad - 1)}
+            moves.append((stage.bwd_s, after | {("grad", grad - 1)}))
+        for cost, successor in moves:
+            if time + cost < best.get(successor, INF):
+                best[successor] = time + cost
+                counter += 1
+                heapq.heappush(queue, (time + cost, counter, successor))
+    return INF
+
+
+def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
+    """opt(budget - x_0, 1, L) written straight from design.md, memoized, unit = one byte.
+
+    With ``rotor_literal`` the two feasibility conditions of F_all(s) and B(s) that rotor omits
+    are left out, which is rotor's recurrence exactly.
+    """
+    x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
+
+    def saved(i: int) -> int:
+        return chain.saved_bytes(i)
+
+    def ftmp(i: int) -> int:
+        return chain.stage(i).fwd_tmp_bytes
+
+    def btmp(i: int) -> int:
+        return chain.stage(i).bwd_tmp_bytes
+
+    @functools.cache
+    def opt(m: int, s: int, t: int) -> float:
+        if s == t:
+            need = max(x[s] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
+            stage = chain.stage(s)
+            return stage.fwd_s + stage.bwd_s if m >= need else INF
+        room = x[t] + max([x[s] + ftmp(s)] + [x[j - 1] + x[j] + ftmp(j) for j in range(s + 1, t)])
+        if m < room:
+            return INF
+        stage = chain.stage(s)
+        first = INF
+        own_need = max(x[t] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
+        if m >= saved(s) and (rotor_literal or m >= own_need):
+            first = stage.fwd_s + opt(m - saved(s), s + 1, t) + stage.bwd_s
+        second = INF
+        for j in range(s + 1, t + 1):
+            if m >= x[j - 1]:
+                forwards = sum(chain.stage(k).fwd_s for k in range(s, j))
+                second = min(second, forwards + opt(m - x[j - 1], j, t) + opt(m, s, j - 1))
+        return min(first, second)
+
+    if budget < x[0]:
+        return INF
+    return opt(budget - x[0], 1, chain.length)
+
+
+def dp_time(chain: Chain, budget: int) -> float:
+    """The DP's optimum at one-byte resolution (slots = budget), or inf."""
+    try:
+        return solve_dp(chain, budget, slots=budget).predicted_time_s
+    except InfeasibleBudgetError:
+        return INF
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_exhaustive_search_on_small_chains(seed: int) -> None:
+    rng = random.Random(seed)
+    chain = random_chain(rng, length=rng.randint(1, 5))
+    need = memory_need(chain)
+    keep_all = chain.input_bytes + sum(s.saved_bytes for s in chain.stages) + 20
+    for budget in sorted({need - 1, need, *rng.sample(range(need, keep_all), 6), keep_all}):
+        expected = exhaustive_optimum(chain, budget)
+        assert dp_time(chain, budget) == pytest.approx(expected), f"budget {budget}"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dp_equals_the_recurrence(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    chain = random_chain(rng, length=rng.randint(2, 9))
+    need = memory_need(chain)
+    for budget in range(need - 2, need + 40, 3):
+        assert dp_time(chain, budget) == pytest.approx(recurrence(chain, budget))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_reaches_rotors_optimum_where_rotors_checks_suffice(seed: int) -> None:
+    # Equal activation sizes and no temporaries: the conditions rotor omits are implied.
+    rng = random.Random(200 + seed)
+    chain = random_chain(rng, length=rng.randint(2, 8), uniform=True, tmp=False)
+    need = memory_need(chain)
+    for budget in range(need - 2, need + 30, 2):
+        rotor = recurrence(chain, budget, rotor_literal=True)
+        assert dp_time(chain, budget) == pytest.approx(rotor)
+
+
+def test_rotors_literal_recurrence_can_exceed_its_budget() -> None:
+    # Stage 1 has a large backward temporary that rotor's first option never checks.
+    chain = Chain(
+        "counterexample",
+        1,
+        (
+            Stage("s1", 1.0, 1.0, out_bytes=1, saved_bytes=1, bwd_tmp_bytes=100),
+            Stage("s2", 1.0, 1.0, out_bytes=1, saved_bytes=1),
+        ),
+    )
+    budget = 6
+    assert recurrence(chain, budget, rotor_literal=True) == 4.0  # rotor claims a plan fits
+    assert exhaustive_optimum(chain, budget) == INF  # but none does
+    # a_0, δ_0, a_1 inside x̄_1, δ_1 and the temporary:
+    assert memory_need(chain) == 104
+    with pytest.raises(InfeasibleBudgetError) as error:
+        solve_dp(chain, budget, slots=budget)
+    assert error.value.min_budget_bytes >= 104
+    assert dp_time(chain, 103) == INF
+    assert dp_time(chain, 104) == exhaustive_optimum(chain, 104) == 4.0
+
+
+def test_infeasible_budget_names_the_least_feasible_one() -> None:
+    rng = random.Random(7)
+    chain = random_chain(rng, length=6)
+    need = memory_need(chain)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        solve_dp(chain, need - 1, slots=need - 1)
+    assert error.value.min_budget_bytes == min_feasible_budget(chain, slots=need - 1)
+    assert str(error.value.min_budget_bytes) in str(error.value)
+    # The named budget really is feasible at the same resolution.
+    least = min_feasible_budget(chain, slots=500)
+    assert solve_dp(chain, least, slots=500).predicted_peak_bytes <= least
+
+
+def test_dp_plan_is_valid_and_its_simulated_time_is_the_table_value() -> None:
+    rng = random.Random(11)
+    chain = random_chain(rng, length=20)
+    budget = int(memory_need(chain) * 1.3)
+    plan = solve_dp(chain, budget)
+    assert validate(plan, chain) == []
+    assert plan.predicted_time_s == pytest.approx(plan.info["dp_time_s"])
+    assert plan.predicted_peak_bytes <= budget
+    assert set(plan.decisions.values()) <= {"keep", "recompute"}
+
+
+chains = st.builds(
+    lambda seed, length: random_chain(random.Random(seed), length),
+    st.integers(0, 10**6),
+    st.integers(1, 12),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains, st.floats(1.0, 4.0))
+def test_simulated_peak_is_within_budget(chain: Chain, factor: float) -> None:
+    budget = int(min_feasible_budget(chain, slots=50) * factor)
+    plan = solve_dp(chain, budget, slots=50)
+    result = simulate(plan, chain, budget)
+    assert result.peak_bytes <= budget
+    assert result.makespan_s == pytest.approx(plan.predicted_time_s)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains)
+def test_time_never_rises_as_budget_grows(chain: Chain) -> None:
+    # At one-byte resolution rounding plays no part, so more memory can only help.
+    need = memory_need(chain)
+    times = [dp_time(chain, budget) for budget in range(need, need + 60, 4)]
+    assert all(later <= earlier + 1e-9 for earlier, later in itertools.pairwise(times))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains)
+def test_large_budget_costs_no_recomputation(chain: Chain) -> None:
+    keep_all = chain.input_bytes + sum(s.saved_bytes for s in chain.stages)
+    plan = solve_dp(chain, 10 * keep_all + 100)
+    assert plan.predicted_time_s == pytest.approx(chain.compute_time_s)
+    assert set(plan.decisions.values()) == {"keep"}
