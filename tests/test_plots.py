@@ -1,0 +1,149 @@
+"""Plan pictures: the file, the two axes, the three lanes, labels that fit, the budget line."""
+
+from __future__ import annotations
+
+from matplotlib.collections import PolyCollection
+
+from offremat.plots import plot_plan, plot_simulation
+from solvers.chain import Chain, Link, Stage
+from solvers.plan import (
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    forward_none,
+    offload,
+    prefetch,
+)
+from solvers.simulator import score, simulate
+
+MiB = 2**20
+
+
+def _chain(length: int) -> Chain:
+    stages = tuple(
+        Stage(f"block{n}", 0.010 + 0.001 * n, 0.020, 8 * MiB, 40 * MiB, 4 * MiB, 6 * MiB)
+        for n in range(length)
+    )
+    return Chain("toy", 2 * MiB, stages, Link(4e9, 4e9))
+
+
+def _offloading_plan(chain: Chain, budget: int) -> Plan:
+    ops = (
+        forward_all(1),
+        forward_all(2),
+        offload("saved", 1),
+        forward_all(3),
+        offload("saved", 2),
+        forward_all(4),
+        backward(4),
+        prefetch("saved", 2),
+        backward(3),
+        prefetch("saved", 1),
+        backward(2),
+        backward(1),
+    )
+    names = tuple(s.name for s in chain.stages)
+    return score(Plan(ops, names, "hand"), chain, budget)
+
+
+def _checkpointing_plan(chain: Chain, segment: int) -> Plan:
+    """Evenly spaced checkpoints, recomputing each earlier segment before its backward."""
+    segments = [
+        list(range(start, min(start + segment, chain.length + 1)))
+        for start in range(1, chain.length + 1, segment)
+    ]
+    ops = []
+    for part in segments[:-1]:
+        ops += [forward_checkpoint(part[0])] + [forward_none(i) for i in part[1:]]
+    ops += [forward_all(i) for i in segments[-1]] + [backward(i) for i in reversed(segments[-1])]
+    for part in reversed(segments[:-1]):
+        ops += [forward_all(i) for i in part] + [backward(i) for i in reversed(part)]
+    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "segments")
+
+
+def _bars_and_labels(axes):
+    bars = [
+        path.get_extents()
+        for collection in axes.collections
+        if isinstance(collection, PolyCollection)
+        for path in collection.get_paths()
+    ]
+    return bars, [text for text in axes.texts if text.get_text()]
+
+
+def test_plot_plan_writes_a_png_with_timeline_lanes_and_memory_curve(tmp_path):
+    chain = _chain(4)
+    plan = _offloading_plan(chain, 150 * MiB)
+    path = tmp_path / "plan.png"
+    figure = plot_plan(chain, plan, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    timeline, memory = figure.axes[:2]
+    assert len([axes for axes in figure.axes if axes.has_data()]) == 2
+    lanes = [label.get_text() for label in timeline.get_yticklabels()]
+    assert lanes == ["host→device", "device→host", "compute"]
+    labels = {text.get_text() for text in timeline.texts}
+    assert {"F_all(1)", "B(4)", "offload(x̄1)", "offload(x̄2)", "prefetch(x̄2)"} <= labels
+    legend = {text.get_text() for text in timeline.get_legend().get_texts()}
+    assert "offload to host" in legend and "prefetch to GPU" in legend
+    assert timeline.get_shared_x_axes().joined(timeline, memory)
+    assert "peak" in figure.get_suptitle() and "budget" in figure.get_suptitle()
+
+
+def test_every_operation_gets_one_bar_on_its_lane(tmp_path):
+    chain = _chain(4)
+    plan = _offloading_plan(chain, 150 * MiB)
+    figure = plot_plan(chain, plan, tmp_path / "plan.png")
+    bars, _ = _bars_and_labels(figure.axes[0])
+    assert len(bars) == len(plan.ops)
+    rows = sorted(round((bar.y0 + bar.y1) / 2) for bar in bars)
+    # Two offloads on device→host (row 1), two prefetches on host→device (row 0).
+    assert rows.count(0) == 2 and rows.count(1) == 2 and rows.count(2) == 8
+
+
+def test_memory_curve_reaches_the_simulated_peak_under_the_budget_line(tmp_path):
+    chain = _chain(4)
+    budget = 150 * MiB
+    plan = _offloading_plan(chain, budget)
+    figure = plot_plan(chain, plan, tmp_path / "plan.png")
+    memory = figure.axes[1]
+    curve = next(line for line in memory.get_lines() if line.get_label() == "resident bytes")
+    budget_line = next(line for line in memory.get_lines() if "budget" in line.get_label())
+    assert max(curve.get_ydata()) * MiB == plan.predicted_peak_bytes
+    assert budget_line.get_ydata()[0] * MiB == budget
+    assert memory.get_ylabel() == "GPU memory (MiB)"
+
+
+def test_labels_stay_inside_their_bars_on_a_long_chain(tmp_path):
+    chain = _chain(40)
+    plan = _checkpointing_plan(chain, segment=7)
+    figure = plot_plan(chain, plan, tmp_path / "long.png", budget_bytes=2**30)
+    renderer = figure.canvas.get_renderer()
+    timeline = figure.axes[0]
+    bars, texts = _bars_and_labels(timeline)
+    bar_boxes = [timeline.transData.transform([[b.x0, b.y0], [b.x1, b.y1]]) for b in bars]
+    labelled = 0
+    for text in texts:
+        box = text.get_window_extent(renderer)
+        if text.get_text() == "no copies":
+            continue
+        holder = [
+            (x0, x1)
+            for (x0, _), (x1, _) in bar_boxes
+            if x0 - 0.5 <= (box.x0 + box.x1) / 2 <= x1 + 0.5
+        ]
+        assert holder, text.get_text()
+        assert box.width <= holder[0][1] - holder[0][0], text.get_text()
+        labelled += 1
+    # Narrow bars lose their label, but the wide backward bars keep one.
+    assert 0 < labelled < len(plan.ops)
+
+
+def test_a_plan_without_copies_says_so_and_no_budget_means_no_budget_line(tmp_path):
+    chain = _chain(6)
+    plan = _checkpointing_plan(chain, segment=3)
+    figure = plot_simulation(simulate(plan, chain, None), tmp_path / "free.png")
+    texts = [text.get_text() for text in figure.axes[0].texts]
+    assert texts.count("no copies") == 2
+    assert not any("budget" in line.get_label() for line in figure.axes[1].get_lines())
+    assert (tmp_path / "free.png").stat().st_size > 0
