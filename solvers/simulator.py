@@ -72,23 +72,25 @@ class _Memory:
     """
 
     def __init__(self) -> None:
-        self.changes: list[tuple[float, int, int]] = []
-        self.pending: list[tuple[float, int, int]] = []
+        self.changes: list[tuple[float, int, int, int]] = []
+        self.pending: list[tuple[float, int, int, int]] = []
         self.settled = 0
 
     def add(self, time: float, delta: int, instant: bool = False) -> None:
-        """Record a change; ``instant`` marks the release of an op that took no time."""
-        # At equal times releases go first (an op may start the instant another ends), except
-        # the release that closes a zero-length op, which must follow its own allocation.
-        phase = 2 if instant else (1 if delta > 0 else 0)
-        self.changes.append((time, phase, delta))
-        self.pending.append((time, phase, delta))
+        """Record a change; ``instant`` marks a release by an op that took no time."""
+        # At one instant, releases by ops that took time go first (an op may start the instant
+        # another ends); allocations and the releases of zero-length ops follow in the order
+        # they happened.
+        phase = 1 if delta > 0 or instant else 0
+        event = (time, phase, len(self.changes), delta)
+        self.changes.append(event)
+        self.pending.append(event)
 
     def settle(self, horizon: float) -> None:
         keep = []
         for event in self.pending:
             if event[0] < horizon:
-                self.settled += event[2]
+                self.settled += event[3]
             else:
                 keep.append(event)
         self.pending = keep
@@ -98,7 +100,7 @@ class _Memory:
         if budget is None or not self.pending:
             return ready
         levels = _levels(self.pending, self.settled)
-        at_ready = self.settled + sum(e[2] for e in self.pending if e[0] <= ready)
+        at_ready = self.settled + sum(e[3] for e in self.pending if e[0] <= ready)
         candidates = [(ready, at_ready)] + [(t, lv) for t, lv in levels if t > ready]
         suffix_max = [0] * len(candidates)
         running = -(1 << 62)
@@ -156,6 +158,11 @@ def simulate(
                 break
         return inputs
 
+    def release(tensor: tuple[str, int], time: float, instant: bool = False) -> None:
+        del gpu_ready_at[tensor]
+        last_reader_end.pop(tensor, None)
+        memory.add(time, -size(tensor), instant)
+
     for n, op in enumerate(ops):
         label = str(op)
         if op.is_compute:
@@ -174,7 +181,8 @@ def simulate(
             end = start + duration
             wait_total += start - compute_free
             memory.add(start, persistent + transient)
-            memory.add(end, -transient, instant=end == start)
+            instant = end == start
+            memory.add(end, -transient, instant)
             for tensor in inputs:
                 last_reader_end[tensor] = end
             if op.kind in FORWARD_KINDS:
@@ -182,12 +190,12 @@ def simulate(
                 produced_at[out] = end
                 gpu_ready_at[out] = end
                 if op.kind == F_NONE and (ACTIVATION, i - 1) in gpu_ready_at:
-                    _release(memory, gpu_ready_at, last_reader_end, (ACTIVATION, i - 1), end, size)
+                    release((ACTIVATION, i - 1), end, instant)
             else:
-                _release(memory, gpu_ready_at, last_reader_end, (SAVED, i), end, size)
-                memory.add(end, -chain.activation_bytes(i))  # δ_i
+                release((SAVED, i), end, instant)
+                memory.add(end, -chain.activation_bytes(i), instant)  # δ_i
                 if (ACTIVATION, i - 1) in gpu_ready_at:
-                    _release(memory, gpu_ready_at, last_reader_end, (ACTIVATION, i - 1), end, size)
+                    release((ACTIVATION, i - 1), end, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
             compute_free = end
             last_compute_start = start
@@ -198,9 +206,9 @@ def simulate(
             end = start + size(tensor) / chain.link.d2h_bytes_per_s
             channel_free[D2H_LANE] = end
             host_ready_at[tensor] = end
-            release = max(end, last_reader_end.get(tensor, 0.0))
+            released_at = max(end, last_reader_end.get(tensor, 0.0))
             del gpu_ready_at[tensor]
-            memory.add(release, -size(tensor))
+            memory.add(released_at, -size(tensor))
             timeline.append(Interval(n, label, D2H_LANE, start, end))
         elif op.kind == PREFETCH:
             tensor = op.tensor
@@ -213,7 +221,7 @@ def simulate(
             last_reader_end.pop(tensor, None)
             timeline.append(Interval(n, label, H2D_LANE, start, end))
         elif op.kind == FREE:
-            _release(memory, gpu_ready_at, last_reader_end, op.tensor, compute_free, size)
+            release(op.tensor, compute_free)
 
     curve = _levels(memory.changes)
     peak = max(level for _, level in curve)
@@ -227,22 +235,15 @@ def simulate(
     )
 
 
-def _release(memory, gpu_ready_at, last_reader_end, tensor, time, size) -> None:
-    del gpu_ready_at[tensor]
-    last_reader_end.pop(tensor, None)
-    memory.add(time, -size(tensor))
-
-
-def _levels(changes: list[tuple[float, int, int]], start: int = 0) -> list[tuple[float, int]]:
-    """Resident bytes over time, as (time, highest level reached at that time)."""
+def _levels(changes: list[tuple[float, int, int, int]], start: int = 0) -> list[tuple[float, int]]:
+    """Resident bytes over time: per instant, the highest level reached within it."""
     level = start
     curve: list[tuple[float, int]] = []
-    for time, phase, delta in sorted(changes, key=lambda e: (e[0], e[1])):
+    for time, phase, _, delta in sorted(changes):
         level += delta
         if curve and curve[-1][0] == time:
-            # A zero-length op's release (phase 2) follows its allocation within the instant;
-            # keep the level it reached.
-            curve[-1] = (time, max(curve[-1][1], level) if phase == 2 else level)
+            # Phase 0 releases come first in an instant; after them, keep the highest level.
+            curve[-1] = (time, max(curve[-1][1], level) if phase == 1 else level)
         else:
             curve.append((time, level))
     return curve
