@@ -1,0 +1,135 @@
+"""Baseline plans that every solver is compared against, each scored by the same simulator.
+
+- keep-all: plain autograd.
+- chen: √L evenly spaced checkpoints, as Chen, Xu, Zhang, Guestrin, "Training deep nets with
+  sublinear memory cost" (2016) and ``torch.utils.checkpoint.checkpoint_sequential`` do it.
+- checkpoint-every-stage: every stage input is a checkpoint, every stage recomputed once.
+- offload-all: every saved set goes to the host during the forward and comes back just before
+  it is needed, in the style of Rhu et al., "vDNN: virtualized deep neural networks for
+  scalable, memory-efficient neural network design" (2016).
+
+The functions return unscored plans; :func:`solvers.registry.solve` scores them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from solvers.chain import Chain
+from solvers.plan import (
+    SAVED,
+    Op,
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    forward_none,
+    offload,
+    prefetch,
+)
+
+
+def _plan(chain: Chain, ops: list[Op], solver: str, **info: object) -> Plan:
+    return Plan(
+        ops=tuple(ops),
+        stage_names=tuple(s.name for s in chain.stages),
+        solver=solver,
+        chain_name=chain.name,
+        info=dict(info),
+    )
+
+
+def keep_all(chain: Chain) -> Plan:
+    """Plain autograd: F_all for every stage, then every backward."""
+    length = chain.length
+    ops = [forward_all(i) for i in range(1, length + 1)]
+    ops += [backward(i) for i in range(length, 0, -1)]
+    return _plan(chain, ops, "keep-all")
+
+
+def chen_segments(length: int) -> list[tuple[int, int]]:
+    """Chen et al.'s √L segments as (first, last) stages, split like ``checkpoint_sequential``.
+
+    ``checkpoint_sequential(functions, k)`` cuts ``L // k`` stages per segment and gives the
+    last segment whatever remains; here k = round(√L).
+    """
+    count = max(1, round(math.sqrt(length)))
+    size = length // count
+    segments = [(1 + n * size, (n + 1) * size) for n in range(count - 1)]
+    segments.append((1 + (count - 1) * size, length))
+    return segments
+
+
+def chen(chain: Chain) -> Plan:
+    """Chen et al. (2016) √L checkpointing, as ``checkpoint_sequential`` runs it.
+
+    Forward: each segment but the last runs without autograd, keeping only its input (F_ck on
+    its first stage, F_none on the rest); the last segment runs with autograd. Backward: the
+    last segment's backwards, then each earlier segment is recomputed with F_all from its
+    checkpoint and followed by its backwards.
+    """
+    segments = chen_segments(chain.length)
+    ops: list[Op] = []
+    for first, last in segments[:-1]:
+        ops.append(forward_checkpoint(first))
+        ops += [forward_none(i) for i in range(first + 1, last + 1)]
+    first, last = segments[-1]
+    ops += [forward_all(i) for i in range(first, last + 1)]
+    ops += [backward(i) for i in range(last, first - 1, -1)]
+    for first, last in reversed(segments[:-1]):
+        ops += [forward_all(i) for i in range(first, last + 1)]
+        ops += [backward(i) for i in range(last, first - 1, -1)]
+    return _plan(chain, ops, "chen", segments=[list(s) for s in segments])
+
+
+def checkpoint_every_stage(chain: Chain) -> Plan:
+    """Every stage input kept as a checkpoint, every stage recomputed right before its backward.
+
+    This is ``checkpoint_sequential`` with one segment per stage: the last stage runs with
+    autograd straight away, since recomputing it at once would only cost time.
+    """
+    length = chain.length
+    ops = [forward_checkpoint(i) for i in range(1, length)]
+    ops += [forward_all(length), backward(length)]
+    for i in range(length - 1, 0, -1):
+        ops += [forward_all(i), backward(i)]
+    return _plan(chain, ops, "checkpoint-every-stage")
+
+
+def offload_all(chain: Chain) -> Plan:
+    """vDNN-style offloading (Rhu et al. 2016): every saved set the backward does not need at
+    once goes to the host during the forward and is prefetched one backward before use.
+
+    The copy of x̄_i is listed after F_all(i+1), so it is issued the moment F_all(i) ends and
+    runs beside F_all(i+1), which still reads a_i from x̄_i. B(i+1) reads a_i from x̄_i, so
+    x̄_i must be back before B(i+1): its prefetch is issued when B(i+2) starts. x̄_L and
+    x̄_{L-1} are what B(L) reads first, so they stay on the GPU; with L <= 2 the plan is
+    keep-all.
+
+    Raises ``ValueError`` on a chain without a link.
+    """
+    if chain.link is None:
+        raise ValueError(
+            f"chain {chain.name!r} has no link, so nothing can be offloaded: add a 'link' with "
+            "d2h_bytes_per_s and h2d_bytes_per_s to the chain, or pick a recompute solver"
+        )
+    length = chain.length
+    offloaded = range(1, length - 1)
+    ops: list[Op] = [forward_all(1)]
+    for i in range(2, length + 1):
+        ops.append(forward_all(i))
+        if i - 1 in offloaded:
+            ops.append(offload(SAVED, i - 1))
+    for i in range(length, 0, -1):
+        ops.append(backward(i))
+        if i - 2 in offloaded:
+            ops.append(prefetch(SAVED, i - 2))
+    return _plan(chain, ops, "offload-all")
+
+
+BASELINES = {
+    "keep-all": keep_all,
+    "chen": chen,
+    "checkpoint-every-stage": checkpoint_every_stage,
+    "offload-all": offload_all,
+}

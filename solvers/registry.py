@@ -1,0 +1,210 @@
+"""Every solver by name, scored the same way, and the lower bound that overheads are read against.
+
+The solvers are rotor's recompute DP (Herrmann, Beaumont et al. 2019), the joint keep /
+offload / recompute MILP, and the baselines of :mod:`solvers.baselines`. Whatever the solver,
+the figures on the returned plan come from :func:`solvers.simulator.simulate`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from solvers.baselines import BASELINES, keep_all
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain
+from solvers.plan import OFFLOAD, Plan
+from solvers.simulator import score, simulate
+
+logger = logging.getLogger(__name__)
+
+SOLVERS = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp", "milp")
+
+# The keyword options each solver takes; an option passed as None counts as not passed.
+_OPTIONS: dict[str, frozenset[str]] = {
+    **{name: frozenset() for name in BASELINES},
+    "dp": frozenset({"slots"}),
+    "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots"}),
+}
+# Modules that land separately; imported on first use so the registry works without them.
+_OPTIMIZERS = {"dp": ("solvers.dp", "solve_dp"), "milp": ("solvers.milp", "solve_milp")}
+
+
+def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -> Plan:
+    """The plan ``solver`` picks for ``chain`` within ``budget_bytes``, scored by the simulator.
+
+    ``options`` go to the solver: ``slots`` for dp; ``offload``, ``time_limit_s``, ``gap``,
+    ``backend`` and ``slots`` for milp; none for the baselines. Raises
+    :class:`InfeasibleBudgetError` (with ``min_budget_bytes``) when the plan does not fit, and
+    ``ValueError`` for an unknown solver, a bad option or an offload baseline on a chain
+    without a link.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    given = {name: value for name, value in options.items() if value is not None}
+    unknown = sorted(set(given) - _OPTIONS[solver])
+    if unknown:
+        accepted = ", ".join(sorted(_OPTIONS[solver])) or "none"
+        raise ValueError(
+            f"solver {solver!r} does not take option(s) {', '.join(unknown)}; it takes: {accepted}"
+        )
+    if solver in BASELINES:
+        return _solve_baseline(chain, budget_bytes, solver)
+    return _optimizer(solver)(chain, budget_bytes, **given)
+
+
+def _optimizer(solver: str) -> Callable[..., Plan]:
+    module_name, function = _OPTIMIZERS[solver]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        raise ValueError(
+            f"solver {solver!r} is not available in this installation ({module_name} is "
+            f"missing); choose one of {', '.join(s for s in SOLVERS if s != solver)}"
+        ) from None
+    return getattr(module, function)
+
+
+def _solve_baseline(chain: Chain, budget_bytes: int, solver: str) -> Plan:
+    plan = BASELINES[solver](chain)
+    scored = score(plan, chain, budget_bytes)
+    if not scored.feasible:
+        least = _least_feasible(plan, chain, above=budget_bytes)
+        raise InfeasibleBudgetError(budget_bytes, least, solver)
+    return scored
+
+
+def _least_feasible(plan: Plan, chain: Chain, above: int = 0) -> int:
+    """The least budget greater than ``above`` at which the fixed ``plan`` fits.
+
+    Without copies the peak does not depend on the budget, so it is the answer. With copies the
+    simulator delays allocations until offloads free memory, so a tighter budget can still fit
+    at the cost of waiting: bisect between ``above`` (taken not to fit) and the unconstrained
+    peak (which fits).
+    """
+    peak = simulate(plan, chain).peak_bytes
+    if not any(op.kind == OFFLOAD for op in plan.ops) or peak <= above:
+        return max(peak, above + 1)
+    low, high = above, peak
+    while high - low > 1:
+        middle = (low + high) // 2
+        if simulate(plan, chain, middle).feasible:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
+    """The least budget at which ``solver`` finds a plan (baselines and dp).
+
+    For dp this is :func:`solvers.dp.min_feasible_budget` at the given ``slots``; for a
+    baseline, the least budget at which its fixed plan fits. The MILP has no closed form, so it
+    is refused.
+    """
+    if solver in BASELINES:
+        return _least_feasible(BASELINES[solver](chain), chain)
+    if solver == "dp":
+        from solvers.dp import min_feasible_budget as dp_min_feasible_budget
+
+        slots = options.get("slots")
+        return (
+            dp_min_feasible_budget(chain) if slots is None else dp_min_feasible_budget(chain, slots)
+        )
+    raise ValueError(
+        f"no least-budget computation for solver {solver!r}; use one of "
+        f"{', '.join((*BASELINES, 'dp'))}"
+    )
+
+
+def keep_all_peak(chain: Chain) -> int:
+    """The simulated peak of plain autograd: what a fractional budget is a fraction of."""
+    return simulate(keep_all(chain), chain).peak_bytes
+
+
+def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
+    """A time no plan within ``budget_bytes`` can beat: max(Σf + Σb, what the budget forces).
+
+    Reasoning, on the model of design.md. Every forward runs at least once before the first
+    backward B(L) starts, and every backward once after, so the compute stream spends at least
+    Σf before that instant and Σb after it. When B(L) runs, the GPU holds δ_L, x̄_L, the
+    δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
+    kept; so at most C = budget - (x_L + x̄_L + x_{L-1} + btmp_L) bytes of them are kept, and
+    E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
+    recomputed by an extra F_all(i) after B(L) starts (≥ f_i more compute), or offloaded
+    before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the
+    h2d channel moves them after). Relaxing the choice to bytes, with recomputation costed by
+    the fractional knapsack over f_i / x̄_i, the step takes at least
+
+        min over E_O in [0, E] of max(Σf, E_O / d2h) + max(Σb + R(E - E_O), E_O / h2d),
+
+    where R(e) is the least recompute time that covers e bytes. The function is convex and
+    piecewise linear, so the minimum is at an end, a kink, or a crossing; all are evaluated.
+    Without a link E_O is 0. Returns ``math.inf`` when even C < 0 (no plan fits) and Σf + Σb
+    without a budget.
+    """
+    compute = chain.compute_time_s
+    if budget_bytes is None:
+        return compute
+    length = chain.length
+    last = chain.stage(length)
+    room = budget_bytes - (
+        chain.activation_bytes(length)
+        + last.saved_bytes
+        + chain.activation_bytes(length - 1)
+        + last.bwd_tmp_bytes
+    )
+    if room < 0:
+        return math.inf
+    earlier = chain.stages[:-1]
+    excess = max(0, sum(s.saved_bytes for s in earlier) - room)
+    if excess == 0:
+        return compute
+    forward = sum(s.fwd_s for s in chain.stages)
+    backward = sum(s.bwd_s for s in chain.stages)
+    # Recompute cost curve R(e): cheapest seconds per byte first.
+    pieces = sorted(
+        ((s.fwd_s / s.saved_bytes, s.saved_bytes) for s in earlier if s.saved_bytes > 0),
+        key=lambda piece: piece[0],
+    )
+    kinks = [0.0]
+    for _, size in pieces:
+        kinks.append(kinks[-1] + size)
+
+    def recompute(covered: float) -> float:
+        total, left = 0.0, covered
+        for rate, size in pieces:
+            part = min(size, left)
+            total += rate * part
+            left -= part
+            if left <= 0:
+                break
+        return total
+
+    if chain.link is None:
+        return forward + backward + recompute(excess)
+    d2h, h2d = chain.link.d2h_bytes_per_s, chain.link.h2d_bytes_per_s
+
+    def step_time(moved: float) -> float:
+        return max(forward, moved / d2h) + max(backward + recompute(excess - moved), moved / h2d)
+
+    candidates = {0.0, float(excess), forward * d2h}
+    candidates.update(excess - k for k in kinks)
+    # Crossing of the backward terms within each linear piece of R, moved = excess - covered.
+    covered_start = 0.0
+    for rate, size in pieces:
+        # backward + R(covered_start) + rate * (c - covered_start) = (excess - c) / h2d
+        c = (excess / h2d - backward - recompute(covered_start) + rate * covered_start) / (
+            rate + 1 / h2d
+        )
+        if covered_start <= c <= covered_start + size:
+            candidates.add(excess - c)
+        covered_start += size
+    return min(step_time(m) for m in candidates if 0 <= m <= excess)
