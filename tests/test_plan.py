@@ -1,0 +1,102 @@
+"""The plan format: JSON round trip, derived decisions, and malformed input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from solvers.chain import Chain, Link, Stage
+from solvers.plan import (
+    Op,
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    forward_none,
+    offload,
+    prefetch,
+)
+
+CHAIN = Chain(
+    "four",
+    8,
+    tuple(Stage(f"block{i}", 1.0, 2.0, 8, 24) for i in range(1, 5)),
+    Link(1e3, 1e3),
+)
+
+MIXED = (
+    forward_checkpoint(1),  # block1 and block2 are recomputed from a_0
+    forward_none(2),
+    forward_all(3),
+    forward_all(4),
+    offload("saved", 3),  # block3 goes to the host
+    backward(4),
+    prefetch("saved", 3),
+    backward(3),
+    forward_all(1),
+    forward_all(2),
+    backward(2),
+    backward(1),
+)
+
+
+def mixed_plan() -> Plan:
+    return Plan(ops=MIXED, stage_names=tuple(s.name for s in CHAIN.stages), solver="hand")
+
+
+def test_decisions_follow_the_ops() -> None:
+    assert mixed_plan().decisions == {
+        "block1": "recompute",
+        "block2": "recompute",
+        "block3": "offload",
+        "block4": "keep",
+    }
+
+
+def test_json_round_trip(tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    mixed_plan().save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "offremat.plan/1"
+    assert data["ops"][4] == {"op": "offload", "tensor": "saved", "index": 3}
+    assert data["decisions"]["block3"] == "offload"
+    assert Plan.load(path) == mixed_plan()
+
+
+def test_op_text_names_the_tensor() -> None:
+    assert str(offload("saved", 3)) == "offload(x̄3)"
+    assert str(prefetch("activation", 0)) == "prefetch(a0)"
+    assert str(forward_none(2)) == "F_none(2)"
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"format": "offremat.plan/0", "stages": [], "solver": "x", "ops": []}, "format"),
+        ({"format": "offremat.plan/1", "solver": "x", "ops": []}, "stages"),
+        (
+            {"format": "offremat.plan/1", "stages": [], "solver": "x", "ops": [{"op": "F_all"}]},
+            "ops",
+        ),
+        (
+            {
+                "format": "offremat.plan/1",
+                "stages": [],
+                "solver": "x",
+                "ops": [{"op": "jump", "index": 1}],
+            },
+            "ops",
+        ),
+    ],
+)
+def test_malformed_plans_name_the_field(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(raw)
+
+
+def test_ops_check_their_target() -> None:
+    with pytest.raises(ValueError, match="target"):
+        Op("offload", 1)
+    with pytest.raises(ValueError, match="stage index"):
+        Op("B", 1, "saved")
