@@ -1,0 +1,227 @@
+"""Budget sweeps: every method's predicted step time from the least feasible budget to keep-all.
+
+This is the trade-off curve of Chen et al., "Training Deep Nets with Sublinear Memory Cost"
+(2016) and of Beaumont et al. (POFO, NeurIPS 2021), drawn here for every solver in
+:data:`solvers.registry.SOLVERS`. Every time and peak comes from the simulator, through
+:func:`solvers.registry.solve`.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.chain import Chain
+from solvers.registry import SOLVERS, keep_all_peak, lower_bound_s, min_feasible_budget, solve
+
+logger = logging.getLogger(__name__)
+
+METHODS = SOLVERS
+CSV_COLUMNS = ("method", "budget_bytes", "predicted_time_s", "predicted_peak_bytes", "solve_time_s")
+# Methods that cannot run at all on a chain without a link (milp falls back to recomputation).
+NEEDS_LINK = ("offload-all",)
+DEFAULT_MILP_TIME_LIMIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One method at one budget; ``predicted_time_s`` is None where no plan fits."""
+
+    method: str
+    budget_bytes: int
+    predicted_time_s: float | None
+    predicted_peak_bytes: int | None
+    solve_time_s: float
+
+    @property
+    def feasible(self) -> bool:
+        """Whether the method found a plan within the budget."""
+        return self.predicted_time_s is not None
+
+
+def budget_range(chain: Chain, count: int = 12, slots: int = 500) -> list[int]:
+    """``count`` evenly spaced budgets from the least feasible one to the keep-all peak.
+
+    The least feasible budget is the smallest of the DP's and the baselines' least feasible
+    budgets (the MILP's has no closed form), so each of them first fits within the span.
+    """
+    top = keep_all_peak(chain)
+    floor = min_feasible_budget(chain, "dp", slots=slots)
+    for method in ("chen", "checkpoint-every-stage", "offload-all"):
+        if method not in NEEDS_LINK or chain.link is not None:
+            floor = min(floor, min_feasible_budget(chain, method))
+    if count < 2 or floor >= top:
+        return [top]
+    step = (top - floor) / (count - 1)
+    return sorted({math.ceil(floor + n * step) for n in range(count - 1)} | {top})
+
+
+def run_sweep(
+    chain: Chain,
+    budgets: Sequence[int],
+    methods: Iterable[str] = METHODS,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> list[SweepPoint]:
+    """Solve every method at every budget; ``options[method]`` goes to that solver.
+
+    A method that cannot plan within a budget gives an infeasible point rather than an error.
+    ``on_point`` is called after each solve (for a progress bar).
+    """
+    options = {"milp": {"time_limit_s": DEFAULT_MILP_TIME_LIMIT_S}, **(options or {})}
+    methods = list(methods)
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    points: list[SweepPoint] = []
+    for method in methods:
+        skip = method in NEEDS_LINK and chain.link is None
+        if skip:
+            logger.warning(
+                "%s needs a host link but chain %r has none; its points are infeasible "
+                "(give the chain a 'link' or pass --bandwidth)",
+                method,
+                chain.name,
+            )
+        for budget in budgets:
+            started = time.perf_counter()
+            time_s: float | None = None
+            peak: int | None = None
+            if not skip:
+                try:
+                    plan = solve(chain, budget, solver=method, **options.get(method, {}))
+                    time_s, peak = plan.predicted_time_s, plan.predicted_peak_bytes
+                except InfeasibleBudgetError:
+                    pass
+            point = SweepPoint(method, budget, time_s, peak, time.perf_counter() - started)
+            points.append(point)
+            if on_point is not None:
+                on_point(point)
+    return points
+
+
+def write_csv(points: Iterable[SweepPoint], path: str | Path) -> None:
+    """``method,budget_bytes,predicted_time_s,predicted_peak_bytes,solve_time_s``; empty cells
+    where a method has no plan."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for p in points:
+            writer.writerow(
+                [
+                    p.method,
+                    p.budget_bytes,
+                    "" if p.predicted_time_s is None else repr(p.predicted_time_s),
+                    "" if p.predicted_peak_bytes is None else p.predicted_peak_bytes,
+                    f"{p.solve_time_s:.6f}",
+                ]
+            )
+
+
+def read_csv(path: str | Path) -> list[SweepPoint]:
+    """The points a :func:`write_csv` file holds."""
+    with open(path, newline="") as handle:
+        return [
+            SweepPoint(
+                method=row["method"],
+                budget_bytes=int(row["budget_bytes"]),
+                predicted_time_s=float(row["predicted_time_s"])
+                if row["predicted_time_s"]
+                else None,
+                predicted_peak_bytes=(
+                    int(row["predicted_peak_bytes"]) if row["predicted_peak_bytes"] else None
+                ),
+                solve_time_s=float(row["solve_time_s"]),
+            )
+            for row in csv.DictReader(handle)
+        ]
+
+
+def _optional(cell: str, kind: Callable[[str], Any]) -> Any:
+    return kind(cell) if cell else None
+
+
+METHOD_STYLE = {
+    "keep-all": ("#333333", "s"),
+    "chen": ("#8c8c8c", "v"),
+    "checkpoint-every-stage": ("#b07aa1", "^"),
+    "offload-all": ("#55a868", "D"),
+    "dp": ("#4c72b0", "o"),
+    "milp": ("#c44e52", "*"),
+}
+
+
+def plot_sweep(
+    points: Sequence[SweepPoint], chain: Chain, path: str | Path | None = None, title: str = ""
+) -> Figure:
+    """Predicted step time against budget, one line per method, over the lower bound."""
+    figure = Figure(figsize=(9, 5.4), dpi=120, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    budgets = [p.budget_bytes for p in points] or [1]
+    divisor, unit = _byte_unit(max(budgets))
+    floor = chain.compute_time_s
+    scale, time_unit = (1.0, "s") if floor >= 1.0 else (1e3, "ms")
+    for method in [m for m in METHOD_STYLE if any(p.method == m for p in points)]:
+        color, marker = METHOD_STYLE[method]
+        rows = sorted((p for p in points if p.method == method), key=lambda p: p.budget_bytes)
+        xs = [p.budget_bytes / divisor for p in rows]
+        ys = [math.nan if p.predicted_time_s is None else p.predicted_time_s * scale for p in rows]
+        feasible = sum(1 for p in rows if p.feasible)
+        axes.plot(
+            xs,
+            ys,
+            color=color,
+            marker=marker,
+            markersize=7 if marker == "*" else 5,
+            linewidth=1.6,
+            label=method if feasible else f"{method} (no plan fits)",
+        )
+    axes.axhline(
+        floor * scale,
+        color="#999999",
+        linestyle=":",
+        linewidth=1.2,
+        label=f"Σ fwd + Σ bwd = {floor * scale:.3g} {time_unit}",
+    )
+    grid = sorted(set(budgets))
+    bounds = [lower_bound_s(chain, budget) * scale for budget in grid]
+    axes.plot(
+        [budget / divisor for budget in grid],
+        [bound if math.isfinite(bound) else math.nan for bound in bounds],
+        color="#bbbbbb",
+        linestyle="--",
+        linewidth=1.0,
+        label="lower bound at this budget",
+    )
+    axes.set_xlabel(f"memory budget ({unit})")
+    axes.set_ylabel(f"predicted step time ({time_unit})")
+    axes.set_ylim(bottom=0)
+    axes.grid(color="#e5e5e5", linewidth=0.6)
+    axes.legend(fontsize=9)
+    figure.suptitle(
+        title
+        or f"{chain.name or 'chain'}: {chain.length} stages, keep-all peak "
+        f"{format_bytes(max(budgets))}",
+        fontsize=11,
+    )
+    if path is not None:
+        figure.savefig(path)
+    return figure
+
+
+def _byte_unit(count: float) -> tuple[float, str]:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return float(size), unit
+    return 1.0, "B"

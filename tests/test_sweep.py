@@ -1,0 +1,115 @@
+"""Budget sweeps: the grid, the CSV, infeasible points and the plot."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+
+import pytest
+
+from offremat.sweep import (
+    CSV_COLUMNS,
+    budget_range,
+    plot_sweep,
+    read_csv,
+    run_sweep,
+    write_csv,
+)
+from solvers.chain import Chain, Link, Stage
+from solvers.registry import keep_all_peak, min_feasible_budget
+
+MiB = 2**20
+RECOMPUTE_AND_BASELINES = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp")
+
+
+FAST_LINK = Link(4e9, 4e9)
+
+
+def _chain(length: int = 6, link: Link | None = FAST_LINK) -> Chain:
+    stages = tuple(
+        Stage(f"block{n}", 0.01 + 0.002 * (n % 3), 0.02, 8 * MiB, 40 * MiB, 2 * MiB, 4 * MiB)
+        for n in range(length)
+    )
+    return Chain("sweep-toy", 2 * MiB, stages, link)
+
+
+def test_budget_range_spans_least_feasible_to_keep_all():
+    chain = _chain()
+    budgets = budget_range(chain, count=5)
+    assert budgets == sorted(budgets) and len(budgets) == 5
+    assert budgets[-1] == keep_all_peak(chain)
+    least = min(min_feasible_budget(chain, m) for m in ("dp", "chen", "offload-all"))
+    assert budgets[0] == least
+
+
+def test_csv_has_the_columns_one_row_per_method_and_budget_and_empty_infeasible_times(tmp_path):
+    chain = _chain()
+    budgets = budget_range(chain, count=4)
+    points = run_sweep(chain, budgets, RECOMPUTE_AND_BASELINES)
+    path = tmp_path / "sweep.csv"
+    write_csv(points, path)
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == CSV_COLUMNS
+    assert len(rows) == len(RECOMPUTE_AND_BASELINES) * len(budgets)
+    assert {(row["method"], int(row["budget_bytes"])) for row in rows} == {
+        (m, b) for m in RECOMPUTE_AND_BASELINES for b in budgets
+    }
+    keep_all = {
+        int(r["budget_bytes"]): r["predicted_time_s"] for r in rows if r["method"] == "keep-all"
+    }
+    # Plain autograd fits only at its own peak; below it the time cell is empty.
+    assert keep_all[budgets[-1]] != ""
+    assert all(keep_all[b] == "" for b in budgets[:-1])
+    for row in rows:
+        assert (row["predicted_time_s"] == "") == (row["predicted_peak_bytes"] == "")
+        assert float(row["solve_time_s"]) >= 0
+        if row["predicted_time_s"]:
+            assert int(row["predicted_peak_bytes"]) <= int(row["budget_bytes"])
+            assert float(row["predicted_time_s"]) >= chain.compute_time_s - 1e-12
+    again = read_csv(path)
+    assert [(p.method, p.budget_bytes, p.predicted_time_s) for p in again] == [
+        (p.method, p.budget_bytes, p.predicted_time_s) for p in points
+    ]
+
+
+def test_dp_fits_everywhere_on_the_grid_and_never_slows_as_the_budget_grows():
+    chain = _chain(length=8)
+    budgets = budget_range(chain, count=6)
+    points = run_sweep(chain, [b for b in budgets if b >= min_feasible_budget(chain, "dp")], ["dp"])
+    times = [p.predicted_time_s for p in points]
+    assert all(t is not None for t in times)
+    assert all(later <= earlier + 1e-12 for earlier, later in itertools.pairwise(times))
+
+
+def test_offload_needs_a_link_and_unknown_methods_are_refused(caplog):
+    chain = _chain(link=None)
+    points = run_sweep(chain, [keep_all_peak(chain)], ["offload-all", "keep-all"])
+    assert [p.feasible for p in points] == [False, True]
+    assert "needs a host link" in caplog.text
+    with pytest.raises(ValueError, match="choose from"):
+        run_sweep(chain, [keep_all_peak(chain)], ["greedy"])
+
+
+def test_milp_points_come_from_the_registry_with_a_time_limit():
+    pytest.importorskip("solvers.milp")
+    chain = _chain(length=4)
+    top = keep_all_peak(chain)
+    points = run_sweep(chain, [top // 2, top], ["milp", "dp"], {"milp": {"time_limit_s": 5.0}})
+    by_key = {(p.method, p.budget_bytes): p for p in points}
+    for budget in (top // 2, top):
+        milp, dp = by_key["milp", budget], by_key["dp", budget]
+        if dp.feasible:
+            assert milp.feasible and milp.predicted_time_s <= dp.predicted_time_s * (1 + 1e-6)
+
+
+def test_sweep_plot_has_one_line_per_method(tmp_path):
+    chain = _chain()
+    points = run_sweep(chain, budget_range(chain, count=3), RECOMPUTE_AND_BASELINES)
+    path = tmp_path / "sweep.png"
+    figure = plot_sweep(points, chain, path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    assert set(RECOMPUTE_AND_BASELINES) <= set(labels)
+    assert figure.axes[0].get_xlabel().startswith("memory budget")
