@@ -1,0 +1,57 @@
+"""The ``offremat`` command line: one subcommand per module of :mod:`offremat.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from offremat.commands import EXIT_USAGE, UsageError, solve
+
+# Adding a subcommand: a module in offremat/commands/ and one entry here.
+COMMANDS = (solve,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="offremat",
+        description="Keep, offload or recompute each activation so that training fits a GPU "
+        "memory budget.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS:
+        command = module.add_parser(subparsers)
+        # SUPPRESS keeps a --verbose given before the subcommand from being reset.
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more"
+        )
+        command.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``offremat`` with ``argv`` (default: the process arguments); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except UsageError as error:
+        print(f"offremat {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

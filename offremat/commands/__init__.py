@@ -1,0 +1,62 @@
+"""The ``offremat`` subcommands, one module each, plus what they share.
+
+A subcommand module exposes ``add_parser(subparsers) -> argparse.ArgumentParser``, which adds
+its parser to the ``subparsers`` of :mod:`offremat.cli` and returns it, and
+``run(args) -> int``, the exit status. :mod:`offremat.cli` lists the modules in one tuple.
+Exit statuses: 0 done, 2 usage error (raise :class:`UsageError`), 3 no plan fits the budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offremat import examples
+from solvers.budget import parse_budget
+from solvers.chain import Chain, ChainFormatError
+from solvers.registry import keep_all_peak
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_INFEASIBLE = 3
+
+BUDGET_HELP = (
+    "GPU memory budget: bytes (6442450944), a size (6GiB, 512MB) or a fraction in (0, 1] of "
+    "the keep-all peak (0.3)"
+)
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for; the CLI prints the message and exits 2."""
+
+
+def chain_help() -> str:
+    """The help text of a CHAIN argument, listing the shipped examples."""
+    return (
+        f"a chain JSON file (offremat.chain/1) or a shipped example: {', '.join(examples.names())}"
+    )
+
+
+def load_chain(spec: str) -> Chain:
+    """The chain in file ``spec``, or the shipped example of that name if no such file exists."""
+    candidate = Path(spec)
+    if not candidate.exists() and spec in examples.names():
+        candidate = examples.path(spec)
+    if not candidate.exists():
+        raise UsageError(
+            f"no chain file {spec!r}: give a path to an offremat.chain/1 JSON file or one of "
+            f"the shipped examples ({', '.join(examples.names())})"
+        )
+    try:
+        return Chain.load(candidate)
+    except ChainFormatError as error:
+        raise UsageError(f"{candidate}: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read chain file {candidate}: {error}") from None
+
+
+def resolve_budget(text: str, chain: Chain) -> int:
+    """Bytes from a budget as the user wrote it; a fraction is of the chain's keep-all peak."""
+    try:
+        return parse_budget(text, keep_all_peak(chain))
+    except ValueError as error:
+        raise UsageError(str(error)) from None

@@ -1,0 +1,215 @@
+"""``offremat solve``: the plan one solver picks for a chain and a budget, with its predicted
+time and peak from the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from offremat.commands import (
+    BUDGET_HELP,
+    EXIT_INFEASIBLE,
+    EXIT_OK,
+    UsageError,
+    chain_help,
+    load_chain,
+    resolve_budget,
+)
+from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.chain import Chain
+from solvers.plan import Plan
+from solvers.registry import SOLVERS, lower_bound_s, solve
+
+logger = logging.getLogger(__name__)
+
+# Plan.info keys a solver may report that --json passes through (the MILP's).
+SOLVER_REPORT_KEYS = ("solver_status", "objective", "best_bound", "gap")
+_DECISION_STYLE = {"keep": "green", "recompute": "yellow", "offload": "cyan"}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offremat solve``."""
+    parser = subparsers.add_parser(
+        "solve",
+        help="plan keep / offload / recompute for a chain within a memory budget",
+        description="Pick, for every activation of CHAIN, whether to keep it on the GPU, "
+        "offload it to host memory or recompute it, so that one training step fits in BUDGET; "
+        "print the decisions and the simulated step time and peak.",
+    )
+    parser.add_argument("chain", metavar="CHAIN", help=chain_help())
+    parser.add_argument("--budget", "-b", required=True, metavar="B", help=BUDGET_HELP)
+    parser.add_argument(
+        "--solver", "-s", default="dp", choices=SOLVERS, help="which planner (default: dp)"
+    )
+    parser.add_argument(
+        "--slots", type=int, metavar="N", help="dp/milp memory discretization (default 500)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", metavar="PLAN.json", help="write the plan (offremat.plan/1)")
+    parser.add_argument("--plot", metavar="PATH", help="draw the plan's timeline and memory (PNG)")
+    milp = parser.add_argument_group("milp options")
+    milp.add_argument(
+        "--no-offload", action="store_true", help="recomputation only, no host copies"
+    )
+    milp.add_argument(
+        "--time-limit", type=float, metavar="S", help="solver time limit in seconds (default 30)"
+    )
+    milp.add_argument("--gap", type=float, metavar="G", help="relative optimality gap to stop at")
+    milp.add_argument("--backend", choices=("highs", "cbc"), help="MILP backend (default highs)")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The registry options the chosen solver takes; flags meant for another are reported."""
+    given = {
+        "slots": args.slots,
+        "offload": False if args.no_offload else None,
+        "time_limit_s": args.time_limit,
+        "gap": args.gap,
+        "backend": args.backend,
+    }
+    accepted = {"dp": {"slots"}, "milp": set(given)}.get(args.solver, set())
+    ignored = [name for name, value in given.items() if value is not None and name not in accepted]
+    if ignored:
+        logger.warning("solver %s ignores option(s): %s", args.solver, ", ".join(ignored))
+    return {name: value for name, value in given.items() if value is not None and name in accepted}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Solve, then print the plan (table or JSON) and write --out / --plot."""
+    if args.slots is not None and args.slots < 1:
+        raise UsageError(f"--slots must be a positive integer, got {args.slots}")
+    chain = load_chain(args.chain)
+    budget = resolve_budget(args.budget, chain)
+    try:
+        plan = solve(chain, budget, args.solver, **_options(args))
+    except InfeasibleBudgetError as error:
+        return _report_infeasible(args, chain, error)
+    except (ValueError, ImportError) as error:
+        raise UsageError(str(error)) from None
+    if args.out:
+        plan.save(args.out)
+        logger.info("wrote the plan to %s", args.out)
+    if args.plot:
+        _plot(chain, plan, args.plot)
+    if args.json:
+        print(json.dumps(plan_summary(chain, plan), indent=2))
+    else:
+        _print_table(chain, plan)
+    return EXIT_OK
+
+
+def plan_summary(chain: Chain, plan: Plan) -> dict[str, Any]:
+    """The JSON object of a solved plan: figures, decisions, ops and the solver's report."""
+    assert plan.predicted_time_s is not None and plan.budget_bytes is not None
+    bound = lower_bound_s(chain, plan.budget_bytes)
+    summary: dict[str, Any] = {
+        "feasible": plan.feasible,
+        "solver": plan.solver,
+        "chain": chain.name,
+        "stages": chain.length,
+        "budget_bytes": plan.budget_bytes,
+        "predicted_time_s": plan.predicted_time_s,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "compute_time_s": chain.compute_time_s,
+        "overhead": _overhead(chain, plan.predicted_time_s),
+        "lower_bound_s": bound if math.isfinite(bound) else None,
+        "decisions": plan.decisions,
+        "ops": [op.to_dict() for op in plan.ops],
+    }
+    for key in SOLVER_REPORT_KEYS:
+        if key in plan.info:
+            summary[key] = plan.info[key]
+    return summary
+
+
+def _overhead(chain: Chain, time_s: float) -> float:
+    compute = chain.compute_time_s
+    return time_s / compute - 1 if compute > 0 else 0.0
+
+
+def _report_infeasible(args: argparse.Namespace, chain: Chain, error: InfeasibleBudgetError) -> int:
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "feasible": False,
+                    "solver": args.solver,
+                    "chain": chain.name,
+                    "budget_bytes": error.budget_bytes,
+                    "min_budget_bytes": error.min_budget_bytes,
+                    "message": str(error),
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"offremat solve: {error}", file=sys.stderr)
+    return EXIT_INFEASIBLE
+
+
+def _plot(chain: Chain, plan: Plan, path: str) -> None:
+    try:
+        from offremat.plots import plot_plan
+    except ImportError as error:
+        raise UsageError(f"--plot needs matplotlib ({error}); pip install matplotlib") from None
+    plot_plan(chain, plan, path)
+    logger.info("drew the plan in %s", path)
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def _print_table(chain: Chain, plan: Plan) -> None:
+    assert plan.predicted_time_s is not None and plan.predicted_peak_bytes is not None
+    assert plan.budget_bytes is not None
+    console = Console(highlight=False)
+    table = Table(title=f"{chain.name}: {plan.solver} plan, {chain.length} stages")
+    table.add_column("#", justify="right")
+    table.add_column("stage")
+    table.add_column("decision")
+    table.add_column("fwd", justify="right")
+    table.add_column("bwd", justify="right")
+    table.add_column("saved x̄", justify="right")
+    decisions = plan.decisions
+    for index, stage in enumerate(chain.stages, start=1):
+        decision = decisions.get(stage.name, "?")
+        style = _DECISION_STYLE.get(decision, "")
+        table.add_row(
+            str(index),
+            stage.name,
+            f"[{style}]{decision}[/]" if style else decision,
+            _format_seconds(stage.fwd_s),
+            _format_seconds(stage.bwd_s),
+            format_bytes(stage.saved_bytes),
+        )
+    console.print(table)
+    counts = {kind: list(decisions.values()).count(kind) for kind in _DECISION_STYLE}
+    bound = lower_bound_s(chain, plan.budget_bytes)
+    console.print(
+        f"decisions        {counts['keep']} keep, {counts['recompute']} recompute, "
+        f"{counts['offload']} offload"
+    )
+    console.print(
+        f"predicted time   {_format_seconds(plan.predicted_time_s)}  "
+        f"({_overhead(chain, plan.predicted_time_s):+.1%} over Σ fwd + Σ bwd = "
+        f"{_format_seconds(chain.compute_time_s)}; lower bound at this budget "
+        f"{_format_seconds(bound)})"
+    )
+    console.print(
+        f"predicted peak   {format_bytes(plan.predicted_peak_bytes)} of "
+        f"{format_bytes(plan.budget_bytes)} budget "
+        f"({plan.predicted_peak_bytes / plan.budget_bytes:.0%})"
+    )
