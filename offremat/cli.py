@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from offremat.commands import EXIT_USAGE, UsageError, solve
+from offremat.commands import EXIT_USAGE, UsageError, plot, solve
 
 # Adding a subcommand: a module in offremat/commands/ and one entry here.
-COMMANDS = (solve,)
+COMMANDS = (solve, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:

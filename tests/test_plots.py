@@ -147,3 +147,20 @@ def test_a_plan_without_copies_says_so_and_no_budget_means_no_budget_line(tmp_pa
     assert texts.count("no copies") == 2
     assert not any("budget" in line.get_label() for line in figure.axes[1].get_lines())
     assert (tmp_path / "free.png").stat().st_size > 0
+
+
+def test_plot_command_draws_a_saved_plan_and_refuses_one_for_another_chain(tmp_path, capsys):
+    from offremat.cli import main
+
+    chain = _chain(4)
+    chain_path, plan_path, png = tmp_path / "c.json", tmp_path / "p.json", tmp_path / "p.png"
+    chain.save(chain_path)
+    _offloading_plan(chain, 150 * MiB).save(plan_path)
+    assert main(["plot", str(chain_path), str(plan_path), "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "other.json"
+    _chain(5).save(other)
+    assert main(["plot", str(other), str(plan_path), "--out", str(png)]) == 2
+    assert "plan is for 4 stages" in capsys.readouterr().err
+    assert main(["plot", str(chain_path), str(tmp_path / "missing.json")]) == 2
+    assert "offremat solve" in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""``offremat plot``: draw a saved plan's timeline and memory curve against its budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from offremat.commands import (
+    BUDGET_HELP,
+    EXIT_OK,
+    UsageError,
+    chain_help,
+    load_chain,
+    resolve_budget,
+)
+from solvers.plan import Plan, PlanError
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offremat plot``."""
+    parser = subparsers.add_parser(
+        "plot",
+        help="draw a plan: timeline on compute / device→host / host→device, memory vs budget",
+        description="Simulate PLAN on CHAIN and draw a PNG: the operations on the compute and "
+        "the two copy lanes, above the resident GPU memory against the budget line.",
+    )
+    parser.add_argument("chain", metavar="CHAIN", help=chain_help())
+    parser.add_argument("plan", metavar="PLAN", help="a plan JSON file (offremat.plan/1)")
+    parser.add_argument("--out", "-o", default="plan.png", help="PNG to write (default plan.png)")
+    parser.add_argument(
+        "--budget", "-b", metavar="B", help=f"{BUDGET_HELP}; default: the plan's own budget"
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, check, simulate and draw."""
+    # matplotlib loads only when a plot is asked for, so the other subcommands start fast.
+    from offremat.plots import plot_plan
+
+    chain = load_chain(args.chain)
+    try:
+        plan = Plan.load(args.plan)
+    except FileNotFoundError:
+        raise UsageError(
+            f"no plan file {args.plan!r}; write one with: offremat solve CHAIN -b B --out PLAN"
+        ) from None
+    except (ValueError, json.JSONDecodeError) as error:
+        raise UsageError(f"{args.plan}: {error}") from None
+    if plan.length != chain.length:
+        raise UsageError(
+            f"the plan is for {plan.length} stages but {args.chain} has {chain.length}: "
+            "give the chain the plan was solved for"
+        )
+    budget = resolve_budget(args.budget, chain) if args.budget else None
+    try:
+        plot_plan(chain, plan, args.out, budget_bytes=budget)
+    except PlanError as error:
+        raise UsageError(f"{args.plan} does not run on {args.chain}: {error}") from None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {args.out}")
+    logger.info("drew %s (%d ops) on %s", args.plan, len(plan.ops), chain.name)
+    return EXIT_OK
