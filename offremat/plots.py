@@ -1,4 +1,5 @@
-"""Pictures of a plan: its timeline on the three lanes and its memory curve against the budget.
+"""Pictures of a plan (its timeline on the three lanes and its memory curve against the budget)
+and of a budget sweep (step time against budget, one line per method).
 
 The figures show what :func:`solvers.simulator.simulate` predicts, in the style of the schedule
 diagrams of Beaumont, Eyraud-Dubois and Shilova, "Efficient Combination of Rematerialization
@@ -8,15 +9,19 @@ directly, so no display and no global pyplot state is involved.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from offremat.sweep import SweepPoint
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
+from solvers.registry import lower_bound_s
 from solvers.simulator import COMPUTE_LANE, D2H_LANE, H2D_LANE, Simulation, simulate
 
 LANES = (COMPUTE_LANE, D2H_LANE, H2D_LANE)
@@ -156,6 +161,75 @@ def _draw_memory(axes, simulation: Simulation, scale: float) -> None:
     axes.set_ylabel(f"GPU memory ({unit})")
     axes.grid(color="#e5e5e5", linewidth=0.6)
     axes.legend(loc="lower right", fontsize=8)
+
+
+METHOD_STYLE = {
+    "keep-all": ("#333333", "s"),
+    "chen": ("#8c8c8c", "v"),
+    "checkpoint-every-stage": ("#b07aa1", "^"),
+    "offload-all": ("#55a868", "D"),
+    "dp": ("#4c72b0", "o"),
+    "milp": ("#c44e52", "*"),
+}
+
+
+def plot_sweep(
+    points: Sequence[SweepPoint], chain: Chain, path: str | Path | None = None, title: str = ""
+) -> Figure:
+    """Predicted step time against budget, one line per method, over the lower bound."""
+    figure = Figure(figsize=(9, 5.4), dpi=120, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    budgets = [p.budget_bytes for p in points] or [1]
+    divisor, unit = _byte_unit(max(budgets))
+    floor = chain.compute_time_s
+    scale, time_unit = (1.0, "s") if floor >= 1.0 else (1e3, "ms")
+    for method in [m for m in METHOD_STYLE if any(p.method == m for p in points)]:
+        color, marker = METHOD_STYLE[method]
+        rows = sorted((p for p in points if p.method == method), key=lambda p: p.budget_bytes)
+        xs = [p.budget_bytes / divisor for p in rows]
+        ys = [math.nan if p.predicted_time_s is None else p.predicted_time_s * scale for p in rows]
+        feasible = sum(1 for p in rows if p.feasible)
+        axes.plot(
+            xs,
+            ys,
+            color=color,
+            marker=marker,
+            markersize=7 if marker == "*" else 5,
+            linewidth=1.6,
+            label=method if feasible else f"{method} (no plan fits)",
+        )
+    axes.axhline(
+        floor * scale,
+        color="#999999",
+        linestyle=":",
+        linewidth=1.2,
+        label=f"Σ fwd + Σ bwd = {floor * scale:.3g} {time_unit}",
+    )
+    grid = sorted(set(budgets))
+    bounds = [lower_bound_s(chain, budget) * scale for budget in grid]
+    axes.plot(
+        [budget / divisor for budget in grid],
+        [bound if math.isfinite(bound) else math.nan for bound in bounds],
+        color="#bbbbbb",
+        linestyle="--",
+        linewidth=1.0,
+        label="lower bound at this budget",
+    )
+    axes.set_xlabel(f"memory budget ({unit})")
+    axes.set_ylabel(f"predicted step time ({time_unit})")
+    axes.set_ylim(bottom=0)
+    axes.grid(color="#e5e5e5", linewidth=0.6)
+    axes.legend(fontsize=9)
+    figure.suptitle(
+        title
+        or f"{chain.name or 'chain'}: {chain.length} stages, keep-all peak "
+        f"{format_bytes(max(budgets))}",
+        fontsize=11,
+    )
+    if path is not None:
+        figure.savefig(path)
+    return figure
 
 
 def _label_bars(axes, simulation: Simulation, scale: float) -> None:

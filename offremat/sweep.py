@@ -17,12 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
-from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.registry import SOLVERS, keep_all_peak, lower_bound_s, min_feasible_budget, solve
+from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
 
 logger = logging.getLogger(__name__)
 
@@ -149,79 +146,3 @@ def read_csv(path: str | Path) -> list[SweepPoint]:
 
 def _optional(cell: str, kind: Callable[[str], Any]) -> Any:
     return kind(cell) if cell else None
-
-
-METHOD_STYLE = {
-    "keep-all": ("#333333", "s"),
-    "chen": ("#8c8c8c", "v"),
-    "checkpoint-every-stage": ("#b07aa1", "^"),
-    "offload-all": ("#55a868", "D"),
-    "dp": ("#4c72b0", "o"),
-    "milp": ("#c44e52", "*"),
-}
-
-
-def plot_sweep(
-    points: Sequence[SweepPoint], chain: Chain, path: str | Path | None = None, title: str = ""
-) -> Figure:
-    """Predicted step time against budget, one line per method, over the lower bound."""
-    figure = Figure(figsize=(9, 5.4), dpi=120, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots()
-    budgets = [p.budget_bytes for p in points] or [1]
-    divisor, unit = _byte_unit(max(budgets))
-    floor = chain.compute_time_s
-    scale, time_unit = (1.0, "s") if floor >= 1.0 else (1e3, "ms")
-    for method in [m for m in METHOD_STYLE if any(p.method == m for p in points)]:
-        color, marker = METHOD_STYLE[method]
-        rows = sorted((p for p in points if p.method == method), key=lambda p: p.budget_bytes)
-        xs = [p.budget_bytes / divisor for p in rows]
-        ys = [math.nan if p.predicted_time_s is None else p.predicted_time_s * scale for p in rows]
-        feasible = sum(1 for p in rows if p.feasible)
-        axes.plot(
-            xs,
-            ys,
-            color=color,
-            marker=marker,
-            markersize=7 if marker == "*" else 5,
-            linewidth=1.6,
-            label=method if feasible else f"{method} (no plan fits)",
-        )
-    axes.axhline(
-        floor * scale,
-        color="#999999",
-        linestyle=":",
-        linewidth=1.2,
-        label=f"Σ fwd + Σ bwd = {floor * scale:.3g} {time_unit}",
-    )
-    grid = sorted(set(budgets))
-    bounds = [lower_bound_s(chain, budget) * scale for budget in grid]
-    axes.plot(
-        [budget / divisor for budget in grid],
-        [bound if math.isfinite(bound) else math.nan for bound in bounds],
-        color="#bbbbbb",
-        linestyle="--",
-        linewidth=1.0,
-        label="lower bound at this budget",
-    )
-    axes.set_xlabel(f"memory budget ({unit})")
-    axes.set_ylabel(f"predicted step time ({time_unit})")
-    axes.set_ylim(bottom=0)
-    axes.grid(color="#e5e5e5", linewidth=0.6)
-    axes.legend(fontsize=9)
-    figure.suptitle(
-        title
-        or f"{chain.name or 'chain'}: {chain.length} stages, keep-all peak "
-        f"{format_bytes(max(budgets))}",
-        fontsize=11,
-    )
-    if path is not None:
-        figure.savefig(path)
-    return figure
-
-
-def _byte_unit(count: float) -> tuple[float, str]:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return float(size), unit
-    return 1.0, "B"

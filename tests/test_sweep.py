@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
+from offremat.plots import plot_sweep
 from offremat.sweep import (
     CSV_COLUMNS,
     budget_range,
-    plot_sweep,
     read_csv,
     run_sweep,
     write_csv,
