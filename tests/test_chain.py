@@ -1,0 +1,178 @@
+"""The ``offremat.chain/1`` format: round trips, validation messages, the shipped examples."""
+
+from __future__ import annotations
+
+import copy
+import json
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offremat import examples
+from solvers.chain import Chain, ChainFormatError, Link, Stage
+
+GENERATOR = Path(__file__).parent.parent / "experiments" / "make_example_chains.py"
+
+
+def sample_dict() -> dict[str, Any]:
+    return {
+        "format": "offremat.chain/1",
+        "name": "sample",
+        "input_bytes": 16384,
+        "stages": [
+            {
+                "name": "block0",
+                "fwd_s": 0.0021,
+                "bwd_s": 0.0043,
+                "out_bytes": 8388608,
+                "saved_bytes": 142606336,
+                "fwd_tmp_bytes": 1024,
+                "bwd_tmp_bytes": 2048,
+            },
+            {
+                "name": "block1",
+                "fwd_s": 0.001,
+                "bwd_s": 0.002,
+                "out_bytes": 4096,
+                "saved_bytes": 8192,
+            },
+        ],
+        "link": {"d2h_bytes_per_s": 2.5e10, "h2d_bytes_per_s": 2.0e10},
+        "metadata": {"source": "test", "layers": [1, 2]},
+    }
+
+
+def test_json_round_trip_keeps_every_field(tmp_path: Path) -> None:
+    chain = Chain.from_dict(sample_dict())
+    assert chain.length == 2
+    assert chain.stage(1).fwd_tmp_bytes == 1024
+    assert chain.stage(2).bwd_tmp_bytes == 0  # optional temporaries default to 0
+    assert chain.link == Link(2.5e10, 2.0e10)
+    again = Chain.from_json(chain.to_json())
+    assert again == chain
+    assert again.metadata == {"source": "test", "layers": [1, 2]}
+    chain.save(tmp_path / "c.json")
+    loaded = Chain.load(tmp_path / "c.json")
+    assert loaded == chain
+    assert loaded.to_dict() == chain.to_dict()
+
+
+def test_round_trip_without_link() -> None:
+    data = sample_dict()
+    del data["link"]
+    chain = Chain.from_dict(data)
+    assert chain.link is None
+    assert "link" not in chain.to_dict()
+    assert Chain.from_json(chain.to_json()) == chain
+
+
+def _set(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(sample_dict())
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return data
+
+
+def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
+    data = copy.deepcopy(sample_dict())
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    del target[path[-1]]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "must_name"),
+    [
+        (_set(("stages", 1, "out_bytes"), -5), ["stage 2", "block1", "out_bytes", "non-negative"]),
+        (_set(("stages", 0, "fwd_s"), -0.1), ["stage 1", "block0", "fwd_s", "non-negative"]),
+        (_drop(("stages", 1, "bwd_s")), ["stage 2", "block1", "missing", "bwd_s"]),
+        (_drop(("stages", 0, "saved_bytes")), ["stage 1", "saved_bytes", "missing"]),
+        (_drop(("input_bytes",)), ["input_bytes", "missing"]),
+        (_set(("format",), "offremat.chain/9"), ["format", "offremat.chain/9"]),
+        (_drop(("format",)), ["format"]),
+        (_set(("stages", 1, "fwd_s"), float("nan")), ["stage 2", "fwd_s", "finite"]),
+        (_set(("stages", 0, "saved_bytes"), 1.5e8 + 0.5), ["stage 1", "saved_bytes", "integer"]),
+        (_set(("stages", 1, "out_bytes"), "4096"), ["stage 2", "out_bytes", "integer"]),
+        (_set(("stages", 1, "saved_bytes"), 100), ["stage 2", "saved_bytes", "out_bytes"]),
+        (_set(("stages", 0, "colour"), "red"), ["stage 1", "colour", "unknown"]),
+        (_set(("input_bytes",), -1), ["input_bytes", "non-negative"]),
+        (_set(("stages",), []), ["stages", "empty"]),
+        (_set(("link", "h2d_bytes_per_s"), 0), ["link", "h2d_bytes_per_s", "positive"]),
+        (_drop(("link", "d2h_bytes_per_s")), ["link", "d2h_bytes_per_s", "missing"]),
+    ],
+)
+def test_validation_error_names_the_stage_and_field(
+    data: dict[str, Any], must_name: list[str]
+) -> None:
+    with pytest.raises(ChainFormatError) as caught:
+        Chain.from_dict(data)
+    message = str(caught.value)
+    for part in must_name:
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+def test_nan_written_in_json_text_is_rejected() -> None:
+    text = json.dumps(sample_dict()).replace("0.0043", "NaN")
+    with pytest.raises(ChainFormatError, match=r"stage 1 .*bwd_s.*finite"):
+        Chain.from_json(text)
+
+
+def test_invalid_json_text_is_a_format_error() -> None:
+    with pytest.raises(ChainFormatError, match="not valid JSON"):
+        Chain.from_json("{'format': ")
+
+
+def test_stage_constructor_validates_too() -> None:
+    with pytest.raises(ChainFormatError, match="fwd_tmp_bytes"):
+        Stage("s", 1.0, 1.0, 10, 20, fwd_tmp_bytes=-1)
+
+
+def test_shipped_examples_load_and_are_chain_shaped() -> None:
+    assert set(examples.names()) >= {"transformer", "cnn", "llama7b"}
+    for name in examples.names():
+        chain = examples.load(name)
+        assert chain.link is not None, name
+        assert chain.metadata["generator"] == "experiments/make_example_chains.py"
+        assert chain.metadata["formulas"], name
+        # Every chain ends in a scalar fp32 loss.
+        assert chain.stage(chain.length).out_bytes == 4
+        assert all(s.fwd_s > 0 and s.bwd_s > 0 for s in chain.stages), name
+
+
+def test_unknown_example_lists_the_examples() -> None:
+    with pytest.raises(ValueError, match="transformer"):
+        examples.path("no-such-model")
+
+
+def test_examples_are_exactly_what_the_generator_derives(tmp_path: Path) -> None:
+    generator = runpy.run_path(str(GENERATOR))
+    assert generator["main"](["--out", str(tmp_path)]) == 0
+    for name in examples.names():
+        shipped = json.loads(examples.path(name).read_text())
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == shipped, name
+
+
+def test_llama_block_follows_the_stated_formula() -> None:
+    # 16·s·b·h + 8·s·b·f + 4·a·s·b with s=4096, b=1, h=4096, f=11008, a=32 (see metadata).
+    chain = examples.load("llama7b")
+    s, b, h, f, a = 4096, 1, 4096, 11008, 32
+    block = chain.stage(2)
+    assert block.saved_bytes == 16 * s * b * h + 8 * s * b * f + 4 * a * s * b
+    assert block.out_bytes == 2 * s * b * h
+    flops = 2 * s * b * (4 * h * h + 3 * h * f) + 4 * s * s * b * h
+    assert block.fwd_s == pytest.approx(flops / 400e12)
+    assert chain.link == Link(50e9, 50e9)
+    assert sum(1 for st in chain.stages if st.name.startswith("block")) == 32
+
+
+def test_gpt2_block_follows_korthikanti() -> None:
+    chain = examples.load("transformer")
+    s, b, h, a = 1024, 8, 768, 12
+    assert chain.stage(2).saved_bytes == s * b * h * (34 + 5 * a * s // h)
+    assert sum(1 for st in chain.stages if st.name.startswith("block")) == 12
