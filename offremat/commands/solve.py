@@ -114,7 +114,7 @@ def plan_summary(chain: Chain, plan: Plan) -> dict[str, Any]:
         "feasible": plan.feasible,
         "solver": plan.solver,
         "chain": chain.name,
-        "stages": chain.length,
+        "stages": [stage.name for stage in chain.stages],
         "budget_bytes": plan.budget_bytes,
         "predicted_time_s": plan.predicted_time_s,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
