@@ -46,7 +46,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("chain", metavar="CHAIN", help=chain_help())
     parser.add_argument("--budget", "-b", required=True, metavar="B", help=BUDGET_HELP)
     parser.add_argument(
-        "--solver", "-s", default="dp", choices=SOLVERS, help="which planner (default: dp)"
+        "--solver",
+        "-s",
+        default="dp",
+        choices=SOLVERS,
+        metavar="NAME",
+        help=f"which planner: {', '.join(SOLVERS)} (default: dp)",
     )
     parser.add_argument(
         "--slots", type=int, metavar="N", help="dp/milp memory discretization (default 500)"
