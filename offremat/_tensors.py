@@ -1,0 +1,101 @@
+"""Activations as flat lists of tensors, and the storages they occupy.
+
+A stage may take and return a tensor, or a tuple or list of them mixed with other values (an
+``nn.Sequential`` passes whatever one child returns to the next). The profiler and the executor
+see an activation as its tensors in a fixed order plus a :class:`Structure` that rebuilds it.
+Memory is counted per storage, not per tensor, so views and tensors passed through unchanged
+count once (Herrmann, Beaumont et al. 2019 count an activation's bytes the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_TENSOR = object()
+
+
+@dataclass(frozen=True)
+class Structure:
+    """How to rebuild an activation from its tensors: nesting, and the non-tensor values."""
+
+    kind: str  # "tensor", "sequence", "dict" or "value"
+    children: tuple[Structure, ...] = ()
+    value: Any = None
+
+
+def flatten(value: Any) -> tuple[list[torch.Tensor], Structure]:
+    """The tensors of an activation, in order, and the structure that puts them back."""
+    tensors: list[torch.Tensor] = []
+
+    def visit(item: Any) -> Structure:
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+            return Structure("tensor")
+        if isinstance(item, (tuple, list)):
+            return Structure("sequence", tuple(visit(child) for child in item), type(item))
+        if isinstance(item, dict):
+            keys = tuple(item)
+            return Structure("dict", tuple(visit(item[key]) for key in keys), (type(item), keys))
+        return Structure("value", value=item)
+
+    structure = visit(value)
+    return tensors, structure
+
+
+def unflatten(tensors: Iterable[torch.Tensor], structure: Structure) -> Any:
+    """The activation that :func:`flatten` took apart, with ``tensors`` in its tensors' places."""
+    remaining = iter(tensors)
+
+    def build(node: Structure) -> Any:
+        if node.kind == "tensor":
+            return next(remaining)
+        if node.kind == "value":
+            return node.value
+        items = [build(child) for child in node.children]
+        if node.kind == "dict":
+            container, keys = node.value
+            return container(zip(keys, items, strict=True))
+        if hasattr(node.value, "_fields"):  # a namedtuple takes its fields as arguments
+            return node.value(*items)
+        return node.value(items)
+
+    return build(structure)
+
+
+def is_differentiable(tensor: torch.Tensor) -> bool:
+    """Whether autograd can carry a gradient for the tensor's dtype."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity for the tensor's storage that survives resizing it (and views of it)."""
+    return tensor.untyped_storage()._cdata
+
+
+def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """The distinct non-empty storages behind ``tensors``, by :func:`storage_key`."""
+    found: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 0:
+            found.setdefault(storage._cdata, storage)
+    return found
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    return sum(storage.nbytes() for storage in unique_storages(tensors).values())
+
+
+def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage, with a version counter of its own.
+
+    Copying into it does not bump the version of the tensors autograd saved from the storage,
+    so refilling a storage after an offload leaves their saved-tensor checks intact.
+    """
+    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return view.set_(storage, 0, (storage.nbytes(),), (1,))

@@ -1,0 +1,496 @@
+"""Run a plan (``offremat.plan/1``) as the training step of a chain of PyTorch modules.
+
+The whole chain is one autograd function, like the reentrant variant of
+``torch.utils.checkpoint``: its forward runs the plan's operations up to the first backward,
+its backward runs the rest, keeping, offloading (Beaumont, Eyraud-Dubois, Shilova 2021) and
+recomputing (Herrmann, Beaumont et al. 2019) activations exactly as the plan says.
+
+Design notes.
+
+- Stages and their gradients: see :mod:`offremat._stage` (boundary, saved sets, RNG,
+  BatchNorm, autocast). Each B(i) calls ``torch.autograd.backward`` on stage i's graph, so
+  parameter gradients accumulate into ``.grad`` as plain autograd's do; like the reentrant
+  checkpoint, this supports ``loss.backward()`` but not ``torch.autograd.grad`` with respect
+  to parameters.
+- Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
+  :mod:`offremat._schedule` (what the host issues around each compute op, and where the
+  simulator's memory admission becomes a wait on an offload's event).
+- Measurement: the executor counts the device bytes of the distinct storages it holds, the
+  way the simulator counts (an op's output is counted before its inputs are released), and
+  keeps the peak. On CUDA it also reads the allocator's peak, and times the step with events
+  that are only synchronised when :attr:`PlanExecutor.stats` is read.
+- State: everything about one step lives in a :class:`_Step`, made by the forward and kept by
+  the autograd graph until the backward has used it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offremat._memory import CudaStreams, HostBufferPool, Residency, StorageRecord
+from offremat._schedule import HostStep, host_schedule
+from offremat._stage import (
+    AutocastState,
+    GradSlot,
+    RngState,
+    SavedTensorPacker,
+    StageInput,
+    frozen_running_stats,
+    has_trainable_parameters,
+    norm_layers,
+    parameter_storages,
+    replayed_rng,
+)
+from offremat._tensors import Structure, flatten, is_differentiable, unflatten, unique_storages
+from solvers.budget import format_bytes
+from solvers.chain import Chain
+from solvers.plan import (
+    ACTIVATION,
+    BACKWARD,
+    F_ALL,
+    F_NONE,
+    FREE,
+    OFFLOAD,
+    PREFETCH,
+    Op,
+    Plan,
+    PlanError,
+    validate,
+)
+from solvers.simulator import simulate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the executor measured during one training step."""
+
+    peak_activation_bytes: int
+    step_time_s: float
+    forward_time_s: float
+    backward_time_s: float
+    max_memory_allocated_delta_bytes: int | None
+    device: str
+
+
+class PlanExecutor:
+    """Runs ``plan`` over ``stages``, the modules of ``chain``'s stages in order."""
+
+    def __init__(self, stages: Sequence[nn.Module], plan: Plan, chain: Chain):
+        if len(stages) != chain.length or plan.length != chain.length:
+            raise ValueError(
+                f"the plan has {plan.length} stages, the chain {chain.length} and the model "
+                f"{len(stages)}: make the plan for this chain and the chain for this model"
+            )
+        problems = validate(plan, chain)
+        if problems:
+            raise PlanError(problems)
+        self.stages = list(stages)
+        self.plan = plan
+        self.chain = chain
+        self.simulation = simulate(plan, chain, plan.budget_bytes)
+        self.steps = host_schedule(plan.ops, self.simulation)
+        self.first_backward_step = next(
+            k for k, step in enumerate(self.steps) if plan.ops[step.compute].kind == BACKWARD
+        )
+        self._streams: dict[torch.device, CudaStreams] = {}
+        self._pools: dict[torch.device, HostBufferPool] = {}
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+        self._last: _Timing | None = None
+
+    @property
+    def stats(self) -> StepStats | None:
+        """Figures of the last completed step (on CUDA, reading them waits for its end)."""
+        return None if self._last is None else self._last.resolve()
+
+    def __call__(self, value: Any) -> Any:
+        """The model's output for input ``value``; its backward follows the plan."""
+        tensors, structure = flatten(value)
+        if not tensors:
+            raise TypeError("the model input holds no tensor; pass the example input's kind")
+        device = tensors[0].device
+        trainable = [has_trainable_parameters(stage) for stage in self.stages]
+        if not torch.is_grad_enabled() or not (
+            any(trainable) or any(t.requires_grad for t in tensors)
+        ):
+            for stage in self.stages:
+                value = stage(value)
+            return value
+        step = _Step(self, tensors, structure, device, trainable)
+        outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
+        return unflatten(outputs, step.output_structure)
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        if device not in self._anchors:
+            self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        return self._anchors[device]
+
+    def _resources(self, device: torch.device) -> tuple[HostBufferPool, CudaStreams | None]:
+        if device not in self._pools:
+            cuda = device.type == "cuda"
+            self._pools[device] = HostBufferPool(pinned=cuda)
+            if cuda:
+                self._streams[device] = CudaStreams(device)
+        streams = self._streams.get(device)
+        if streams is not None:
+            streams.compute = torch.cuda.current_stream(device)
+        return self._pools[device], streams
+
+
+class _PlanFunction(torch.autograd.Function):
+    """The chain as one autograd function: forward and backward follow the plan."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        outputs = step.run_forward()
+        ctx.step = step
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[o for o in outputs if not is_differentiable(o)])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        step = ctx.step
+        if step is None:
+            raise RuntimeError(
+                "backward ran twice through an offremat-optimized model; the plan frees its "
+                "activations as it goes, so retain_graph=True is not supported: run the "
+                "forward again"
+            )
+        ctx.step = None
+        return (None, None, *step.run_backward(grads))
+
+
+class _PlanTensor:
+    """One of the plan's tensors (a_i, x̄_i or δ_i): torch tensors and the storages held."""
+
+    __slots__ = ("diff", "packer", "records", "resident", "slot", "structure", "tensors")
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor | None],
+        structure: Structure | None,
+        records: tuple[StorageRecord, ...],
+    ):
+        self.tensors = tensors
+        self.structure = structure
+        self.records = records
+        self.resident = True
+        self.packer: SavedTensorPacker | None = None
+        self.slot: GradSlot | None = None
+        self.diff: list[int] = []
+
+
+@dataclass
+class _Timing:
+    """Clock readings of one step, resolved into :class:`StepStats` when asked."""
+
+    device: torch.device
+    peak_activation_bytes: int
+    marks: list[Any]
+    allocated_before: int | None
+    allocated_peak: int | None
+
+    def resolve(self) -> StepStats:
+        if self.device.type == "cuda":
+            self.marks[-1].synchronize()
+            forward = self.marks[0].elapsed_time(self.marks[1]) / 1000
+            backward = self.marks[2].elapsed_time(self.marks[3]) / 1000
+        else:
+            forward = self.marks[1] - self.marks[0]
+            backward = self.marks[3] - self.marks[2]
+        delta = None
+        if self.allocated_peak is not None and self.allocated_before is not None:
+            delta = self.allocated_peak - self.allocated_before
+        return StepStats(
+            peak_activation_bytes=self.peak_activation_bytes,
+            step_time_s=forward + backward,
+            forward_time_s=forward,
+            backward_time_s=backward,
+            max_memory_allocated_delta_bytes=delta,
+            device=str(self.device),
+        )
+
+
+class _Step:
+    """The state of one training step, from the forward to the end of the backward."""
+
+    def __init__(
+        self,
+        executor: PlanExecutor,
+        tensors: list[torch.Tensor],
+        structure: Structure,
+        device: torch.device,
+        trainable: list[bool],
+    ):
+        self.executor = executor
+        self.ops = executor.plan.ops
+        self.length = executor.chain.length
+        self.device = device
+        pool, self.streams = executor._resources(device)
+        self.residency = Residency(pool, self.streams)
+        self.anchor = executor._anchor(device)
+        self.excluded = parameter_storages(executor.stages)
+        self.norms = [norm_layers(stage) for stage in executor.stages]
+        self.cuda_devices = [device.index or 0] if device.type == "cuda" else []
+        self.autocast = [AutocastState.capture(t) for t in {device.type, "cpu"}]
+        # needs_grad[i]: whether a_i's floating tensors carry gradients in plain autograd.
+        self.needs_grad = [any(t.requires_grad for t in tensors)]
+        for i in range(1, self.length + 1):
+            self.needs_grad.append(self.needs_grad[-1] or trainable[i - 1])
+        self.input_requires_grad = [t.requires_grad for t in tensors]
+        self.activations: dict[int, _PlanTensor] = {}
+        self.saved: dict[int, _PlanTensor] = {}
+        self.grads: dict[int, _PlanTensor] = {}
+        self.rng: dict[int, RngState] = {}
+        self.produced: dict[tuple[str, int], Any] = {}
+        self.in_backward = False
+        self.peak = 0
+        self.output_structure: Structure | None = None
+        self.outputs: list[torch.Tensor] | None = None
+        self.marks: list[Any] = []
+        self.allocated_before: int | None = None
+        source = _PlanTensor(
+            list(tensors), structure, self.residency.hold(unique_storages(tensors), external=True)
+        )
+        self.activations[0] = source
+
+    # The two halves of the plan.
+
+    def run_forward(self) -> tuple[torch.Tensor, ...]:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocated_before = torch.cuda.memory_allocated(self.device)
+        self._mark()
+        self.peak = self.residency.live_bytes
+        with self._out_of_memory_advice():
+            self._run(self.executor.steps[: self.executor.first_backward_step])
+        self._mark()
+        assert self.outputs is not None
+        return tuple(output.detach() for output in self.outputs)
+
+    def run_backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        if self.streams is not None:
+            self.streams.compute = torch.cuda.current_stream(self.device)
+        self._mark()
+        self.in_backward = True
+        present = [g for g in grads if g is not None]
+        self.grads[self.length] = _PlanTensor(
+            list(grads), None, self.residency.hold(unique_storages(present))
+        )
+        with self._out_of_memory_advice():
+            self._run(self.executor.steps[self.executor.first_backward_step :])
+        first_grads = self.grads.pop(0).tensors
+        self.residency.close()
+        self._mark()
+        allocated_peak = None
+        if self.device.type == "cuda":
+            allocated_peak = torch.cuda.max_memory_allocated(self.device)
+        self.executor._last = _Timing(
+            self.device, self.peak, self.marks, self.allocated_before, allocated_peak
+        )
+        wanted = self.input_requires_grad
+        return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
+
+    def _run(self, steps: Sequence[HostStep]) -> None:
+        for step in steps:
+            for n in step.release:
+                offloaded = self._find(self.ops[n])
+                if offloaded is not None:  # B may have consumed it since
+                    self.residency.release(offloaded.records)
+            for n in step.before:
+                self._memory_op(self.ops[n])
+            op = self.ops[step.compute]
+            if op.kind == BACKWARD:
+                self._backward(op.index)
+            else:
+                self._forward(op)
+            for n in step.after:
+                self._memory_op(self.ops[n])
+
+    # Memory operations.
+
+    def _find(self, op: Op) -> _PlanTensor | None:
+        table = self.activations if op.target == ACTIVATION else self.saved
+        return table.get(op.index)
+
+    def _tensor(self, op: Op) -> _PlanTensor:
+        found = self._find(op)
+        if found is None:
+            raise RuntimeError(f"{op} names a tensor that does not exist; the plan is invalid")
+        return found
+
+    def _memory_op(self, op: Op) -> None:
+        tensor = self._tensor(op)
+        if op.kind == OFFLOAD:
+            self.residency.offload(tensor.records, self.produced.get(op.tensor))
+            tensor.resident = False
+        elif op.kind == PREFETCH:
+            self.residency.prefetch(tensor.records)
+            tensor.resident = True
+            self.produced.pop(op.tensor, None)
+            self.peak = max(self.peak, self.residency.live_bytes)
+        elif op.kind == FREE:
+            self._drop(op.target, op.index)
+
+    def _drop(self, target: str, index: int) -> None:
+        table = {ACTIVATION: self.activations, "saved": self.saved, "grad": self.grads}[target]
+        tensor = table.pop(index)
+        self.residency.drop(tensor.records, resident=tensor.resident)
+
+    def _source(self, index: int) -> _PlanTensor:
+        """The resident a_index: by itself, or as the output of x̄_index."""
+        alone = self.activations.get(index)
+        if alone is not None and alone.resident:
+            return alone
+        saved = self.saved.get(index)
+        if saved is not None and saved.resident:
+            return saved
+        raise RuntimeError(f"a{index} is not resident; the plan was validated, so this is a bug")
+
+    # Compute operations.
+
+    def _forward(self, op: Op) -> None:
+        i = op.index
+        stage = self.executor.stages[i - 1]
+        source = self._source(i - 1)
+        inputs = list(source.tensors)
+        self.residency.use(source.records)
+        first = i not in self.rng
+        if first:
+            self.rng[i] = RngState.capture(self.cuda_devices)
+        versions = [tensor._version for tensor in inputs]
+        packer = slot = None
+        diff: list[int] = []
+        with ExitStack() as stack:
+            if not first:
+                stack.enter_context(replayed_rng(self.rng[i]))
+                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+            if self.in_backward:
+                for state in self.autocast:
+                    state.enter(stack)
+            if op.kind == F_ALL:
+                stack.enter_context(torch.enable_grad())
+                diff = [
+                    k
+                    for k, tensor in enumerate(inputs)
+                    if is_differentiable(tensor)
+                    and (self.input_requires_grad[k] if i == 1 else self.needs_grad[i - 1])
+                ]
+                packer = SavedTensorPacker(inputs, self.excluded)
+                slot = GradSlot()
+                if diff:
+                    aliases = StageInput.apply(
+                        slot, self.anchor, *[inputs[k].detach() for k in diff]
+                    )
+                    for k, alias in zip(diff, aliases, strict=True):
+                        inputs[k] = alias
+                stack.enter_context(packer.hooks())
+            else:
+                stack.enter_context(torch.no_grad())
+            result = stage(unflatten(inputs, source.structure))
+        self._check_unmodified(i, source.tensors, versions)
+        tensors, structure = flatten(result)
+        is_output = i == self.length and self.outputs is None
+        if is_output:
+            self.outputs, self.output_structure = tensors, structure
+        output_storages = unique_storages(tensors)
+        records = self.residency.hold(output_storages, external=is_output)
+        if packer is not None:
+            others = {k: s for k, s in packer.storages.items() if k not in output_storages}
+            records += self.residency.hold(others)
+        produced = _PlanTensor(tensors, structure, records)
+        produced.packer, produced.slot, produced.diff = packer, slot, diff
+        key = ("saved" if op.kind == F_ALL else ACTIVATION, i)
+        (self.saved if op.kind == F_ALL else self.activations)[i] = produced
+        if self.streams is not None:
+            self.produced[key] = self.streams.compute.record_event()
+        self.peak = max(self.peak, self.residency.live_bytes)
+        if op.kind == F_NONE:
+            self._drop_alone(i - 1)
+
+    def _backward(self, i: int) -> None:
+        saved = self.saved[i]
+        grad = self.grads[i]
+        source = self._source(i - 1)
+        self.residency.use(saved.records)
+        self.residency.use(source.records)
+        assert saved.packer is not None and saved.slot is not None
+        saved.packer.inputs = list(source.tensors)
+        pairs = [
+            (output, g)
+            for output, g in zip(saved.tensors, grad.tensors, strict=True)
+            if g is not None and output.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads: list[torch.Tensor | None] = [None] * len(source.tensors)
+        for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
+            grads[k] = g
+        present = [g for g in grads if g is not None]
+        self.grads[i - 1] = _PlanTensor(grads, None, self.residency.hold(unique_storages(present)))
+        self.peak = max(self.peak, self.residency.live_bytes)
+        self._drop("saved", i)
+        self._drop("grad", i)
+        self._drop_alone(i - 1)
+
+    def _drop_alone(self, index: int) -> None:
+        alone = self.activations.get(index)
+        if alone is not None and alone.resident:
+            self._drop(ACTIVATION, index)
+
+    def _check_unmodified(self, i: int, tensors: list[torch.Tensor], versions: list[int]) -> None:
+        for tensor, version in zip(tensors, versions, strict=True):
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"stage {self.executor.chain.stage(i).name!r} modifies its input in place "
+                    f"(for example an inplace=True activation first in the stage); its input "
+                    f"is a checkpoint that other operations read again. Make that operation "
+                    f"out of place, or profile with stages that put it after another layer"
+                )
+
+    def _mark(self) -> None:
+        if self.streams is not None:
+            self.marks.append(
+                self.streams.compute.record_event(torch.cuda.Event(enable_timing=True))
+            )
+        else:
+            self.marks.append(time.perf_counter())
+
+    def _out_of_memory_advice(self) -> _OutOfMemoryAdvice:
+        return _OutOfMemoryAdvice(self.executor.plan)
+
+
+class _OutOfMemoryAdvice:
+    """Re-raise a device out-of-memory error with the plan's figures and what to do."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if isinstance(error, torch.OutOfMemoryError):
+            plan = self.plan
+            peak = plan.predicted_peak_bytes
+            budget = plan.budget_bytes
+            raise torch.OutOfMemoryError(
+                f"out of device memory while running the {plan.solver} plan "
+                f"(predicted activation peak {format_bytes(peak) if peak is not None else '?'}, "
+                f"budget {format_bytes(budget) if budget is not None else 'none'}). The chain no "
+                f"longer matches the model (another batch or sequence size?) or the rest of the "
+                f"memory (weights, gradients, optimizer state) leaves less than the budget: "
+                f"profile again with the input you train on (offremat.optimize(model, x, ...)) "
+                f"and lower the budget. Original error: {error}"
+            ) from error
+        return False
