@@ -179,6 +179,7 @@ def _linkless_chain(tmp_path: Path) -> Path:
         (["cnn", "--budget", "1.0", "--slots", "0"], "--slots"),
         (["cnn", "--budget", "1.0", "--solver", "greedy"], "invalid choice"),
         (["cnn"], "--budget"),
+        (["cnn", "--budget", "1.0", "--out", "/no/such/dir/plan.json"], "cannot write the plan"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(

@@ -100,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as error:
         raise UsageError(str(error)) from None
     if args.out:
-        plan.save(args.out)
+        try:
+            plan.save(args.out)
+        except OSError as error:
+            raise UsageError(f"cannot write the plan to {args.out}: {error}") from None
         logger.info("wrote the plan to %s", args.out)
     if args.plot:
         _plot(chain, plan, args.plot)
@@ -165,7 +168,10 @@ def _plot(chain: Chain, plan: Plan, path: str) -> None:
         from offremat.plots import plot_plan
     except ImportError as error:
         raise UsageError(f"--plot needs matplotlib ({error}); pip install matplotlib") from None
-    plot_plan(chain, plan, path)
+    try:
+        plot_plan(chain, plan, path)
+    except OSError as error:
+        raise UsageError(f"cannot write the plot to {path}: {error}") from None
     logger.info("drew the plan in %s", path)
 
 
