@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from offremat.commands import EXIT_USAGE, UsageError, plot, solve
+from offremat.commands import EXIT_USAGE, UsageError, plot, profile, solve
 
 # Adding a subcommand: a module in offremat/commands/ and one entry here.
-COMMANDS = (solve, plot)
+COMMANDS = (solve, plot, profile)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,200 @@
+"""``offremat profile``: measure a model on this machine and write its chain JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from offremat.commands import EXIT_OK, UsageError
+from solvers.budget import format_bytes
+from solvers.chain import Chain
+
+logger = logging.getLogger(__name__)
+
+_CONVENTION = """\
+MODEL is either the name of an in-repo model (gpt-tiny, gpt-small, gpt-medium, resnet-tiny,
+resnet-small) or MODULE:CALLABLE, where MODULE is an importable module or a path to a .py
+file. CALLABLE is called with no argument, or with batch_size=N when --batch N is given, and
+returns (model, example_input): the model an nn.Sequential or a list of blocks, each taking
+the previous block's output, and example_input what the first block takes. For example,
+my_models.py holding
+
+    def gpt(batch_size=8):
+        model = build_my_gpt()
+        return model, (tokens, targets)
+
+is profiled with: offremat profile my_models.py:gpt --batch 16 --out gpt.json"""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offremat profile``."""
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure a model's stages on this machine and write its chain JSON",
+        description="Run a model's blocks on an example input and measure, per stage, the "
+        "forward and backward times and the bytes the solvers plan with; write them as an "
+        "offremat.chain/1 file for `offremat solve`.",
+        epilog=_CONVENTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="an in-repo model name or MODULE:CALLABLE")
+    parser.add_argument("--out", "-o", required=True, metavar="CHAIN.json", help="where to write")
+    parser.add_argument(
+        "--stages", type=int, metavar="N", help="group consecutive blocks into N stages"
+    )
+    parser.add_argument(
+        "--batch", type=int, metavar="N", help="batch size passed to the callable (batch_size=N)"
+    )
+    parser.add_argument(
+        "--device", metavar="DEV", help="cpu, cuda or cuda:K (default: cuda when available)"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help="host link for both directions, e.g. 25GB/s or 2.5e10, instead of measuring it "
+        "(a CPU has no link otherwise)",
+    )
+    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="warm-up runs (2)")
+    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs (5)")
+    parser.add_argument("--name", metavar="NAME", help="the chain's name (default: MODEL)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, profile it, write the chain and print its stages."""
+    import torch
+
+    from offremat._blocks import NotAChainError
+    from offremat._tensors import flatten, unflatten
+    from offremat.profiler import parse_bandwidth, profile_model
+
+    for flag in ("stages", "batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag} must be a positive integer, got {value}")
+    if args.warmup < 0 or args.repeats < 1:
+        raise UsageError("--warmup must be >= 0 and --repeats >= 1")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise UsageError(f"--device {args.device!r}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA device")
+    bandwidth = None
+    if args.bandwidth is not None:
+        try:
+            bandwidth = parse_bandwidth(args.bandwidth)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    model, example = _build(args.model, args.batch)
+    tensors, structure = flatten(example)
+    example = unflatten([t.to(device) for t in tensors], structure)
+    if isinstance(model, (list, tuple)):
+        model = [block.to(device) for block in model]
+    else:
+        model = model.to(device)
+    try:
+        chain = profile_model(
+            model,
+            example,
+            stages=args.stages,
+            bandwidth=bandwidth,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            name=args.name or args.model,
+        )
+    except (NotAChainError, ValueError, TypeError) as error:
+        raise UsageError(str(error)) from None
+    try:
+        chain.save(args.out)
+    except OSError as error:
+        raise UsageError(f"cannot write the chain to {args.out}: {error}") from None
+    _print_chain(chain, args.out)
+    return EXIT_OK
+
+
+def _build(spec: str, batch: int | None) -> tuple[Any, Any]:
+    """The (model, example_input) that MODEL names; see the convention in the help."""
+    if ":" not in spec:
+        from offremat.models import model_spec
+
+        try:
+            named = model_spec(spec)
+        except ValueError as error:
+            raise UsageError(f"{error}, or give MODULE:CALLABLE") from None
+        return named.build(0), named.batch(batch or named.default_batch_size, 0, "cpu")
+    module_name, _, attribute = spec.rpartition(":")
+    module = _import(module_name)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise UsageError(f"{module_name} has no callable {attribute!r}")
+    kwargs = {} if batch is None else {"batch_size": batch}
+    if kwargs and "batch_size" not in inspect.signature(factory).parameters:
+        raise UsageError(f"--batch given but {attribute}() takes no batch_size argument")
+    built = factory(**kwargs)
+    if not isinstance(built, tuple) or len(built) != 2:
+        raise UsageError(
+            f"{spec} returned {type(built).__name__}; it must return (model, example_input)"
+        )
+    return built
+
+
+def _import(name: str) -> Any:
+    if name.endswith(".py"):
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"no file {name}")
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        assert loaded is not None and loaded.loader is not None
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[path.stem] = module
+        loaded.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise UsageError(f"cannot import {name!r}: {error}") from None
+
+
+def _print_chain(chain: Chain, path: str) -> None:
+    console = Console(highlight=False)
+    grouping = chain.metadata.get("grouping", {})
+    table = Table(title=f"{chain.name}: {chain.length} stages on {chain.metadata.get('device')}")
+    for column, justify in (
+        ("#", "right"),
+        ("stage", "left"),
+        ("blocks", "right"),
+        ("fwd", "right"),
+        ("bwd", "right"),
+        ("out x", "right"),
+        ("saved x̄", "right"),
+    ):
+        table.add_column(column, justify=justify)
+    for index, stage in enumerate(chain.stages, start=1):
+        table.add_row(
+            str(index),
+            stage.name,
+            str(len(grouping.get(stage.name, [stage.name]))),
+            f"{stage.fwd_s * 1e3:.3f} ms",
+            f"{stage.bwd_s * 1e3:.3f} ms",
+            format_bytes(stage.out_bytes),
+            format_bytes(stage.saved_bytes),
+        )
+    console.print(table)
+    if chain.link is None:
+        console.print("link: none (give --bandwidth to plan offloading)")
+    else:
+        console.print(
+            f"link: device-to-host {format_bytes(chain.link.d2h_bytes_per_s)}/s, "
+            f"host-to-device {format_bytes(chain.link.h2d_bytes_per_s)}/s"
+        )
+    console.print(f"input {format_bytes(chain.input_bytes)}; wrote {path}")
