@@ -40,6 +40,7 @@ KIND_STYLE = {
 }
 _LABEL_FONT_SIZE = 7
 _LABEL_MARGIN_PIXELS = 3
+SWEEP_TIME_CAP = 2.0
 _DPI = 120
 
 
@@ -176,7 +177,11 @@ METHOD_STYLE = {
 def plot_sweep(
     points: Sequence[SweepPoint], chain: Chain, path: str | Path | None = None, title: str = ""
 ) -> Figure:
-    """Predicted step time against budget, one line per method, over the lower bound."""
+    """Predicted step time against budget, one line per method, over the lower bound.
+
+    The time axis stops at :data:`SWEEP_TIME_CAP` times Σ fwd + Σ bwd so that a much slower
+    method does not flatten the others; a method with points above it says so in the legend.
+    """
     figure = Figure(figsize=(9, 5.4), dpi=120, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots()
@@ -189,7 +194,12 @@ def plot_sweep(
         rows = sorted((p for p in points if p.method == method), key=lambda p: p.budget_bytes)
         xs = [p.budget_bytes / divisor for p in rows]
         ys = [math.nan if p.predicted_time_s is None else p.predicted_time_s * scale for p in rows]
-        feasible = sum(1 for p in rows if p.feasible)
+        label = method
+        if not any(p.feasible for p in rows):
+            label += " (no plan fits)"
+        above = [y for y in ys if y > SWEEP_TIME_CAP * floor * scale]
+        if above:
+            label += f" (off scale up to {max(above):.3g} {time_unit})"
         axes.plot(
             xs,
             ys,
@@ -197,7 +207,7 @@ def plot_sweep(
             marker=marker,
             markersize=7 if marker == "*" else 5,
             linewidth=1.6,
-            label=method if feasible else f"{method} (no plan fits)",
+            label=label,
         )
     axes.axhline(
         floor * scale,
@@ -218,7 +228,8 @@ def plot_sweep(
     )
     axes.set_xlabel(f"memory budget ({unit})")
     axes.set_ylabel(f"predicted step time ({time_unit})")
-    axes.set_ylim(bottom=0)
+    highest = max([p.predicted_time_s or 0.0 for p in points] + [floor])
+    axes.set_ylim(0, min(highest, SWEEP_TIME_CAP * floor) * scale * 1.06)
     axes.grid(color="#e5e5e5", linewidth=0.6)
     axes.legend(fontsize=9)
     figure.suptitle(

@@ -13,12 +13,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from solvers.budget import InfeasibleBudgetError
-from solvers.chain import Chain
+from solvers.chain import Chain, Link
+from solvers.plan import Plan
 from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
 
 logger = logging.getLogger(__name__)
@@ -32,18 +33,46 @@ DEFAULT_MILP_TIME_LIMIT_S = 10.0
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One method at one budget; ``predicted_time_s`` is None where no plan fits."""
+    """One method at one budget; ``predicted_time_s`` is None where no plan fits.
+
+    ``plan`` is the solved plan (not written to the CSV).
+    """
 
     method: str
     budget_bytes: int
     predicted_time_s: float | None
     predicted_peak_bytes: int | None
     solve_time_s: float
+    plan: Plan | None = field(default=None, compare=False, repr=False)
 
     @property
     def feasible(self) -> bool:
         """Whether the method found a plan within the budget."""
         return self.predicted_time_s is not None
+
+
+def profile_named_model(
+    name: str,
+    batch_size: int | None = None,
+    device: str = "cpu",
+    bandwidth: float | None = None,
+    seed: int = 0,
+) -> Chain:
+    """The chain of the in-repo model ``name`` (see :data:`offremat.models.MODELS`), profiled
+    here with one stage per block; ``bandwidth`` (bytes/s, both ways) replaces the link."""
+    # torch loads only when a model is profiled, so sweeping a chain file starts fast.
+    from offremat.models import model_spec
+    from offremat.profiler import profile_model
+
+    spec = model_spec(name)
+    model = spec.build(seed).to(device)
+    size = batch_size or spec.default_batch_size
+    example = spec.batch(size, seed, device)
+    chain = profile_model(model, example, name=name)
+    if bandwidth is not None:
+        chain = chain.with_link(Link(bandwidth, bandwidth))
+    chain.metadata.update(model=spec.description, batch_size=size)
+    return chain
 
 
 def budget_range(chain: Chain, count: int = 12, slots: int = 500) -> list[int]:
@@ -94,13 +123,15 @@ def run_sweep(
             started = time.perf_counter()
             time_s: float | None = None
             peak: int | None = None
+            plan: Plan | None = None
             if not skip:
                 try:
                     plan = solve(chain, budget, solver=method, **options.get(method, {}))
                     time_s, peak = plan.predicted_time_s, plan.predicted_peak_bytes
                 except InfeasibleBudgetError:
                     pass
-            point = SweepPoint(method, budget, time_s, peak, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            point = SweepPoint(method, budget, time_s, peak, elapsed, plan)
             points.append(point)
             if on_point is not None:
                 on_point(point)

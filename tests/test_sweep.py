@@ -113,3 +113,41 @@ def test_sweep_plot_has_one_line_per_method(tmp_path):
     labels = [line.get_label() for line in figure.axes[0].get_lines()]
     assert set(RECOMPUTE_AND_BASELINES) <= set(labels)
     assert figure.axes[0].get_xlabel().startswith("memory budget")
+
+
+def test_sweep_command_writes_csv_and_png_for_a_chain_file(tmp_path, capsys):
+    from offremat.cli import main
+
+    chain_path = tmp_path / "chain.json"
+    _chain().save(chain_path)
+    out = tmp_path / "out"
+    argv = ["sweep", str(chain_path), "--out", str(out), "--points", "3"]
+    assert main([*argv, "--methods", "keep-all,dp,chen"]) == 0
+    points = read_csv(out / "sweep.csv")
+    assert len(points) == 9
+    assert {p.method for p in points} == {"keep-all", "dp", "chen"}
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "9 rows" in capsys.readouterr().out
+
+
+def test_sweep_command_profiles_an_in_repo_model(tmp_path):
+    from offremat.cli import main
+
+    out = tmp_path / "model"
+    argv = ["sweep", "--model", "resnet-tiny", "--out", str(out), "--points", "2"]
+    assert main([*argv, "--methods", "keep-all,dp,offload-all", "--bandwidth", "1e10"]) == 0
+    chain = Chain.load(out / "chain.json")
+    assert chain.name == "resnet-tiny" and chain.link.d2h_bytes_per_s == 1e10
+    assert chain.stages[0].name == "stem" and chain.stages[-1].name == "head"
+    points = read_csv(out / "sweep.csv")
+    assert any(p.method == "offload-all" and p.feasible for p in points)
+
+
+def test_sweep_command_usage_errors_exit_2(tmp_path, capsys):
+    from offremat.cli import main
+
+    out = str(tmp_path / "x")
+    assert main(["sweep", "transformer", "--out", out, "--methods", "dp,greedy"]) == 2
+    assert "greedy" in capsys.readouterr().err
+    assert main(["sweep", "--model", "gpt-huge", "--out", out]) == 2
+    assert "gpt-small" in capsys.readouterr().err

@@ -1,0 +1,140 @@
+"""``offremat sweep``: every method's predicted step time from the least feasible budget to
+keep-all, as a CSV and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from offremat.commands import EXIT_OK, UsageError, chain_help, load_chain
+from offremat.sweep import (
+    DEFAULT_MILP_TIME_LIMIT_S,
+    METHODS,
+    budget_range,
+    profile_named_model,
+    run_sweep,
+    write_csv,
+)
+from solvers.budget import format_bytes
+from solvers.chain import Chain, Link
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offremat sweep``."""
+    parser = subparsers.add_parser(
+        "sweep",
+        help="solve every method across budgets; write sweep.csv and sweep.png",
+        description="Solve keep-all, chen, checkpoint-every-stage, offload-all, dp and milp at "
+        "evenly spaced budgets from the least feasible one to the keep-all peak, and write "
+        "DIR/sweep.csv and DIR/sweep.png (predicted time against budget).",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("chain", metavar="CHAIN", nargs="?", help=chain_help())
+    source.add_argument(
+        "--model",
+        metavar="NAME",
+        help="profile an in-repo model on this machine instead (e.g. gpt-small, resnet-small)",
+    )
+    parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--points", type=int, default=12, metavar="N", help="budgets on the grid (default 12)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        metavar="M1,M2",
+        help=f"comma-separated subset of {','.join(METHODS)} (default: all)",
+    )
+    parser.add_argument(
+        "--milp-time-limit",
+        type=float,
+        default=DEFAULT_MILP_TIME_LIMIT_S,
+        metavar="S",
+        help=f"MILP time limit per budget in seconds (default {DEFAULT_MILP_TIME_LIMIT_S:g})",
+    )
+    parser.add_argument("--slots", type=int, metavar="N", help="dp/milp memory discretization")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="host link in bytes/s for both directions, replacing the chain's (needed for "
+        "offloading on a chain without a link, e.g. one profiled on CPU)",
+    )
+    parser.add_argument(
+        "--batch", type=int, metavar="N", help="batch size for --model (default: the model's)"
+    )
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load or profile the chain, sweep it with a progress bar, write the CSV and the plot."""
+    # matplotlib loads only when a plot is drawn, so the other subcommands start fast.
+    from offremat.plots import plot_sweep
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise UsageError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    if args.points < 1:
+        raise UsageError(f"--points must be at least 1, got {args.points}")
+    if args.slots is not None and args.slots < 1:
+        raise UsageError(f"--slots must be a positive integer, got {args.slots}")
+    if args.bandwidth is not None and args.bandwidth <= 0:
+        raise UsageError(f"--bandwidth must be positive bytes/s, got {args.bandwidth}")
+    chain = _chain(args)
+    if args.bandwidth is not None:
+        chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    options: dict[str, dict[str, Any]] = {"milp": {"time_limit_s": args.milp_time_limit}}
+    if args.slots is not None:
+        options["milp"]["slots"] = args.slots
+        options["dp"] = {"slots": args.slots}
+    budgets = budget_range(chain, args.points, **({"slots": args.slots} if args.slots else {}))
+    console = Console(stderr=True, highlight=False)
+    console.print(
+        f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
+        f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])}, methods {', '.join(methods)}"
+    )
+    if chain.link is None:
+        console.print("no host link: offload-all has no plan and milp only recomputes")
+    with Progress(
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("sweeping", total=len(methods) * len(budgets))
+
+        def advance(point: Any) -> None:
+            progress.update(
+                task, advance=1, description=f"{point.method} @ {format_bytes(point.budget_bytes)}"
+            )
+
+        points = run_sweep(chain, budgets, methods, options, on_point=advance)
+    write_csv(points, out / "sweep.csv")
+    plot_sweep(points, chain, out / "sweep.png")
+    chain.save(out / "chain.json")
+    feasible = sum(p.feasible for p in points)
+    print(
+        f"wrote {out / 'sweep.csv'} ({len(points)} rows, {feasible} feasible), "
+        f"{out / 'sweep.png'} and {out / 'chain.json'}"
+    )
+    return EXIT_OK
+
+
+def _chain(args: argparse.Namespace) -> Chain:
+    if args.model is None:
+        return load_chain(args.chain)
+    try:
+        return profile_named_model(args.model, batch_size=args.batch)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
