@@ -5,7 +5,9 @@ starts, and releases an offloaded tensor's GPU bytes when its copy ends. The hos
 GPU times; it can only act between enqueuing compute ops. So:
 
 - a prefetch listed after op k is allocated and issued *before* op k is enqueued, its copy
-  waiting on an event recorded just then, so that it runs beside op k as simulated;
+  waiting on an event recorded just then, so that it runs beside op k as simulated; but one
+  that the simulator starts only once op k (or a later op) has ended, because it waited for
+  the memory that op releases, is issued after that op;
 - an offload listed after op k is issued once op k is enqueued (its tensor may be op k's
   output), its copy waiting only on the op that produced the tensor;
 - the GPU bytes of an offload are released before the first later compute op that the
@@ -23,19 +25,23 @@ from dataclasses import dataclass
 from solvers.plan import FREE, OFFLOAD, PREFETCH, Op
 from solvers.simulator import D2H_LANE, H2D_LANE, Simulation
 
+RELEASE, ISSUE, COMPUTE = "release", "issue", "compute"
+
 
 @dataclass(frozen=True)
-class HostStep:
-    """What the host does around one compute op, by positions in the plan's op list."""
+class HostAction:
+    """One thing the host does, naming an op by its position in the plan's op list.
 
-    compute: int
-    release: tuple[int, ...]
-    before: tuple[int, ...]
-    after: tuple[int, ...]
+    ``release`` frees the device bytes of the offload at ``position``; ``issue`` performs a
+    memory op (offload, prefetch, free); ``compute`` enqueues a compute op.
+    """
+
+    kind: str
+    position: int
 
 
-def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostStep, ...]:
-    """The host steps of a valid plan, one per compute op, in plan order."""
+def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostAction, ...]:
+    """The host's actions for a valid plan, in the order it takes them."""
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for interval in simulation.timeline:
@@ -49,22 +55,41 @@ def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostStep
     for k, position in enumerate(computes):
         stop = computes[k + 1] if k + 1 < len(computes) else len(ops)
         groups.append(tuple(range(position + 1, stop)))
-
     ready_h2d = _prefetch_ready_times(ops, simulation, start)
-    steps: list[HostStep] = []
+
+    actions: list[HostAction] = []
     pending: list[tuple[int, int]] = [(-1, n) for n in leading if ops[n].kind == OFFLOAD]
+    deferred: dict[int, list[int]] = {}
+
+    def release_until(time: float, before_group: int) -> None:
+        nonlocal pending
+        due = [n for group, n in pending if group < before_group and end[n] <= time + tolerance]
+        actions.extend(HostAction(RELEASE, n) for n in due)
+        pending = [(group, n) for group, n in pending if n not in due]
+
     for k, position in enumerate(computes):
         early, late = _split_group(ops, groups[k])
-        before = (leading if k == 0 else ()) + early
+        # A prefetch the simulator starts only after op k ends waits for what op k releases:
+        # issue it after the last compute op that ends by its start.
+        for n in [n for n in early if start[n] >= end[position] - tolerance]:
+            last = max(
+                m for m in range(k, len(computes)) if end[computes[m]] <= start[n] + tolerance
+            )
+            deferred.setdefault(last, []).append(n)
+            early = tuple(e for e in early if e != n)
         threshold = start[position]
         for n in early:
             if start[n] > max(ready_h2d[n], start[position]) + tolerance:
                 threshold = max(threshold, start[n])  # the simulator held it back for memory
-        release = tuple(n for group, n in pending if group < k and end[n] <= threshold + tolerance)
-        pending = [(group, n) for group, n in pending if n not in release]
+        release_until(threshold, k)
+        actions.extend(HostAction(ISSUE, n) for n in (leading if k == 0 else ()) + early)
+        actions.append(HostAction(COMPUTE, position))
+        actions.extend(HostAction(ISSUE, n) for n in late)
         pending += [(k, n) for n in groups[k] if ops[n].kind == OFFLOAD]
-        steps.append(HostStep(position, release, before, late))
-    return tuple(steps)
+        for n in sorted(deferred.pop(k, [])):
+            release_until(start[n], k + 1)
+            actions.append(HostAction(ISSUE, n))
+    return tuple(actions)
 
 
 def _split_group(

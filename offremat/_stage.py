@@ -62,6 +62,30 @@ class StageInput(torch.autograd.Function):
         return (None, None, *([None] * len(grads)))
 
 
+def enter_stage(
+    inputs: Sequence[torch.Tensor], diff: Sequence[int], slot: GradSlot, anchor: torch.Tensor
+) -> list[torch.Tensor]:
+    """The stage's inputs, those at positions ``diff`` passed through :class:`StageInput`."""
+    entered = list(inputs)
+    if diff:
+        detached = [inputs[k].detach() for k in diff]
+        for k, alias in zip(diff, StageInput.apply(slot, anchor, *detached), strict=True):
+            entered[k] = alias
+    return entered
+
+
+def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Refuse a stage that changed its input in place: that input is a checkpoint."""
+    for tensor, version in zip(inputs, versions, strict=True):
+        if tensor._version != version:
+            raise RuntimeError(
+                f"stage {stage!r} modifies its input in place (for example an inplace=True "
+                f"activation first in the stage); offremat reads a stage's input again to "
+                f"recompute it. Make that operation out of place, or group it with the block "
+                f"before it (stages=...)"
+            )
+
+
 @dataclass(frozen=True)
 class InputView:
     """A tensor autograd saved from the stage's input, described so it can be rebuilt."""
@@ -138,17 +162,23 @@ def norm_layers(module: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[None]:
-    """Run with throw-away copies of the layers' running statistics."""
+def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Tensor]]:
+    """Run with throw-away copies of the layers' running statistics; yields the copies.
+
+    Autograd saves the running statistics for BatchNorm's backward; like the buffers they
+    replace, the copies are not part of a saved set.
+    """
     originals = []
+    copies = []
     for layer in layers:
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             buffer = layer._buffers.get(name)
             if buffer is not None:
                 originals.append((layer, name, buffer))
-                layer._buffers[name] = buffer.clone()
+                copies.append(buffer.clone())
+                layer._buffers[name] = copies[-1]
     try:
-        yield
+        yield copies
     finally:
         for layer, name, buffer in originals:
             layer._buffers[name] = buffer

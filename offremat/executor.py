@@ -36,20 +36,28 @@ import torch
 from torch import nn
 
 from offremat._memory import CudaStreams, HostBufferPool, Residency, StorageRecord
-from offremat._schedule import HostStep, host_schedule
+from offremat._schedule import COMPUTE, ISSUE, RELEASE, HostAction, host_schedule
 from offremat._stage import (
     AutocastState,
     GradSlot,
     RngState,
     SavedTensorPacker,
-    StageInput,
+    check_unmodified,
+    enter_stage,
     frozen_running_stats,
     has_trainable_parameters,
     norm_layers,
     parameter_storages,
     replayed_rng,
 )
-from offremat._tensors import Structure, flatten, is_differentiable, unflatten, unique_storages
+from offremat._tensors import (
+    Structure,
+    flatten,
+    is_differentiable,
+    storage_key,
+    unflatten,
+    unique_storages,
+)
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import (
@@ -98,10 +106,14 @@ class PlanExecutor:
         self.plan = plan
         self.chain = chain
         self.simulation = simulate(plan, chain, plan.budget_bytes)
-        self.steps = host_schedule(plan.ops, self.simulation)
-        self.first_backward_step = next(
-            k for k, step in enumerate(self.steps) if plan.ops[step.compute].kind == BACKWARD
+        actions = host_schedule(plan.ops, self.simulation)
+        first_backward = next(
+            k
+            for k, action in enumerate(actions)
+            if action.kind == COMPUTE and plan.ops[action.position].kind == BACKWARD
         )
+        self.forward_actions = actions[:first_backward]
+        self.backward_actions = actions[first_backward:]
         self._streams: dict[torch.device, CudaStreams] = {}
         self._pools: dict[torch.device, HostBufferPool] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
@@ -273,7 +285,7 @@ class _Step:
         self._mark()
         self.peak = self.residency.live_bytes
         with self._out_of_memory_advice():
-            self._run(self.executor.steps[: self.executor.first_backward_step])
+            self._run(self.executor.forward_actions)
         self._mark()
         assert self.outputs is not None
         return tuple(output.detach() for output in self.outputs)
@@ -288,7 +300,7 @@ class _Step:
             list(grads), None, self.residency.hold(unique_storages(present))
         )
         with self._out_of_memory_advice():
-            self._run(self.executor.steps[self.executor.first_backward_step :])
+            self._run(self.executor.backward_actions)
         first_grads = self.grads.pop(0).tensors
         self.residency.close()
         self._mark()
@@ -301,21 +313,19 @@ class _Step:
         wanted = self.input_requires_grad
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
 
-    def _run(self, steps: Sequence[HostStep]) -> None:
-        for step in steps:
-            for n in step.release:
-                offloaded = self._find(self.ops[n])
+    def _run(self, actions: Sequence[HostAction]) -> None:
+        for action in actions:
+            op = self.ops[action.position]
+            if action.kind == RELEASE:
+                offloaded = self._find(op)
                 if offloaded is not None:  # B may have consumed it since
                     self.residency.release(offloaded.records)
-            for n in step.before:
-                self._memory_op(self.ops[n])
-            op = self.ops[step.compute]
-            if op.kind == BACKWARD:
+            elif action.kind == ISSUE:
+                self._memory_op(op)
+            elif op.kind == BACKWARD:
                 self._backward(op.index)
             else:
                 self._forward(op)
-            for n in step.after:
-                self._memory_op(self.ops[n])
 
     # Memory operations.
 
@@ -371,10 +381,12 @@ class _Step:
         versions = [tensor._version for tensor in inputs]
         packer = slot = None
         diff: list[int] = []
+        excluded = self.excluded
         with ExitStack() as stack:
             if not first:
                 stack.enter_context(replayed_rng(self.rng[i]))
-                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                excluded = excluded | {storage_key(copy) for copy in copies}
             if self.in_backward:
                 for state in self.autocast:
                     state.enter(stack)
@@ -386,19 +398,14 @@ class _Step:
                     if is_differentiable(tensor)
                     and (self.input_requires_grad[k] if i == 1 else self.needs_grad[i - 1])
                 ]
-                packer = SavedTensorPacker(inputs, self.excluded)
+                packer = SavedTensorPacker(inputs, excluded)
                 slot = GradSlot()
-                if diff:
-                    aliases = StageInput.apply(
-                        slot, self.anchor, *[inputs[k].detach() for k in diff]
-                    )
-                    for k, alias in zip(diff, aliases, strict=True):
-                        inputs[k] = alias
+                inputs = enter_stage(inputs, diff, slot, self.anchor)
                 stack.enter_context(packer.hooks())
             else:
                 stack.enter_context(torch.no_grad())
             result = stage(unflatten(inputs, source.structure))
-        self._check_unmodified(i, source.tensors, versions)
+        check_unmodified(self.executor.chain.stage(i).name, source.tensors, versions)
         tensors, structure = flatten(result)
         is_output = i == self.length and self.outputs is None
         if is_output:
@@ -447,16 +454,6 @@ class _Step:
         alone = self.activations.get(index)
         if alone is not None and alone.resident:
             self._drop(ACTIVATION, index)
-
-    def _check_unmodified(self, i: int, tensors: list[torch.Tensor], versions: list[int]) -> None:
-        for tensor, version in zip(tensors, versions, strict=True):
-            if tensor._version != version:
-                raise RuntimeError(
-                    f"stage {self.executor.chain.stage(i).name!r} modifies its input in place "
-                    f"(for example an inplace=True activation first in the stage); its input "
-                    f"is a checkpoint that other operations read again. Make that operation "
-                    f"out of place, or profile with stages that put it after another layer"
-                )
 
     def _mark(self) -> None:
         if self.streams is not None:

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from offremat._blocks import chain_blocks, group_evenly, group_name, stage_module
-from offremat._stage import SavedTensorPacker, parameter_storages
+from offremat._stage import (
+    GradSlot,
+    SavedTensorPacker,
+    check_unmodified,
+    enter_stage,
+    parameter_storages,
+)
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
 from solvers.budget import format_bytes, parse_budget
 from solvers.chain import Chain, Link, Stage
@@ -82,15 +88,18 @@ def profile_model(
             groups = [range(k, k + 1) for k in range(len(blocks))]
         else:
             sizes = [
-                m.saved_bytes for m in _profile_all(modules, example_input, 0, 1, sizes_only=True)
+                m.saved_bytes for m in _profile_all(blocks, example_input, 0, 1, sizes_only=True)
             ]
             # +1: blocks that save nothing still have to go somewhere.
             groups = group_evenly([size + 1 for size in sizes], stages)
         grouped = [[blocks[k] for k in group] for group in groups]
+        names = [group_name([block_name for block_name, _ in group]) for group in grouped]
         measured = _profile_all(
-            [stage_module(group) for group in grouped], example_input, warmup, repeats
+            [(n, stage_module(g)) for n, g in zip(names, grouped, strict=True)],
+            example_input,
+            warmup,
+            repeats,
         )
-    names = [group_name([block_name for block_name, _ in group]) for group in grouped]
     chain_stages = tuple(
         Stage(
             name=stage_name,
@@ -263,22 +272,22 @@ def _median_copy_times(
 
 
 def _profile_all(
-    modules: Sequence[nn.Module],
+    stages: Sequence[tuple[str, nn.Module]],
     example_input: Any,
     warmup: int,
     repeats: int,
     sizes_only: bool = False,
 ) -> list[_Measured]:
-    """Profile each module on the output of the one before, starting from the example input."""
+    """Profile each stage on the output of the one before, starting from the example input."""
     tensors, structure = flatten(example_input)
     flags = [t.requires_grad for t in tensors]
-    excluded = parameter_storages(modules)
+    excluded = parameter_storages([module for _, module in stages])
     value = unflatten([t.detach() for t in tensors], structure)
     results = []
     upstream_trainable = any(flags)
-    for module in modules:
+    for name, module in stages:
         measured, output = _profile_stage(
-            module, value, flags, excluded, warmup, repeats, sizes_only
+            name, module, value, flags, excluded, warmup, repeats, sizes_only
         )
         results.append(measured)
         upstream_trainable = upstream_trainable or any(p.requires_grad for p in module.parameters())
@@ -289,6 +298,7 @@ def _profile_all(
 
 
 def _profile_stage(
+    name: str,
     module: nn.Module,
     value: Any,
     flags: list[bool],
@@ -302,29 +312,40 @@ def _profile_stage(
     cuda = device.type == "cuda"
     parameters = [p for p in module.parameters() if p.requires_grad]
 
-    def prepared() -> tuple[Any, list[torch.Tensor]]:
-        leaves = [t.detach().requires_grad_(flag) for t, flag in zip(tensors, flags, strict=True)]
-        return unflatten(leaves, structure), [leaf for leaf in leaves if leaf.requires_grad]
+    diff = [k for k, flag in enumerate(flags) if flag]
+    anchor = torch.empty(0, device=device, requires_grad=True)
 
-    def backward(output: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def prepared() -> tuple[Any, GradSlot]:
+        # The same boundary as the executor's, so autograd saves the same tensors.
+        slot = GradSlot()
+        return unflatten(enter_stage(tensors, diff, slot, anchor), structure), slot
+
+    def backward(output: Any, slot: GradSlot) -> list[torch.Tensor | None]:
         outputs = [t for t in flatten(output)[0] if t.requires_grad]
-        targets = leaves + parameters
-        if not outputs or not targets:
+        if not outputs:
             return []
-        return list(
-            torch.autograd.grad(
-                outputs, targets, [torch.ones_like(t) for t in outputs], allow_unused=True
-            )
+        grads = torch.autograd.grad(
+            outputs,
+            [anchor, *parameters],
+            [torch.ones_like(t) for t in outputs],
+            allow_unused=True,
         )
+        return [*grads[1:], *(slot.grads or ())]
+
+    def run(stage_input: Any) -> Any:
+        versions = [t._version for t in tensors]
+        output = module(stage_input)
+        check_unmodified(name, tensors, versions)
+        return output
 
     # Sizes, and temporaries from the allocator's statistics on CUDA.
-    stage_input, leaves = prepared()
+    stage_input, slot = prepared()
     packer = SavedTensorPacker(tensors, excluded)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     with torch.enable_grad(), packer.hooks():
-        output = module(stage_input)
+        output = run(stage_input)
     out_tensors, _ = flatten(output)
     out_storages = unique_storages(out_tensors)
     saved = {**packer.storages, **out_storages}
@@ -338,23 +359,23 @@ def _profile_stage(
         )
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        grads = backward(output, leaves)
+        grads = backward(output, slot)
         torch.cuda.synchronize(device)
         produced = storage_bytes(g for g in grads if g is not None)
         bwd_tmp = max(0, torch.cuda.max_memory_allocated(device) - before - produced)
         del grads
     else:
-        backward(output, leaves)
+        backward(output, slot)
     del packer, saved, out_storages
     if sizes_only:
         return _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp), output
 
     forward_times, backward_times = [], []
     for attempt in range(warmup + repeats):
-        stage_input, leaves = prepared()
+        stage_input, slot = prepared()
         with torch.enable_grad():
-            timed_output, forward_s = _timed(device, partial(module, stage_input))
-        _, backward_s = _timed(device, partial(backward, timed_output, leaves))
+            timed_output, forward_s = _timed(device, partial(run, stage_input))
+        _, backward_s = _timed(device, partial(backward, timed_output, slot))
         if attempt >= warmup:
             forward_times.append(forward_s)
             backward_times.append(backward_s)

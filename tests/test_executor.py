@@ -1,0 +1,401 @@
+"""The executor runs every kind of plan with exactly plain autograd's gradients.
+
+Random small chains mix dropout, BatchNorm, frozen parameters, a stage returning a tuple with
+an integer tensor, and inputs with and without grad. For each, plans of every kind (the
+baselines, dp at several budgets, milp when it is installed, and hand-written plans that keep,
+recompute and offload, checkpoints included) must give bit-identical outputs, gradients and
+buffers on CPU, and the peak the executor measures must respect the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from offremat._schedule import COMPUTE, ISSUE, RELEASE, host_schedule
+from offremat.executor import PlanExecutor
+from offremat.profiler import profile_model
+from solvers.baselines import checkpoint_every_stage, chen, keep_all, offload_all
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain, Link, Stage
+from solvers.dp import min_feasible_budget, solve_dp
+from solvers.plan import (
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    free,
+    offload,
+    prefetch,
+    validate,
+)
+from solvers.registry import keep_all_peak
+from solvers.registry import min_feasible_budget as registry_min_feasible_budget
+from solvers.simulator import score, simulate
+
+FAST_LINK = 1e9
+
+
+class Split(nn.Module):
+    """Returns a tuple: a hidden state, an integer mask and a float side channel."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.linear(x), (x > 0).long(), x.sum(-1)
+
+
+class Merge(nn.Module):
+    """Takes :class:`Split`'s tuple back to one tensor."""
+
+    def forward(self, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden, mask, side = parts
+        return torch.tanh(hidden + side[:, None] * mask.to(hidden.dtype))
+
+
+def random_model(seed: int) -> tuple[nn.Sequential, int]:
+    """A chain of 4 to 7 blocks of mixed kinds, and its width."""
+    rng = random.Random(seed)
+    width = rng.choice([8, 12, 16])
+    torch.manual_seed(seed)
+    blocks: list[nn.Module] = []
+    kinds = ["mlp", "dropout", "batchnorm", "frozen", "split"]
+    while len(blocks) < rng.randint(4, 7):
+        kind = rng.choice(kinds)
+        if kind == "mlp":
+            blocks.append(nn.Sequential(nn.Linear(width, width), nn.Tanh()))
+        elif kind == "dropout":
+            blocks.append(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.3)))
+        elif kind == "batchnorm":
+            blocks.append(nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.GELU()))
+        elif kind == "frozen":
+            frozen = nn.Linear(width, width)
+            frozen.requires_grad_(False)
+            blocks.append(nn.Sequential(frozen, nn.Tanh()))
+        else:
+            blocks += [Split(width), Merge()]
+    blocks.append(nn.Sequential(nn.Linear(width, width), nn.Dropout(0.2)))
+    return nn.Sequential(*blocks).train(), width
+
+
+def run_step(step, model: nn.Module, x: torch.Tensor, target: torch.Tensor, seed: int):
+    """One forward and backward with a fixed RNG; output, parameter grads, buffers, input grad."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    torch.manual_seed(seed)
+    out = step(x)
+    ((out - target) ** 2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    return out.detach(), grads, [b.clone() for b in model.buffers()], x.grad
+
+
+def assert_identical(reference, result) -> None:
+    out_ref, grads_ref, buffers_ref, input_grad_ref = reference
+    out, grads, buffers, input_grad = result
+    assert torch.equal(out, out_ref)
+    assert len(grads) == len(grads_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            assert torch.equal(g, g_ref)
+    for b, b_ref in zip(buffers, buffers_ref, strict=True):
+        assert torch.equal(b, b_ref)
+    assert (input_grad is None) == (input_grad_ref is None)
+    if input_grad is not None:
+        assert torch.equal(input_grad, input_grad_ref)
+
+
+def mixed_plan(chain: Chain) -> Plan:
+    """Keep, recompute and offload on a 4-stage chain, with a checkpoint offloaded."""
+    ops = [
+        forward_all(1),
+        forward_checkpoint(2),
+        offload("saved", 1),
+        forward_all(3),
+        offload("activation", 2),
+        forward_all(4),
+        backward(4),
+        prefetch("activation", 2),
+        backward(3),
+        prefetch("saved", 1),
+        forward_all(2),
+        backward(2),
+        backward(1),
+    ]
+    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-mixed")
+
+
+def freeing_plan(chain: Chain) -> Plan:
+    """Offloads x̄_1 while stage 2 reads it, frees x̄_2 and recomputes it from the host copy."""
+    ops = [
+        forward_all(1),
+        forward_all(2),
+        offload("saved", 1),
+        forward_checkpoint(3),
+        free("saved", 2),
+        forward_all(4),
+        backward(4),
+        prefetch("saved", 1),
+        forward_all(2),
+        forward_all(3),
+        backward(3),
+        backward(2),
+        backward(1),
+    ]
+    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-free")
+
+
+def input_offload_plan(chain: Chain) -> Plan:
+    """Checkpoint every stage input, offload the checkpoints, prefetch each for its stage."""
+    length = chain.length
+    ops = [forward_checkpoint(1)]
+    for i in range(2, length):
+        ops += [forward_checkpoint(i), offload("activation", i - 1)]
+    ops += [forward_all(length), backward(length)]
+    for i in range(length - 1, 0, -1):
+        if i > 1:
+            ops.append(prefetch("activation", i - 1))
+        ops += [forward_all(i), backward(i)]
+    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-checkpoint-offload")
+
+
+def test_hand_written_plans_are_valid() -> None:
+    chain = Chain("c", 8, tuple(Stage(f"s{i}", 1.0, 2.0, 4, 8) for i in range(1, 5)), Link(4, 4))
+    for plan in (mixed_plan(chain), freeing_plan(chain), input_offload_plan(chain)):
+        assert validate(plan, chain) == [], plan.solver
+    assert set(mixed_plan(chain).decisions.values()) == {"keep", "recompute", "offload"}
+
+
+def profiled(model: nn.Module, x: torch.Tensor, seed: int) -> Chain:
+    torch.manual_seed(seed)
+    return profile_model(model, x, warmup=0, repeats=1, bandwidth=FAST_LINK)
+
+
+def plans_for(chain: Chain) -> list[Plan]:
+    """Every kind of plan this chain admits, scored at the budget it was made for."""
+    plans = []
+    peak = keep_all_peak(chain)
+    for maker in (keep_all, chen, checkpoint_every_stage, offload_all):
+        plans.append(score(maker(chain), chain, peak))
+    least = min_feasible_budget(chain)
+    for fraction in (0.0, 0.35, 0.7):
+        budget = int(least + fraction * (peak - least))
+        try:
+            plans.append(solve_dp(chain, budget))
+        except InfeasibleBudgetError:
+            continue
+    if chain.length == 4:
+        for plan in (mixed_plan(chain), freeing_plan(chain)):
+            plans.append(score(plan, chain, peak))
+    plans.append(score(input_offload_plan(chain), chain, peak))
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_plan_matches_plain_autograd_bit_for_bit(seed: int) -> None:
+    model, width = random_model(seed)
+    torch.manual_seed(100 + seed)
+    x = torch.randn(6, width, requires_grad=seed % 2 == 0)
+    target = torch.randn(6, width)
+    chain = profiled(copy.deepcopy(model), x, seed)
+    reference_model = copy.deepcopy(model)
+    reference = run_step(reference_model, reference_model, x, target, seed)
+    for plan in plans_for(chain):
+        assert validate(plan, chain) == []
+        candidate = copy.deepcopy(model)
+        executor = PlanExecutor(list(candidate), plan, chain)
+        assert_identical(reference, run_step(executor, candidate, x, target, seed))
+        stats = executor.stats
+        assert stats is not None and stats.step_time_s > 0
+        assert stats.peak_activation_bytes <= plan.budget_bytes, plan.solver
+
+
+def test_a_four_stage_model_runs_the_hand_written_offload_plans() -> None:
+    torch.manual_seed(0)
+    width = 10
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(width, width), nn.Dropout(0.5)),
+        Split(width),
+        Merge(),
+        nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width)),
+    ).train()
+    x = torch.randn(5, width, requires_grad=True)
+    target = torch.randn(5, width)
+    chain = profiled(copy.deepcopy(model), x, 0)
+    reference_model = copy.deepcopy(model)
+    reference = run_step(reference_model, reference_model, x, target, 7)
+    for plan in (mixed_plan(chain), freeing_plan(chain), input_offload_plan(chain)):
+        candidate = copy.deepcopy(model)
+        executor = PlanExecutor(list(candidate), score(plan, chain, None), chain)
+        assert_identical(reference, run_step(executor, candidate, x, target, 7))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("solvers.milp") is None, reason="solvers.milp has not landed"
+)
+@pytest.mark.parametrize("seed", range(2))
+def test_milp_plans_with_a_fast_link_match_plain_autograd(seed: int) -> None:
+    from solvers.milp import solve_milp
+
+    model, width = random_model(seed)
+    x = torch.randn(6, width)
+    target = torch.randn(6, width)
+    chain = profiled(copy.deepcopy(model), x, seed)
+    reference_model = copy.deepcopy(model)
+    reference = run_step(reference_model, reference_model, x, target, seed)
+    peak = keep_all_peak(chain)
+    for fraction in (0.5, 0.8):
+        plan = solve_milp(chain, int(fraction * peak), time_limit_s=10.0)
+        candidate = copy.deepcopy(model)
+        executor = PlanExecutor(list(candidate), plan, chain)
+        assert_identical(reference, run_step(executor, candidate, x, target, seed))
+        assert executor.stats.peak_activation_bytes <= plan.budget_bytes
+
+
+def wide_mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            for _ in range(depth)
+        ]
+    )
+
+
+def test_measured_peak_tracks_the_simulator_for_recompute_plans() -> None:
+    model = wide_mlp(64, 8)
+    x = torch.randn(32, 64)
+    target = torch.randn(32, 64)
+    chain = profile_model(model, x, warmup=0, repeats=1)
+    least = min_feasible_budget(chain)
+    peak = keep_all_peak(chain)
+    plans = [score(keep_all(chain), chain, peak), score(chen(chain), chain, peak)]
+    plans += [score(checkpoint_every_stage(chain), chain, peak)]
+    plans += [solve_dp(chain, int(least + f * (peak - least))) for f in (0.0, 0.3, 0.6)]
+    for plan in plans:
+        executor = PlanExecutor(list(model), plan, chain)
+        run_step(executor, model, x, target, 0)
+        measured = executor.stats.peak_activation_bytes
+        predicted = plan.predicted_peak_bytes
+        assert measured <= plan.budget_bytes
+        assert abs(measured - predicted) <= 0.1 * predicted, (plan.solver, measured, predicted)
+
+
+def test_offloading_plans_stay_within_their_budget_on_cpu() -> None:
+    model = wide_mlp(64, 6)
+    x = torch.randn(32, 64)
+    target = torch.randn(32, 64)
+    chain = profile_model(model, x, warmup=0, repeats=1, bandwidth=FAST_LINK)
+    # At the least budget the offload-all plan admits, the simulator makes allocations wait
+    # for offloads to finish; the executor must release them at the same points.
+    tightest = registry_min_feasible_budget(chain, "offload-all")
+    unconstrained = simulate(offload_all(chain), chain).peak_bytes
+    assert tightest < unconstrained
+    for budget in (unconstrained, tightest):
+        plan = score(offload_all(chain), chain, budget)
+        assert plan.feasible
+        executor = PlanExecutor(list(model), plan, chain)
+        run_step(executor, model, x, target, 0)
+        assert executor.stats.peak_activation_bytes <= budget
+
+
+def test_host_schedule_issues_prefetches_ahead_and_releases_after_the_copy() -> None:
+    stages = tuple(Stage(f"s{i}", 1.0, 1.0, 10, 10) for i in range(1, 4))
+    chain = Chain("c", 10, stages, Link(10.0, 10.0))  # a copy of 10 bytes takes 1 s
+    ops = (
+        forward_all(1),
+        forward_all(2),
+        offload("saved", 1),
+        forward_all(3),
+        backward(3),
+        prefetch("saved", 1),
+        backward(2),
+        backward(1),
+    )
+    actions = host_schedule(ops, simulate(ops, chain))
+    # Offload once F_all(2) is enqueued; the copy ends at t=2 when F_all(3) starts, so its
+    # bytes are released just before F_all(3); the prefetch runs beside B(3).
+    assert [(a.kind, a.position) for a in actions] == [
+        (COMPUTE, 0),
+        (COMPUTE, 1),
+        (ISSUE, 2),
+        (RELEASE, 2),
+        (COMPUTE, 3),
+        (ISSUE, 5),
+        (COMPUTE, 4),
+        (COMPUTE, 6),
+        (COMPUTE, 7),
+    ]
+
+
+def test_host_schedule_defers_a_prefetch_that_waits_for_memory() -> None:
+    stages = tuple(Stage(f"s{i}", 1.0, 1.0, 10, 10) for i in range(1, 4))
+    chain = Chain("c", 10, stages, Link(10.0, 10.0))
+    ops = (
+        forward_all(1),
+        forward_all(2),
+        offload("saved", 1),
+        forward_all(3),
+        backward(3),
+        prefetch("saved", 1),
+        backward(2),
+        backward(1),
+    )
+    unconstrained = simulate(ops, chain)
+    tight = simulate(ops, chain, unconstrained.peak_bytes - 10)
+    assert tight.feasible
+    prefetch_start = next(i.start_s for i in tight.timeline if i.op_index == 5)
+    b3_end = next(i.end_s for i in tight.timeline if i.op_index == 4)
+    assert prefetch_start >= b3_end  # it waited for what B(3) frees
+    order = [(a.kind, a.position) for a in host_schedule(ops, tight)]
+    assert order.index((ISSUE, 5)) > order.index((COMPUTE, 4))
+
+
+def test_an_in_place_change_of_a_stage_input_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="'1' modifies its input in place"):
+        profile_model(model, x, warmup=0, repeats=1)
+    chain = Chain("c", 48, tuple(Stage(str(k), 1.0, 1.0, 48, 96) for k in range(3)))
+    executor = PlanExecutor(list(model), score(checkpoint_every_stage(chain), chain, None), chain)
+    with pytest.raises(RuntimeError, match="'1' modifies its input in place"):
+        executor(x).sum().backward()
+
+
+def test_a_plan_for_another_chain_is_refused() -> None:
+    model = wide_mlp(8, 3)
+    chain = profile_model(model, torch.randn(2, 8), warmup=0, repeats=1)
+    other = Chain("other", 8, chain.stages[:2])
+    with pytest.raises(ValueError, match="stages"):
+        PlanExecutor(list(model), keep_all(other), chain)
+
+
+def test_backward_twice_says_what_to_do() -> None:
+    model = wide_mlp(8, 3)
+    x = torch.randn(2, 8)
+    chain = profile_model(model, x, warmup=0, repeats=1)
+    executor = PlanExecutor(list(model), score(keep_all(chain), chain, None), chain)
+    loss = executor(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+def test_host_buffers_are_reused_from_step_to_step() -> None:
+    model = wide_mlp(32, 4)
+    x = torch.randn(16, 32)
+    chain = profile_model(model, x, warmup=0, repeats=1, bandwidth=FAST_LINK)
+    executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
+    executor(x).sum().backward()
+    pool = executor._pools[x.device]
+    allocated = pool.allocated_bytes
+    assert allocated > 0
+    for _ in range(3):
+        executor(x).sum().backward()
+    assert pool.allocated_bytes == allocated
