@@ -1,0 +1,203 @@
+"""The profiler turns a chain of modules into a Chain whose sizes are the executor's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offremat._blocks import NotAChainError, group_evenly
+from offremat.cli import main
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.profiler import parse_bandwidth, profile_model, stage_modules
+from solvers.chain import Chain, Link
+
+FLOAT = 4
+
+
+def quick(model, x, **options) -> Chain:
+    return profile_model(model, x, warmup=0, repeats=1, **options)
+
+
+def test_one_stage_per_block_named_after_the_blocks() -> None:
+    model = nn.Sequential()
+    model.add_module("first", nn.Linear(4, 4))
+    model.add_module("second", nn.Tanh())
+    chain = quick(model, torch.randn(2, 4))
+    assert [s.name for s in chain.stages] == ["first", "second"]
+    assert chain.metadata["grouping"] == {"first": ["first"], "second": ["second"]}
+    assert all(s.fwd_s > 0 and s.bwd_s >= 0 for s in chain.stages)
+    assert chain.link is None  # no link on a CPU without bandwidth=
+
+
+def test_sizes_count_storages_once_and_leave_out_the_input_and_parameters() -> None:
+    batch, width = 8, 16
+    activation = batch * width * FLOAT
+    model = nn.Sequential(
+        # Linear saves its input (not counted) and tanh saves its output (= a_1).
+        nn.Sequential(nn.Linear(width, width), nn.Tanh()),
+        # ReLU's output is saved by ReLU and by the second Linear: one storage, plus a_2.
+        nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)),
+        # A view of the input: the output shares the input's storage.
+        nn.Flatten(0, 1),
+    )
+    x = torch.randn(batch, width)
+    chain = quick(model, x)
+    first, second, flatten = chain.stages
+    assert chain.input_bytes == activation
+    assert (first.out_bytes, first.saved_bytes) == (activation, activation)
+    assert (second.out_bytes, second.saved_bytes) == (activation, 2 * activation)
+    assert (flatten.out_bytes, flatten.saved_bytes) == (activation, activation)
+    assert first.fwd_tmp_bytes == first.bwd_tmp_bytes == 0  # temporaries need CUDA
+
+
+def test_tuple_outputs_count_each_storage_once() -> None:
+    class PassTargets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            hidden, targets = batch
+            return self.linear(hidden), targets
+
+    model = nn.Sequential(PassTargets(), PassTargets())
+    hidden, targets = torch.randn(3, 4), torch.arange(3)
+    chain = quick(model, (hidden, targets))
+    assert chain.input_bytes == 3 * 4 * FLOAT + 3 * 8
+    # The output holds a new hidden state and the very same targets.
+    assert chain.stages[0].out_bytes == 3 * 4 * FLOAT + 3 * 8
+
+
+def test_grouping_is_contiguous_named_and_reported(caplog: pytest.LogCaptureFixture) -> None:
+    config = GPTConfig(layers=4, hidden=16, heads=2, seq=8, vocab=32)
+    model = build_gpt(config)
+    with caplog.at_level(logging.INFO, logger="offremat.profiler"):
+        chain = quick(model, gpt_batch(config, 2), stages=3)
+    assert chain.length == 3
+    grouping = chain.metadata["grouping"]
+    blocks = [name for name, _ in model.named_children()]
+    assert [b for s in chain.stages for b in grouping[s.name]] == blocks
+    for stage in chain.stages:
+        members = grouping[stage.name]
+        expected = members[0] if len(members) == 1 else f"{members[0]}..{members[-1]}"
+        assert stage.name == expected
+    assert "grouped 6 blocks into 3 stages" in caplog.text
+    modules = stage_modules(model, chain)
+    assert len(modules) == 3
+    shared = [id(p) for module in modules for p in module.parameters()]
+    assert shared == [id(p) for p in model.parameters()]
+
+
+def test_group_evenly_minimizes_the_heaviest_group() -> None:
+    rng = random.Random(0)
+    for _ in range(30):
+        weights = [rng.randint(1, 20) for _ in range(rng.randint(1, 8))]
+        count = rng.randint(1, len(weights))
+        groups = group_evenly(weights, count)
+        assert [k for g in groups for k in g] == list(range(len(weights)))
+        assert len(groups) == count and all(len(g) > 0 for g in groups)
+        best = min(
+            max(sum(weights[a:b]) for a, b in itertools.pairwise((0, *cuts, len(weights))))
+            for cuts in itertools.combinations(range(1, len(weights)), count - 1)
+        )
+        assert max(sum(weights[k] for k in g) for g in groups) == best
+    with pytest.raises(ValueError, match=r"pick 1\.\.3"):
+        group_evenly([1, 2, 3], 4)
+
+
+def test_profiling_leaves_rng_buffers_and_grads_untouched() -> None:
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)), nn.Dropout(0.5), nn.Linear(6, 6)
+    )
+    model[2].weight.grad = torch.ones(6, 6)
+    x = torch.randn(5, 6)
+    buffers = [b.clone() for b in model.buffers()]
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    quick(model, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+    assert torch.equal(model[2].weight.grad, torch.ones(6, 6))
+    assert model[0][0].weight.grad is None
+
+
+def test_bandwidth_sets_the_link() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    chain = quick(model, torch.randn(1, 2), bandwidth="25GB/s")
+    assert chain.link == Link(25e9, 25e9)
+    assert parse_bandwidth(2.5e10) == Link(2.5e10, 2.5e10)
+    assert parse_bandwidth((1e9, "2GiB/s")) == Link(1e9, 2 * 2**30)
+    assert parse_bandwidth("1.5e9 / s") == Link(1.5e9, 1.5e9)
+    for bad in ("fast", -1, 0, (1, 2, 3)):
+        with pytest.raises(ValueError):
+            parse_bandwidth(bad)
+
+
+def test_a_model_that_is_not_a_chain_is_refused_by_name() -> None:
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(NotAChainError, match=r"Branchy is not a chain.*nn\.Sequential.*list of"):
+        quick(Branchy(), torch.randn(2))
+    with pytest.raises(NotAChainError, match="block 1 of the list is a str"):
+        quick([nn.Linear(2, 2), "relu"], torch.randn(2))
+
+
+def test_an_input_on_another_device_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="input is on cpu but the model's parameters are on meta"):
+        quick(model, torch.randn(1, 2))
+
+
+def test_a_list_of_blocks_profiles_like_a_sequential() -> None:
+    blocks = [nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)]
+    x = torch.randn(4, 3)
+    from_list = quick(blocks, x)
+    from_sequential = quick(nn.Sequential(*blocks), x)
+    assert [s.name for s in from_list.stages] == ["0", "1", "2"]
+    sizes = [(s.out_bytes, s.saved_bytes) for s in from_list.stages]
+    assert sizes == [(s.out_bytes, s.saved_bytes) for s in from_sequential.stages]
+
+
+def test_stage_modules_refuses_a_chain_of_another_model() -> None:
+    chain = quick(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), torch.randn(1, 2))
+    with pytest.raises(ValueError, match="profile this model"):
+        stage_modules(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Tanh()), chain)
+
+
+def test_cli_profiles_an_in_repo_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "chain.json"
+    args = ["profile", "gpt-tiny", "--out", str(out), "--warmup", "0", "--repeats", "1"]
+    assert main([*args, "--stages", "2", "--bandwidth", "10GB/s"]) == 0
+    chain = Chain.load(out)
+    assert chain.length == 2 and chain.link == Link(1e10, 1e10)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
+    source = tmp_path / "my_models.py"
+    source.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def mlp(batch_size=2):\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(batch_size, 4)\n"
+        "def broken():\n"
+        "    return 3\n"
+    )
+    out = tmp_path / "chain.json"
+    common = ["--out", str(out), "--warmup", "0", "--repeats", "1"]
+    assert main(["profile", f"{source}:mlp", "--batch", "5", *common]) == 0
+    data = json.loads(out.read_text())
+    assert data["input_bytes"] == 5 * 4 * FLOAT
+    assert main(["profile", f"{source}:broken", *common]) == 2
+    assert main(["profile", f"{source}:missing", *common]) == 2
+    assert main(["profile", "no-such-model", *common]) == 2
+    assert main(["profile", "gpt-tiny", "--stages", "0", *common]) == 2
