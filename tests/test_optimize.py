@@ -1,0 +1,224 @@
+"""``offremat.optimize``: the public API of issue 4, used the way a training loop uses it."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+from solvers.budget import InfeasibleBudgetError, parse_budget
+from solvers.plan import Plan
+from solvers.registry import keep_all_peak
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    blocks = [
+        nn.Sequential(nn.Linear(12, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Dropout(0.2))
+        for _ in range(5)
+    ]
+    return nn.Sequential(*blocks, nn.Linear(12, 3))
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 12, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+
+
+def quick_chain(model: nn.Module, x, **options):
+    """A chain measured with a single run per stage, to keep the tests fast."""
+    return offremat.profile_model(model, x, warmup=0, repeats=1, **options)
+
+
+def train(step, model: nn.Module, steps: int = 3) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for n in range(steps):
+        x, y = batch(n)
+        torch.manual_seed(100 + n)
+        loss = nn.functional.cross_entropy(step(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_follows_plain_autograd_exactly() -> None:
+    reference = mlp()
+    expected = train(reference, reference)
+    model = mlp()
+    x = batch()[0]
+    om = offremat.optimize(model, x, budget=0.4, solver="dp", chain=quick_chain(model, x))
+    assert "recompute" in om.plan.decisions.values()
+    assert train(om, om) == expected
+    for mine, theirs in zip(
+        model.state_dict().values(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(mine, theirs)
+    stats = om.stats
+    assert stats.step_time_s > 0
+    assert 0 < stats.peak_activation_bytes <= om.plan.budget_bytes
+    assert om.plan.predicted_time_s > 0 and om.plan.predicted_peak_bytes <= om.plan.budget_bytes
+
+
+def test_the_wrapper_is_the_model_for_nn_module() -> None:
+    model = mlp()
+    x = batch()[0]
+    om = offremat.optimize(model, x, budget=1.0, solver="keep-all", chain=quick_chain(model, x))
+    assert list(om.state_dict()) == list(model.state_dict())
+    assert [id(p) for p in om.parameters()] == [id(p) for p in model.parameters()]
+    assert [name for name, _ in om.named_parameters()] == [n for n, _ in model.named_parameters()]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model[0][0].weight.add_(1.0)
+    om.load_state_dict(saved)
+    assert torch.equal(model[0][0].weight, saved["0.0.weight"])
+    om.eval()
+    assert not model.training and not model[0][1].training
+    om.train()
+    assert model.training and model[0][1].training
+    om.double()
+    assert model[0][0].weight.dtype == torch.float64
+    assert "keep-all" in repr(om)
+
+
+def test_eval_and_no_grad_run_the_model_as_it_is() -> None:
+    model = mlp()
+    x = batch()[0]
+    om = offremat.optimize(model, x, budget=0.5, chain=quick_chain(model, x))
+    om.eval()
+    assert torch.equal(om(x), model(x))
+    om.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        expected = model(x)
+        torch.manual_seed(0)
+        assert torch.equal(om(x), expected)
+    assert om.stats is None  # no training step has run
+
+
+def test_gpt_gradients_match_with_dropout_and_tuples() -> None:
+    config = GPTConfig(layers=3, hidden=32, heads=2, seq=16, vocab=64)
+    inputs = gpt_batch(config, 2)
+    reference = build_gpt(config)
+    torch.manual_seed(5)
+    reference(inputs).backward()
+    model = build_gpt(config)
+    chain = quick_chain(model, inputs)
+    om = offremat.optimize(model, inputs, budget=0.5, solver="dp", chain=chain)
+    assert "recompute" in om.plan.decisions.values()
+    torch.manual_seed(5)
+    om(inputs).backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_budget_forms_and_their_errors() -> None:
+    model = mlp()
+    x = batch()[0]
+    chain = quick_chain(model, x)
+    peak = keep_all_peak(chain)
+    assert offremat.optimize(model, x, budget=0.6, chain=chain).plan.budget_bytes == int(0.6 * peak)
+    assert offremat.optimize(model, x, budget=peak, chain=chain).plan.budget_bytes == peak
+    size = f"{peak / 1024:.3f}KiB"
+    expected = parse_budget(size)
+    assert offremat.optimize(model, x, budget=size, chain=chain).plan.budget_bytes == expected
+    with pytest.raises(InfeasibleBudgetError) as error:
+        offremat.optimize(model, x, budget=64, chain=chain)
+    assert error.value.min_budget_bytes > 64
+    assert "least feasible budget" in str(error.value)
+    with pytest.raises(ValueError, match="pass budget="):
+        offremat.optimize(model, x, chain=chain)
+
+
+def test_chain_and_plan_from_files(tmp_path: Path) -> None:
+    model = mlp()
+    x = batch()[0]
+    first = offremat.optimize(model, x, budget=0.8, stages=3)
+    first.chain.save(tmp_path / "chain.json")
+    first.plan.save(tmp_path / "plan.json")
+    again = offremat.optimize(model, x, chain=tmp_path / "chain.json", plan=tmp_path / "plan.json")
+    assert again.plan.ops == first.plan.ops
+    assert again.plan.budget_bytes == first.plan.budget_bytes
+    assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
+    wrong = Plan(first.plan.ops, tuple(f"x{n}" for n in range(first.plan.length)), "hand")
+    with pytest.raises(ValueError, match="make the plan from this chain"):
+        offremat.optimize(model, x, chain=first.chain, plan=wrong)
+
+
+def test_bandwidth_makes_offloading_plans_on_a_cpu() -> None:
+    model = mlp()
+    x = batch()[0]
+    with pytest.raises(ValueError, match="link"):
+        offremat.optimize(model, x, budget=1.0, solver="offload-all", chain=quick_chain(model, x))
+    reference = mlp()
+    expected = train(reference, reference, steps=2)
+    chain = quick_chain(model, x)
+    om = offremat.optimize(
+        model, x, budget=1.0, solver="offload-all", bandwidth="8GB/s", chain=chain
+    )
+    assert om.chain.link is not None
+    assert "offload" in om.plan.decisions.values()
+    assert train(om, om, steps=2) == expected
+    assert om.stats.peak_activation_bytes <= om.plan.budget_bytes
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("solvers.milp") is None, reason="solvers.milp has not landed"
+)
+def test_milp_with_a_fast_link_trains_like_plain_autograd() -> None:
+    reference = mlp()
+    expected = train(reference, reference, steps=2)
+    model = mlp()
+    x = batch()[0]
+    chain = quick_chain(model, x, bandwidth=1e9)
+    om = offremat.optimize(model, x, budget=0.5, solver="milp", chain=chain, time_limit_s=10.0)
+    assert train(om, om, steps=2) == expected
+    assert om.stats.peak_activation_bytes <= om.plan.budget_bytes
+
+
+def test_bad_input_gets_a_message_that_says_what_to_do() -> None:
+    class Tree(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(offremat.NotAChainError, match="Tree is not a chain"):
+        offremat.optimize(Tree(), torch.randn(2), budget=1.0)
+    on_meta = nn.Sequential(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="move the input"):
+        offremat.optimize(on_meta, torch.randn(1, 2), budget=1.0)
+    model = mlp()
+    x = batch()[0]
+    om = offremat.optimize(model, x, budget=1.0, chain=quick_chain(model, x))
+    with pytest.raises(ValueError, match="parameters are on cpu"):
+        om(torch.randn(16, 12, device="meta"))
+
+
+def test_out_of_memory_is_reraised_with_the_plan_and_advice() -> None:
+    class Exhausting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return self.linear(x)
+
+    block = Exhausting()
+    model = nn.Sequential(nn.Linear(4, 4), block)
+    om = offremat.optimize(copy.deepcopy(model), torch.randn(3, 4), budget=1.0)
+    om.model[1].fail = True
+    with pytest.raises(torch.OutOfMemoryError) as error:
+        om(torch.randn(3, 4))
+    message = str(error.value)
+    assert "predicted activation peak" in message and "budget" in message
+    assert "profile again" in message and "Tried to allocate 2.00 GiB" in message
