@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
-from offremat.commands import EXIT_USAGE, UsageError, plot, profile, solve
+from offremat.commands import EXIT_USAGE, UsageError, demo, plot, profile, solve, sweep
 
 # Adding a subcommand: a module in offremat/commands/ and one entry here.
-COMMANDS = (solve, plot, profile)
+COMMANDS = (solve, plot, profile, sweep, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

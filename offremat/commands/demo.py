@@ -1,0 +1,92 @@
+"""``offremat demo``: plan an in-repo GPT for a budget keep-all does not fit, train it with every
+method, and compare predicted against measured step time and peak."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from rich.console import Console
+
+from offremat.commands import EXIT_OK, UsageError
+
+EXIT_LOSSES_DIFFER = 1
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``offremat demo``."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="plan, train and compare: keep-all, checkpoint_sequential, save_on_cpu, dp, milp",
+        description="Build the in-repo GPT, profile it, pick a budget that keep-all does not "
+        "fit, solve it with dp and milp, train a few steps with each method from the same seed "
+        "and print predicted against measured step time and peak. Exits 1 if the losses are "
+        "not identical across methods. Runs on CUDA when present, else on CPU.",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="training steps per method (4)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="budget as a fraction of the keep-all peak, below 1 (default 0.5)",
+    )
+    parser.add_argument(
+        "--milp-time-limit", type=float, default=10.0, metavar="S", help="MILP time limit (10 s)"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        metavar="BYTES_PER_S",
+        help="host link for planning, both directions (default: measured on CUDA, 12 GB/s "
+        "stand-in on CPU)",
+    )
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, batches and dropout seed")
+    size = parser.add_argument_group("model size (default: the demo GPT)")
+    size.add_argument("--layers", type=int)
+    size.add_argument("--hidden", type=int)
+    size.add_argument("--heads", type=int)
+    size.add_argument("--seq", type=int)
+    size.add_argument("--batch", type=int, help="batch size (default 8)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print its tables; exit 1 when the methods' losses differ."""
+    import torch
+
+    from offremat.demo import DEMO_BATCH_SIZE, DEMO_GPT, render, run_demo
+
+    if args.steps < 2:
+        raise UsageError(f"--steps must be at least 2 (one warm-up, one timed), got {args.steps}")
+    if not 0 < args.budget < 1:
+        raise UsageError(
+            f"--budget is a fraction of the keep-all peak in (0, 1), got {args.budget}"
+        )
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+    sizes = {
+        name: getattr(args, name)
+        for name in ("layers", "hidden", "heads", "seq")
+        if getattr(args, name) is not None
+    }
+    try:
+        config = dataclasses.replace(DEMO_GPT, **sizes)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    console = Console(highlight=False)
+    report = run_demo(
+        config=config,
+        batch_size=args.batch or DEMO_BATCH_SIZE,
+        steps=args.steps,
+        budget_fraction=args.budget,
+        milp_time_limit_s=args.milp_time_limit,
+        bandwidth=args.bandwidth,
+        device=args.device,
+        seed=args.seed,
+        progress=lambda line: console.print(f"[dim]· {line}[/]"),
+    )
+    render(report, console)
+    return EXIT_OK if report.losses_identical else EXIT_LOSSES_DIFFER

@@ -1,0 +1,483 @@
+"""``offremat demo``: plan an in-repo GPT for a budget keep-all does not fit, then train it with
+every method and compare predicted against measured step time and peak.
+
+The methods are plain autograd (keep-all), ``torch.utils.checkpoint.checkpoint_sequential``
+with Chen et al.'s √L segments ("Training Deep Nets with Sublinear Memory Cost", 2016),
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (CUDA only), and offremat's dp
+(Herrmann, Beaumont et al. 2019) and milp plans run by :func:`offremat.optimize`.
+
+Measurement, the same for every method: each trains the same freshly seeded model on the same
+batches with the same RNG seed, so a method that changes only *where* activations live must
+give the same losses bit for bit. Step time is the median forward plus backward time after a
+first warm-up step. Peak activation memory is, on CUDA, ``max_memory_allocated`` during the
+step above what was allocated before it (parameters, their gradients and the optimizer state
+are allocated by then), plus the input batch, which the budget counts; on CPU, where no
+allocator keeps statistics, it is the peak of live storages allocated during the step, from
+an allocation tracker for torch's methods and from the executor's own counter for offremat's
+plans (whose host copies live in the same CPU memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint_sequential
+
+from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
+from solvers.baselines import chen_segments
+from solvers.budget import format_bytes
+from solvers.chain import Chain, Link
+from solvers.plan import Plan, backward, forward_all, forward_checkpoint, forward_none
+from solvers.registry import keep_all_peak, min_feasible_budget, solve
+from solvers.simulator import score
+
+logger = logging.getLogger(__name__)
+
+DEMO_GPT = GPTConfig(layers=6, hidden=128, heads=4, seq=128, vocab=512, dropout=0.1)
+DEMO_BATCH_SIZE = 8
+# On CPU there is no host link to measure; this stands in for a PCIe 3.0 x16 link so that the
+# milp can plan offloads, which the CPU executor then runs as synchronous copies.
+CPU_STAND_IN_BANDWIDTH = 1.2e10
+LEARNING_RATE = 0.05
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What training with one method measured."""
+
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]
+    peak_bytes: int | None
+
+    @property
+    def step_time_s(self) -> float:
+        """Median forward plus backward time, the first (warm-up) step left out."""
+        timed = self.step_times_s[1:] or self.step_times_s
+        return statistics.median(timed)
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """One row of the comparison: a method's predicted and measured time and peak."""
+
+    method: str
+    status: str
+    predicted_time_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    measured: Measurement | None = None
+    note: str = ""
+
+    @property
+    def ran(self) -> bool:
+        """Whether the method trained (it is not skipped)."""
+        return self.measured is not None
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    """Everything ``offremat demo`` found, for printing or for tests."""
+
+    device: str
+    model: str
+    chain: Chain
+    budget_bytes: int
+    keep_all_peak_bytes: int
+    link_note: str
+    results: tuple[MethodResult, ...]
+    elapsed_s: float
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def losses_identical(self) -> bool:
+        """Whether every method that trained saw exactly the same losses."""
+        curves = {r.measured.losses for r in self.results if r.measured is not None}
+        return len(curves) == 1
+
+    def result(self, method: str) -> MethodResult:
+        """The row of ``method``."""
+        return next(r for r in self.results if r.method == method)
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Live bytes of the storages allocated while active, and their peak.
+
+    Each op's fresh output storage is counted until the storage is freed (a weakref finalizer
+    on the storage, whose Python object PyTorch keeps alive exactly as long as the storage).
+    Outputs that reuse an input's storage (in-place ops, ``out=``, views) are not new.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        inputs = {
+            t.untyped_storage()._cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_leaves(result):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in inputs or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.live_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            weakref.finalize(storage, self._release, key)
+        return result
+
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self.live.pop(key, 0)
+
+
+def batch_bytes(batch: Batch) -> int:
+    """Bytes of the input a_0, which the budget counts."""
+    return sum(t.untyped_storage().nbytes() for t in batch)
+
+
+def train(
+    build: Callable[[], nn.Module],
+    make_forward: Callable[[nn.Module], Callable[[Batch], torch.Tensor]],
+    batches: Sequence[Batch],
+    seed: int,
+    executor_peak: Callable[[Any], int | None] | None = None,
+) -> Measurement:
+    """Train a fresh model with one method for ``len(batches)`` SGD steps; measure each step.
+
+    ``make_forward(model)`` returns the function that maps a batch to the loss. The peak is
+    measured as the module notes say; on CPU, ``executor_peak(forward)`` gives it instead for
+    offremat's plans.
+    """
+    model = build()
+    forward = make_forward(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    # Gradients exist before the first measured step, so they are never counted as activations.
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    torch.manual_seed(seed)
+    if cuda:
+        torch.cuda.manual_seed_all(seed)
+    losses, times, peaks = [], [], []
+    for number, batch in enumerate(batches):
+        optimizer.zero_grad(set_to_none=False)
+        # The tracker slows the step it watches, so it watches only the untimed warm-up step.
+        tracked = not cuda and executor_peak is None and number == 0
+        tracker = AllocationTracker()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        started = time.perf_counter()
+        with tracker if tracked else contextlib.nullcontext():
+            loss = forward(batch)
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(device) - before + batch_bytes(batch))
+        elif tracked:
+            peaks.append(tracker.peak_bytes + batch_bytes(batch))
+        elif executor_peak is not None:
+            peaks.append(executor_peak(forward))
+        losses.append(loss.item())
+        optimizer.step()
+    known = [peak for peak in peaks if peak is not None]
+    return Measurement(tuple(losses), tuple(times), max(known) if known else None)
+
+
+def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
+    """The plan ``checkpoint_sequential(model, segments, x)`` runs, for the simulator.
+
+    Each segment but the last runs without autograd, keeping its input; the last runs with
+    autograd; each earlier segment is recomputed from its input just before its backward.
+    PyTorch cuts ``L // segments`` stages per segment and gives the rest to the last one.
+    """
+    length = chain.length
+    segments = max(1, min(segments, length))
+    size = length // segments
+    bounds = [(1 + n * size, (n + 1) * size) for n in range(segments - 1)]
+    bounds.append((1 + (segments - 1) * size, length))
+    ops = []
+    for first, last in bounds[:-1]:
+        ops.append(forward_checkpoint(first))
+        ops += [forward_none(i) for i in range(first + 1, last + 1)]
+    for first, last in reversed(bounds):
+        ops += [forward_all(i) for i in range(first, last + 1)]
+        ops += [backward(i) for i in range(last, first - 1, -1)]
+    names = tuple(s.name for s in chain.stages)
+    return Plan(
+        tuple(ops),
+        names,
+        f"checkpoint_sequential({segments})",
+        chain_name=chain.name,
+        info={"segments": segments},
+    )
+
+
+def best_checkpoint_sequential(chain: Chain, budget: int) -> Plan | None:
+    """The ``checkpoint_sequential`` segment count whose simulated plan is fastest within
+    ``budget``, as a scored plan (``info["segments"]``); None if no count fits."""
+    best = None
+    for segments in range(1, chain.length + 1):
+        plan = score(checkpoint_sequential_plan(chain, segments), chain, budget)
+        if plan.feasible and (best is None or plan.predicted_time_s < best.predicted_time_s):
+            best = plan
+    return best
+
+
+def profile_chain(model: nn.Module, example: Batch, name: str) -> Chain:
+    """The model's chain, profiled on this machine (one stage per block)."""
+    from offremat.profiler import profile_model
+
+    return profile_model(model, example, name=name)
+
+
+def run_demo(
+    config: GPTConfig = DEMO_GPT,
+    batch_size: int = DEMO_BATCH_SIZE,
+    steps: int = 4,
+    budget_fraction: float = 0.5,
+    milp_time_limit_s: float = 10.0,
+    bandwidth: float | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> DemoReport:
+    """Profile the GPT, choose a budget keep-all does not fit, solve, train with every method.
+
+    ``bandwidth`` (bytes/s) replaces the host link; on CPU, where there is none, it defaults
+    to :data:`CPU_STAND_IN_BANDWIDTH` so that the milp can offload. ``progress`` receives one
+    line per phase.
+    """
+    import offremat
+
+    started = time.perf_counter()
+    say = progress or (lambda line: logger.info("%s", line))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.device(device).type == "cuda"
+    model_name = (
+        f"GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
+        f"seq {config.seq}, batch {batch_size}"
+    )
+
+    def build() -> nn.Module:
+        return build_gpt(config, seed).to(device)
+
+    batches = [gpt_batch(config, batch_size, seed + n, device) for n in range(steps)]
+    say(f"profiling the {model_name} on {device}")
+    chain = profile_chain(build(), batches[0], "demo-gpt")
+    if bandwidth is not None:
+        chain = chain.with_link(Link(bandwidth, bandwidth))
+        link_note = f"host link set to {bandwidth / 1e9:.1f} GB/s by --bandwidth"
+    elif chain.link is None:
+        chain = chain.with_link(Link(CPU_STAND_IN_BANDWIDTH, CPU_STAND_IN_BANDWIDTH))
+        link_note = (
+            f"no GPU: the milp plans with a stand-in {CPU_STAND_IN_BANDWIDTH / 1e9:.0f} GB/s host "
+            "link (bandwidth=), and the CPU executor runs its offloads as synchronous copies"
+        )
+    else:
+        link_note = (
+            f"measured host link: {chain.link.d2h_bytes_per_s / 1e9:.1f} GB/s device→host, "
+            f"{chain.link.h2d_bytes_per_s / 1e9:.1f} GB/s host→device"
+        )
+    keep_peak = keep_all_peak(chain)
+    least = min_feasible_budget(chain, "dp")
+    budget = max(int(budget_fraction * keep_peak), math.ceil(least * 1.02))
+    say(
+        f"keep-all needs {format_bytes(keep_peak)}; budget {format_bytes(budget)} "
+        f"({budget / keep_peak:.0%}); solving dp and milp"
+    )
+    plans = {
+        "dp": solve(chain, budget, "dp"),
+        "milp": solve(chain, budget, "milp", time_limit_s=milp_time_limit_s),
+    }
+    # The segment count a user would pick for this budget; Chen's √L if none fits.
+    sequential = best_checkpoint_sequential(chain, budget) or score(
+        checkpoint_sequential_plan(chain, len(chen_segments(chain.length))), chain, budget
+    )
+    segments = sequential.info["segments"]
+    keep = score(solve(chain, keep_peak, "keep-all"), chain, budget)
+
+    def plain(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+        return model
+
+    def sequential_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+        return lambda batch: checkpoint_sequential(model, segments, batch, use_reentrant=False)
+
+    def host_saved(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+        def forward(batch: Batch) -> torch.Tensor:
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return model(batch)
+
+        return forward
+
+    def optimized(plan: Plan) -> Callable[[nn.Module], Callable[[Batch], torch.Tensor]]:
+        return lambda model: offremat.optimize(model, batches[0], chain=chain, plan=plan)
+
+    def executor_peak(forward: Any) -> int | None:
+        return forward.stats.peak_activation_bytes
+
+    results = []
+    say(f"training {steps} steps with keep-all")
+    keep_status = "fits" if keep.feasible else "over budget"
+    results.append(_row("keep-all", keep_status, keep, train(build, plain, batches, seed)))
+    say(f"training {steps} steps with checkpoint_sequential({segments})")
+    results.append(
+        _row(
+            f"checkpoint_sequential({segments})",
+            "fits" if sequential.feasible else "over budget",
+            sequential,
+            train(build, sequential_forward, batches, seed),
+        )
+    )
+    if cuda:
+        say(f"training {steps} steps with save_on_cpu")
+        results.append(
+            MethodResult(
+                "save_on_cpu(pin_memory=True)",
+                "ran",
+                measured=train(build, host_saved, batches, seed),
+                note="synchronous copies; not a plan the simulator models",
+            )
+        )
+    else:
+        results.append(MethodResult("save_on_cpu(pin_memory=True)", "skipped", note="needs CUDA"))
+    for name, plan in plans.items():
+        say(f"training {steps} steps with the offremat {name} plan")
+        measured = train(build, optimized(plan), batches, seed, executor_peak)
+        results.append(_row(f"offremat {name}", _decisions(plan), plan, measured))
+    return DemoReport(
+        device=_device_name(device),
+        model=model_name,
+        chain=chain,
+        budget_bytes=budget,
+        keep_all_peak_bytes=keep_peak,
+        link_note=link_note,
+        results=tuple(results),
+        elapsed_s=time.perf_counter() - started,
+        info={"milp": {k: plans["milp"].info.get(k) for k in ("solver_status", "gap")}},
+    )
+
+
+def _row(method: str, status: str, plan: Plan, measured: Measurement) -> MethodResult:
+    return MethodResult(
+        method,
+        status,
+        predicted_time_s=plan.predicted_time_s,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        measured=measured,
+    )
+
+
+def _decisions(plan: Plan) -> str:
+    counts = {"keep": 0, "recompute": 0, "offload": 0}
+    for decision in plan.decisions.values():
+        counts[decision] += 1
+    return ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+
+
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def render(report: DemoReport, console: Any) -> None:
+    """Print the comparison table and the loss curves with rich."""
+    from rich.table import Table
+
+    console.print(
+        f"[bold]{report.model}[/] on {report.device}: {report.chain.length} stages, "
+        f"keep-all needs {format_bytes(report.keep_all_peak_bytes)}, budget "
+        f"[bold]{format_bytes(report.budget_bytes)}[/] "
+        f"({report.budget_bytes / report.keep_all_peak_bytes:.0%} of keep-all)"
+    )
+    console.print(report.link_note)
+    table = Table(title="predicted (simulator) against measured, per training step")
+    for column in ("method", "plan / status"):
+        table.add_column(column)
+    for column in ("pred. time", "meas. time", "err", "pred. peak", "meas. peak", "err"):
+        table.add_column(column, justify="right")
+    for row in report.results:
+        measured = row.measured
+        status = row.status
+        if row.status == "over budget":
+            status = "[red]over budget[/]"
+        if row.note:
+            status += f" ({row.note})"
+        table.add_row(
+            row.method,
+            status,
+            _seconds(row.predicted_time_s),
+            _seconds(measured.step_time_s if measured else None),
+            _error(row.predicted_time_s, measured.step_time_s if measured else None),
+            _bytes(row.predicted_peak_bytes),
+            _bytes(measured.peak_bytes if measured else None, report.budget_bytes),
+            _error(row.predicted_peak_bytes, measured.peak_bytes if measured else None),
+        )
+    console.print(table)
+    if report.device.startswith("cuda"):
+        peak_note = "max_memory_allocated during the step above its start, plus the input"
+    else:
+        peak_note = (
+            "live storages allocated during the step, plus the input (torch's methods: an "
+            "allocation tracker, which also sees temporaries; offremat's: the executor's count)"
+        )
+    console.print(
+        f"[dim]time: median forward + backward after a warm-up step; measured peak: {peak_note}[/]"
+    )
+    ran = [r for r in report.results if r.measured is not None]
+    losses = Table(title="loss per step (same seed, same batches)")
+    losses.add_column("method")
+    steps = len(ran[0].measured.losses) if ran else 0
+    for n in range(steps):
+        losses.add_column(f"step {n + 1}", justify="right")
+    for row in ran:
+        losses.add_row(row.method, *(f"{loss:.6f}" for loss in row.measured.losses))
+    console.print(losses)
+    if report.losses_identical:
+        console.print(f"[green]losses identical bit for bit across {len(ran)} methods[/]")
+    else:
+        console.print("[red bold]losses differ between methods[/]")
+    console.print(f"demo took {report.elapsed_s:.1f} s")
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
+
+
+def _bytes(value: int | None, budget: int | None = None) -> str:
+    if value is None:
+        return "—"
+    text = format_bytes(value)
+    return f"[red]{text}[/]" if budget is not None and value > budget else text
+
+
+def _error(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or measured is None or predicted == 0:
+        return "—"
+    return f"{measured / predicted - 1:+.0%}"

@@ -1,0 +1,99 @@
+"""The demo at a reduced size: identical losses, the table's rows, budgets respected."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+from offremat.demo import (
+    AllocationTracker,
+    checkpoint_sequential_plan,
+    render,
+    run_demo,
+)
+from offremat.models import GPTConfig
+from solvers.baselines import chen
+from solvers.chain import Chain, Stage
+
+TINY = GPTConfig(layers=3, hidden=32, heads=2, seq=16, vocab=64, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def report():
+    pytest.importorskip("solvers.milp")
+    return run_demo(config=TINY, batch_size=4, steps=3, milp_time_limit_s=5.0, device="cpu")
+
+
+def test_every_method_that_trains_sees_the_same_losses(report):
+    ran = [row for row in report.results if row.ran]
+    assert len(ran) == 4
+    reference = report.result("keep-all").measured.losses
+    assert len(reference) == 3 and len(set(reference)) == 3
+    for row in ran:
+        assert row.measured.losses == reference, row.method
+    assert report.losses_identical
+
+
+def test_the_table_has_one_row_per_method_and_keep_all_is_over_budget(report):
+    methods = [row.method for row in report.results]
+    assert methods[0] == "keep-all" and methods[1].startswith("checkpoint_sequential(")
+    assert methods[2:] == ["save_on_cpu(pin_memory=True)", "offremat dp", "offremat milp"]
+    assert report.budget_bytes < report.keep_all_peak_bytes
+    assert report.result("keep-all").status == "over budget"
+    # The segment count is the fastest whose simulated peak fits the budget.
+    assert report.results[1].predicted_peak_bytes <= report.budget_bytes
+    skipped = report.result("save_on_cpu(pin_memory=True)")
+    assert not skipped.ran and "CUDA" in skipped.note
+    for method in ("offremat dp", "offremat milp"):
+        row = report.result(method)
+        assert row.predicted_peak_bytes <= report.budget_bytes
+        assert row.measured.peak_bytes <= report.budget_bytes
+        assert row.measured.step_time_s > 0
+    console = Console(file=io.StringIO(), width=200)
+    render(report, console)
+    text = console.file.getvalue()
+    for method in methods:
+        assert method in text
+    assert "over budget" in text and "needs CUDA" in text
+    assert "losses identical" in text
+    assert "stand-in" in report.link_note
+
+
+def test_demo_command_exits_zero_when_losses_agree(capsys):
+    pytest.importorskip("solvers.milp")
+    from offremat.cli import main
+
+    argv = ["demo", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "8"]
+    assert main([*argv, "--batch", "2", "--steps", "2", "--milp-time-limit", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "offremat dp" in out and "losses identical" in out
+
+
+def test_demo_command_refuses_a_budget_that_is_not_a_fraction(capsys):
+    from offremat.cli import main
+
+    assert main(["demo", "--budget", "1.5"]) == 2
+    assert "fraction" in capsys.readouterr().err
+
+
+def test_checkpoint_sequential_plan_matches_torch_segmenting():
+    chain = Chain("c", 4, tuple(Stage(f"s{i}", 1.0, 2.0, 4, 8) for i in range(10)))
+    # √10 rounds to 3 segments, as the chen baseline cuts them.
+    assert checkpoint_sequential_plan(chain, 3).ops == chen(chain).ops
+    single = checkpoint_sequential_plan(chain, 1)
+    assert [op.kind for op in single.ops] == ["F_all"] * 10 + ["B"] * 10
+
+
+def test_allocation_tracker_counts_live_storages_once_and_forgets_freed_ones():
+    with AllocationTracker() as tracker:
+        first = torch.ones(1000)
+        view = first[10:20]
+        view.add_(1.0)
+        second = torch.zeros(500)
+        assert tracker.live_bytes == 6000
+        del second
+        assert tracker.live_bytes == 4000
+    assert tracker.peak_bytes == 6000
