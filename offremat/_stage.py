@@ -184,6 +184,13 @@ def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Ten
             layer._buffers[name] = buffer
 
 
+def cuda_device_indices(device: torch.device) -> list[int]:
+    """The CUDA device whose generator a computation on ``device`` draws from (none on CPU)."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 @dataclass(frozen=True)
 class RngState:
     """The CPU generator's state and those of the CUDA devices a stage runs on."""

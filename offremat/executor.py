@@ -43,6 +43,7 @@ from offremat._stage import (
     RngState,
     SavedTensorPacker,
     check_unmodified,
+    cuda_device_indices,
     enter_stage,
     frozen_running_stats,
     has_trainable_parameters,
@@ -253,7 +254,7 @@ class _Step:
         self.anchor = executor._anchor(device)
         self.excluded = parameter_storages(executor.stages)
         self.norms = [norm_layers(stage) for stage in executor.stages]
-        self.cuda_devices = [device.index or 0] if device.type == "cuda" else []
+        self.cuda_devices = cuda_device_indices(device)
         self.autocast = [AutocastState.capture(t) for t in {device.type, "cpu"}]
         # needs_grad[i]: whether a_i's floating tensors carry gradients in plain autograd.
         self.needs_grad = [any(t.requires_grad for t in tensors)]

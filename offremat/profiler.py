@@ -32,6 +32,7 @@ from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
     check_unmodified,
+    cuda_device_indices,
     enter_stage,
     parameter_storages,
 )
@@ -421,7 +422,7 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 @contextmanager
 def _untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
     """Restore RNG states, buffers and parameter gradients after profiling."""
-    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    cuda_devices = cuda_device_indices(device)
     buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
     grads = [(p, p.grad) for module in modules for p in module.parameters()]
     with torch.random.fork_rng(devices=cuda_devices):
