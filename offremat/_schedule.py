@@ -33,11 +33,13 @@ class HostAction:
     """One thing the host does, naming an op by its position in the plan's op list.
 
     ``release`` frees the device bytes of the offload at ``position``; ``issue`` performs a
-    memory op (offload, prefetch, free); ``compute`` enqueues a compute op.
+    memory op (offload, prefetch, free); ``compute`` enqueues a compute op. ``turn`` counts the
+    compute ops: the action is taken on the way to, at or right after the turn-th one.
     """
 
     kind: str
     position: int
+    turn: int
 
 
 def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostAction, ...]:
@@ -61,10 +63,10 @@ def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostActi
     pending: list[tuple[int, int]] = [(-1, n) for n in leading if ops[n].kind == OFFLOAD]
     deferred: dict[int, list[int]] = {}
 
-    def release_until(time: float, before_group: int) -> None:
+    def release_until(time: float, before_group: int, turn: int) -> None:
         nonlocal pending
         due = [n for group, n in pending if group < before_group and end[n] <= time + tolerance]
-        actions.extend(HostAction(RELEASE, n) for n in due)
+        actions.extend(HostAction(RELEASE, n, turn) for n in due)
         pending = [(group, n) for group, n in pending if n not in due]
 
     for k, position in enumerate(computes):
@@ -81,14 +83,14 @@ def host_schedule(ops: tuple[Op, ...], simulation: Simulation) -> tuple[HostActi
         for n in early:
             if start[n] > max(ready_h2d[n], start[position]) + tolerance:
                 threshold = max(threshold, start[n])  # the simulator held it back for memory
-        release_until(threshold, k)
-        actions.extend(HostAction(ISSUE, n) for n in (leading if k == 0 else ()) + early)
-        actions.append(HostAction(COMPUTE, position))
-        actions.extend(HostAction(ISSUE, n) for n in late)
+        release_until(threshold, k, k)
+        actions.extend(HostAction(ISSUE, n, k) for n in (leading if k == 0 else ()) + early)
+        actions.append(HostAction(COMPUTE, position, k))
+        actions.extend(HostAction(ISSUE, n, k) for n in late)
         pending += [(k, n) for n in groups[k] if ops[n].kind == OFFLOAD]
         for n in sorted(deferred.pop(k, [])):
-            release_until(start[n], k + 1)
-            actions.append(HostAction(ISSUE, n))
+            release_until(start[n], k + 1, k)
+            actions.append(HostAction(ISSUE, n, k))
     return tuple(actions)
 
 

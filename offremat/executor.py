@@ -108,13 +108,14 @@ class PlanExecutor:
         self.chain = chain
         self.simulation = simulate(plan, chain, plan.budget_bytes)
         actions = host_schedule(plan.ops, self.simulation)
+        # The backward half starts with what the host does on the way to B(L).
         first_backward = next(
-            k
-            for k, action in enumerate(actions)
+            action.turn
+            for action in actions
             if action.kind == COMPUTE and plan.ops[action.position].kind == BACKWARD
         )
-        self.forward_actions = actions[:first_backward]
-        self.backward_actions = actions[first_backward:]
+        self.forward_actions = tuple(a for a in actions if a.turn < first_backward)
+        self.backward_actions = tuple(a for a in actions if a.turn >= first_backward)
         self._streams: dict[torch.device, CudaStreams] = {}
         self._pools: dict[torch.device, HostBufferPool] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
