@@ -81,7 +81,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepStats:
-    """What the executor measured during one training step."""
+    """What the executor measured during one training step.
+
+    - ``peak_activation_bytes``: the most device bytes held at once by the step's tensors
+      (input, activations, saved sets, gradients of activations), counted per distinct storage
+      the way the simulator counts them; temporaries inside an op are not seen.
+    - ``step_time_s``: ``forward_time_s`` + ``backward_time_s``, the plan's forward and backward
+      halves (the caller's loss in between is not counted), timed with CUDA events on a GPU.
+    - ``max_memory_allocated_delta_bytes``: on CUDA, the allocator's peak during the step above
+      what was allocated when it began (the step resets the peak statistics); None on CPU.
+    """
 
     peak_activation_bytes: int
     step_time_s: float
