@@ -399,3 +399,36 @@ def test_host_buffers_are_reused_from_step_to_step() -> None:
     for _ in range(3):
         executor(x).sum().backward()
     assert pool.allocated_bytes == allocated
+
+
+def test_recomputation_runs_under_the_forward_autocast_state() -> None:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)]
+    model = nn.Sequential(*blocks)
+    x = torch.randn(8, 16)
+    chain = profile_model(model, x, warmup=0, repeats=1)
+    reference = copy.deepcopy(model)
+    executor = PlanExecutor(list(model), score(checkpoint_every_stage(chain), chain, None), chain)
+    outputs = []
+    for step in (reference, executor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(1)
+            out = step(x)
+        out.float().pow(2).mean().backward()  # the recomputations run here, outside autocast
+        outputs.append(out)
+    assert outputs[1].dtype == torch.bfloat16
+    assert torch.equal(outputs[0], outputs[1])
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_two_steps_in_flight_share_one_backward() -> None:
+    model = wide_mlp(8, 4)
+    reference = copy.deepcopy(model)
+    first, second = torch.randn(3, 8), torch.randn(5, 8)
+    (reference(first).sum() + reference(second).pow(2).sum()).backward()
+    chain = profile_model(model, first, warmup=0, repeats=1, bandwidth=FAST_LINK)
+    executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
+    (executor(first).sum() + executor(second).pow(2).sum()).backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
