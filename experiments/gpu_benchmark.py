@@ -1,0 +1,294 @@
+"""Issue 5's GPU benchmark: a large GPT-style transformer at 50%, 30% and 20% of its keep-all
+activation memory, offremat's dp and milp against torch's checkpoint_sequential and save_on_cpu.
+
+Usage (needs a CUDA GPU; without one it says so and exits 2):
+    python experiments/gpu_benchmark.py [--layers 24] [--hidden 1024] [--heads 16] [--seq 1024]
+        [--vocab 50304] [--batch N] [--fractions 0.5 0.3 0.2] [--steps 6]
+        [--milp-time-limit 60] [--out experiments/results/gpu]
+
+The model is ``offremat.models.build_gpt`` in bfloat16. Without ``--batch`` the batch is the
+largest that keeps plain autograd's activations within 80% of the GPU memory left after the
+weights, estimated from a profile at batch 1 (then profiled again at that batch). Budgets are
+fractions of the profiled keep-all peak. Methods at each budget:
+
+- ``dp`` and ``milp``: offremat plans run by ``offremat.optimize`` (milp with the measured
+  link, ``--milp-time-limit`` seconds);
+- ``checkpoint_sequential``: the segment count whose simulated plan is fastest among those
+  whose simulated peak fits the budget (the simulator picks it; every count is not measured);
+- ``save_on_cpu(pin_memory=True)`` and ``keep-all``: budget-free, measured once.
+
+Reports tokens/s (forward plus backward), the measured peak (``max_memory_allocated`` above
+the step's start, plus the input) and the prediction errors. Writes ``gpu_benchmark.csv``
+and ``results.md`` (device, command, date, table, and the issue's targets checked) in
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+import offremat
+from offremat.demo import batch_bytes, best_checkpoint_sequential, train
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.profiler import profile_model
+from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.plan import Plan
+from solvers.registry import keep_all_peak, solve
+
+logger = logging.getLogger("gpu_benchmark")
+COLUMNS = (
+    "method",
+    "budget_fraction",
+    "budget_bytes",
+    "detail",
+    "tokens_per_s",
+    "throughput_vs_keep_all",
+    "measured_time_s",
+    "predicted_time_s",
+    "time_error",
+    "measured_peak_bytes",
+    "predicted_peak_bytes",
+    "peak_error",
+    "fits_budget",
+)
+ACTIVATION_SHARE_OF_FREE_MEMORY = 0.8
+
+
+def choose_batch(config: GPTConfig, device: str) -> int:
+    """The largest batch whose keep-all activations fill 80% of the memory the weights leave."""
+    model = build_gpt(config).to(device, torch.bfloat16)
+    chain = profile_model(model, gpt_batch(config, 1, 0, device), warmup=1, repeats=1)
+    per_sample = keep_all_peak(chain)
+    free, _ = torch.cuda.mem_get_info(device)
+    # Gradients and the optimizer's buffers take the weights' size again (plain SGD).
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    room = free - 2 * weights
+    batch = max(1, int(ACTIVATION_SHARE_OF_FREE_MEMORY * room // per_sample))
+    logger.info(
+        "keep-all needs %s per sample; %s free after weights: batch %d",
+        format_bytes(per_sample),
+        format_bytes(room),
+        batch,
+    )
+    return batch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--batch", type=int, help="default: fill the GPU memory (see above)")
+    parser.add_argument("--fractions", nargs="+", type=float, default=[0.5, 0.3, 0.2])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--milp-time-limit", type=float, default=60.0)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        print(
+            "gpu_benchmark: no CUDA device here, so there is nothing to measure; run it on a "
+            "machine with an NVIDIA GPU (it writes no result without one)",
+            file=sys.stderr,
+        )
+        return 2
+    device = "cuda"
+    config = GPTConfig(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        vocab=args.vocab,
+        dropout=0.0,
+    )
+    batch_size = args.batch or choose_batch(config, device)
+    batches = [gpt_batch(config, batch_size, n, device) for n in range(args.steps)]
+
+    def build() -> torch.nn.Module:
+        return build_gpt(config).to(device, torch.bfloat16)
+
+    chain = profile_model(build(), batches[0], name=f"gpt{args.layers}-h{args.hidden}")
+    top = keep_all_peak(chain)
+    tokens = batch_size * config.seq
+    rows: list[dict] = []
+
+    def record(method, fraction, budget, detail, plan, measured):
+        predicted_time = plan.predicted_time_s if plan else None
+        predicted_peak = plan.predicted_peak_bytes if plan else None
+        rows.append(
+            {
+                "method": method,
+                "budget_fraction": fraction,
+                "budget_bytes": budget,
+                "detail": detail,
+                "tokens_per_s": tokens / measured.step_time_s,
+                "measured_time_s": measured.step_time_s,
+                "predicted_time_s": predicted_time,
+                "time_error": _error(predicted_time, measured.step_time_s),
+                "measured_peak_bytes": measured.peak_bytes,
+                "predicted_peak_bytes": predicted_peak,
+                "peak_error": _error(predicted_peak, measured.peak_bytes),
+                "fits_budget": None if budget is None else measured.peak_bytes <= budget,
+            }
+        )
+        logger.info("%s", rows[-1])
+
+    def plain(model):
+        return model
+
+    def host_saved(model):
+        def forward(batch):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return model(batch)
+
+        return forward
+
+    keep = solve(chain, top, "keep-all")
+    record("keep-all", 1.0, top, "", keep, train(build, plain, batches, 0))
+    record("save_on_cpu", None, None, "pin_memory=True", None, train(build, host_saved, batches, 0))
+    for fraction in args.fractions:
+        budget = int(fraction * top)
+        for name, options in (("dp", {}), ("milp", {"time_limit_s": args.milp_time_limit})):
+            try:
+                plan = solve(chain, budget, name, **options)
+            except InfeasibleBudgetError as error:
+                logger.warning("%s at %.0f%%: %s", name, fraction * 100, error)
+                continue
+            measured = train(
+                build,
+                lambda model, plan=plan: offremat.optimize(
+                    model, batches[0], chain=chain, plan=plan
+                ),
+                batches,
+                0,
+            )
+            record(name, fraction, budget, _decision_counts(plan), plan, measured)
+        plan = best_checkpoint_sequential(chain, budget)
+        if plan is None:
+            logger.warning("no checkpoint_sequential segment count fits %.0f%%", fraction * 100)
+            continue
+        segments = plan.info["segments"]
+
+        def checkpointed(model, segments=segments):
+            return lambda batch: torch.utils.checkpoint.checkpoint_sequential(
+                model, segments, batch, use_reentrant=False
+            )
+
+        measured = train(build, checkpointed, batches, 0)
+        record("checkpoint_sequential", fraction, budget, f"{segments} segments", plan, measured)
+    keep_throughput = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["throughput_vs_keep_all"] = row["tokens_per_s"] / keep_throughput
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "gpu_benchmark.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.md").write_text(
+        _report(rows, chain, config, batch_size, batch_bytes(batches[0]), args)
+    )
+    print(f"wrote {out / 'gpu_benchmark.csv'} and {out / 'results.md'}")
+    return 0
+
+
+def _error(predicted: float | None, measured: float) -> float | None:
+    return None if not predicted else measured / predicted - 1
+
+
+def _decision_counts(plan: Plan) -> str:
+    values = list(plan.decisions.values())
+    return ", ".join(f"{values.count(k)} {k}" for k in ("keep", "recompute", "offload"))
+
+
+def _report(rows, chain, config, batch_size, input_bytes, args) -> str:
+    device = torch.cuda.get_device_name(0)
+    link = chain.link
+    lines = [
+        "# GPU benchmark (issue 5)",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- device: {device}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+        f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
+        f"- model: GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
+        f"seq {config.seq}, vocab {config.vocab}, bf16, batch {batch_size} "
+        f"({format_bytes(input_bytes)} input)",
+        f"- keep-all peak (simulated): {format_bytes(keep_all_peak(chain))}; measured link "
+        f"{link.d2h_bytes_per_s / 1e9:.1f} GB/s d2h, {link.h2d_bytes_per_s / 1e9:.1f} GB/s h2d",
+        f"- {args.steps} steps per method, median of all but the first",
+        "",
+        "| method | budget | detail | tokens/s | vs keep-all | time error | measured peak "
+        "| peak error | fits |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        budget = "—" if row["budget_fraction"] is None else f"{row['budget_fraction']:.0%}"
+        lines.append(
+            f"| {row['method']} | {budget} | {row['detail']} | {row['tokens_per_s']:,.0f} "
+            f"| {row['throughput_vs_keep_all']:.0%} | {_percent(row['time_error'])} "
+            f"| {format_bytes(row['measured_peak_bytes'])} | {_percent(row['peak_error'])} "
+            f"| {_yes_no(row['fits_budget'])} |"
+        )
+    lines += ["", "## Targets (issue 5) at 30%", ""]
+    milp = next((r for r in rows if r["method"] == "milp" and r["budget_fraction"] == 0.3), None)
+    if milp is None:
+        lines.append("- no milp run at 30%: targets not measured")
+    else:
+        torch_rows = [
+            r
+            for r in rows
+            if r["method"] == "save_on_cpu"
+            or (r["method"] == "checkpoint_sequential" and r["budget_fraction"] == 0.3)
+        ]
+        beaten = all(milp["tokens_per_s"] > r["tokens_per_s"] for r in torch_rows)
+        lines += [
+            _target(
+                "throughput ≥ 90% of keep-all",
+                milp["throughput_vs_keep_all"] >= 0.9,
+                f"{milp['throughput_vs_keep_all']:.1%}",
+            ),
+            _target(
+                "beats checkpoint_sequential and save_on_cpu",
+                beaten,
+                ", ".join(f"{r['method']} {r['tokens_per_s']:,.0f} tok/s" for r in torch_rows),
+            ),
+            _target(
+                "step time predicted within 10%",
+                abs(milp["time_error"]) <= 0.10,
+                _percent(milp["time_error"]),
+            ),
+            _target(
+                "peak predicted within 5%",
+                abs(milp["peak_error"]) <= 0.05,
+                _percent(milp["peak_error"]),
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _target(what: str, met: bool, value: str) -> str:
+    return f"- {what}: {'met' if met else '**not met**'} ({value})"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "—" if value is None else ("yes" if value else "no")
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.1%}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
