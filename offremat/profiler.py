@@ -365,6 +365,18 @@ def _profile_stage(
         produced = storage_bytes(g for g in grads if g is not None)
         bwd_tmp = max(0, torch.cuda.max_memory_allocated(device) - before - produced)
         del grads
+        # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
+        # transient peak above its output can exceed the grad-enabled one; the cost model has
+        # one fwd_tmp for both, so keep the larger.
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.no_grad():
+            plain_output = run(unflatten(tensors, structure))
+        torch.cuda.synchronize(device)
+        plain_peak = torch.cuda.max_memory_allocated(device) - before
+        fwd_tmp = max(fwd_tmp, plain_peak - storage_bytes(flatten(plain_output)[0]))
+        del plain_output
     else:
         backward(output, slot)
     del packer, saved, out_storages
