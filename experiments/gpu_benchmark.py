@@ -31,15 +31,17 @@ import datetime
 import logging
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import offremat
 from offremat.demo import batch_bytes, best_checkpoint_sequential, train
-from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
 from offremat.profiler import profile_model
 from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.chain import Chain
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak, solve
 
@@ -83,6 +85,94 @@ def choose_batch(config: GPTConfig, device: str) -> int:
     return batch
 
 
+def benchmark(
+    chain: Chain,
+    build: Callable[[], torch.nn.Module],
+    batches: list[Batch],
+    fractions: list[float],
+    milp_time_limit_s: float,
+) -> list[dict]:
+    """Measure every method at every budget fraction of the keep-all peak; one row each.
+
+    save_on_cpu needs CUDA (pinned memory) and runs only there.
+    """
+    top = keep_all_peak(chain)
+    tokens = batches[0][0].numel()
+    rows: list[dict] = []
+
+    def record(method, fraction, budget, detail, plan, measured):
+        predicted_time = plan.predicted_time_s if plan else None
+        predicted_peak = plan.predicted_peak_bytes if plan else None
+        rows.append(
+            {
+                "method": method,
+                "budget_fraction": fraction,
+                "budget_bytes": budget,
+                "detail": detail,
+                "tokens_per_s": tokens / measured.step_time_s,
+                "measured_time_s": measured.step_time_s,
+                "predicted_time_s": predicted_time,
+                "time_error": _error(predicted_time, measured.step_time_s),
+                "measured_peak_bytes": measured.peak_bytes,
+                "predicted_peak_bytes": predicted_peak,
+                "peak_error": _error(predicted_peak, measured.peak_bytes),
+                "fits_budget": None if budget is None else measured.peak_bytes <= budget,
+            }
+        )
+        logger.info("%s", rows[-1])
+
+    def plain(model):
+        return model
+
+    def host_saved(model):
+        def forward(batch):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return model(batch)
+
+        return forward
+
+    keep = solve(chain, top, "keep-all")
+    record("keep-all", 1.0, top, "", keep, train(build, plain, batches, 0))
+    if batches[0][0].is_cuda:
+        measured = train(build, host_saved, batches, 0)
+        record("save_on_cpu", None, None, "pin_memory=True", None, measured)
+    for fraction in fractions:
+        budget = int(fraction * top)
+        for name, options in (("dp", {}), ("milp", {"time_limit_s": milp_time_limit_s})):
+            try:
+                plan = solve(chain, budget, name, **options)
+            except InfeasibleBudgetError as error:
+                logger.warning("%s at %.0f%%: %s", name, fraction * 100, error)
+                continue
+            measured = train(
+                build,
+                lambda model, plan=plan: offremat.optimize(
+                    model, batches[0], chain=chain, plan=plan
+                ),
+                batches,
+                0,
+                executor_peak=lambda wrapped: wrapped.stats.peak_activation_bytes,
+            )
+            record(name, fraction, budget, _decision_counts(plan), plan, measured)
+        plan = best_checkpoint_sequential(chain, budget)
+        if plan is None:
+            logger.warning("no checkpoint_sequential segment count fits %.0f%%", fraction * 100)
+            continue
+        segments = plan.info["segments"]
+
+        def checkpointed(model, segments=segments):
+            return lambda batch: torch.utils.checkpoint.checkpoint_sequential(
+                model, segments, batch, use_reentrant=False
+            )
+
+        measured = train(build, checkpointed, batches, 0)
+        record("checkpoint_sequential", fraction, budget, f"{segments} segments", plan, measured)
+    keep_throughput = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["throughput_vs_keep_all"] = row["tokens_per_s"] / keep_throughput
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -120,77 +210,7 @@ def main() -> int:
         return build_gpt(config).to(device, torch.bfloat16)
 
     chain = profile_model(build(), batches[0], name=f"gpt{args.layers}-h{args.hidden}")
-    top = keep_all_peak(chain)
-    tokens = batch_size * config.seq
-    rows: list[dict] = []
-
-    def record(method, fraction, budget, detail, plan, measured):
-        predicted_time = plan.predicted_time_s if plan else None
-        predicted_peak = plan.predicted_peak_bytes if plan else None
-        rows.append(
-            {
-                "method": method,
-                "budget_fraction": fraction,
-                "budget_bytes": budget,
-                "detail": detail,
-                "tokens_per_s": tokens / measured.step_time_s,
-                "measured_time_s": measured.step_time_s,
-                "predicted_time_s": predicted_time,
-                "time_error": _error(predicted_time, measured.step_time_s),
-                "measured_peak_bytes": measured.peak_bytes,
-                "predicted_peak_bytes": predicted_peak,
-                "peak_error": _error(predicted_peak, measured.peak_bytes),
-                "fits_budget": None if budget is None else measured.peak_bytes <= budget,
-            }
-        )
-        logger.info("%s", rows[-1])
-
-    def plain(model):
-        return model
-
-    def host_saved(model):
-        def forward(batch):
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                return model(batch)
-
-        return forward
-
-    keep = solve(chain, top, "keep-all")
-    record("keep-all", 1.0, top, "", keep, train(build, plain, batches, 0))
-    record("save_on_cpu", None, None, "pin_memory=True", None, train(build, host_saved, batches, 0))
-    for fraction in args.fractions:
-        budget = int(fraction * top)
-        for name, options in (("dp", {}), ("milp", {"time_limit_s": args.milp_time_limit})):
-            try:
-                plan = solve(chain, budget, name, **options)
-            except InfeasibleBudgetError as error:
-                logger.warning("%s at %.0f%%: %s", name, fraction * 100, error)
-                continue
-            measured = train(
-                build,
-                lambda model, plan=plan: offremat.optimize(
-                    model, batches[0], chain=chain, plan=plan
-                ),
-                batches,
-                0,
-            )
-            record(name, fraction, budget, _decision_counts(plan), plan, measured)
-        plan = best_checkpoint_sequential(chain, budget)
-        if plan is None:
-            logger.warning("no checkpoint_sequential segment count fits %.0f%%", fraction * 100)
-            continue
-        segments = plan.info["segments"]
-
-        def checkpointed(model, segments=segments):
-            return lambda batch: torch.utils.checkpoint.checkpoint_sequential(
-                model, segments, batch, use_reentrant=False
-            )
-
-        measured = train(build, checkpointed, batches, 0)
-        record("checkpoint_sequential", fraction, budget, f"{segments} segments", plan, measured)
-    keep_throughput = rows[0]["tokens_per_s"]
-    for row in rows:
-        row["throughput_vs_keep_all"] = row["tokens_per_s"] / keep_throughput
+    rows = benchmark(chain, build, batches, args.fractions, args.milp_time_limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "gpu_benchmark.csv", "w", newline="") as handle:
