@@ -52,7 +52,7 @@ def _available(solver: str) -> bool:
 
 def _solver_args(solver: str) -> list[str]:
     # Keep the MILP short in tests; its quality is tested in its own files.
-    return ["--time-limit", "10"] if solver == "milp" else []
+    return ["--time-limit", "2"] if solver == "milp" else []
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
@@ -63,7 +63,9 @@ def test_every_solver_answers_on_every_example(
     if not _available(solver):
         pytest.skip(f"solver {solver} is not in this tree yet")
     chain = examples.load(name)
-    code, report = solve_json(capsys, name, "--budget", "1.0", "--solver", solver)
+    code, report = solve_json(
+        capsys, name, "--budget", "1.0", "--solver", solver, *_solver_args(solver)
+    )
     assert code == 0, report
     assert set(report) >= REQUIRED_FIELDS
     assert report["feasible"] is True
