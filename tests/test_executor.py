@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import random
 
 import pytest
@@ -240,7 +241,7 @@ def test_a_four_stage_model_runs_the_hand_written_offload_plans() -> None:
     importlib.util.find_spec("solvers.milp") is None, reason="solvers.milp has not landed"
 )
 @pytest.mark.parametrize("seed", range(2))
-def test_milp_plans_with_a_fast_link_match_plain_autograd(seed: int) -> None:
+def test_milp_plans_match_plain_autograd(seed: int) -> None:
     from solvers.milp import solve_milp
 
     model, width = random_model(seed)
@@ -250,12 +251,19 @@ def test_milp_plans_with_a_fast_link_match_plain_autograd(seed: int) -> None:
     reference_model = copy.deepcopy(model)
     reference = run_step(reference_model, reference_model, x, target, seed)
     peak = keep_all_peak(chain)
-    for fraction in (0.5, 0.8):
-        plan = solve_milp(chain, int(fraction * peak), time_limit_s=10.0)
+    least = min_feasible_budget(chain)
+    # A fast link offloads everything; a slow one mixes offloads (checkpoints too), frees and
+    # recomputation.
+    decisions = set()
+    for link, fraction in itertools.product((FAST_LINK, 2e6), (0.2, 0.6)):
+        chain = chain.with_link(Link(link, link))
+        plan = solve_milp(chain, int(least + fraction * (peak - least)), time_limit_s=10.0)
+        decisions.update(plan.decisions.values())
         candidate = copy.deepcopy(model)
         executor = PlanExecutor(list(candidate), plan, chain)
         assert_identical(reference, run_step(executor, candidate, x, target, seed))
         assert executor.stats.peak_activation_bytes <= plan.budget_bytes
+    assert decisions == {"keep", "recompute", "offload"}
 
 
 def wide_mlp(width: int, depth: int) -> nn.Sequential:
