@@ -341,13 +341,14 @@ def run_demo(
 
     results = []
     say(f"training {steps} steps with keep-all")
-    keep_status = "fits" if keep.feasible else "over budget"
+    keep_status = "fits the budget" if keep.feasible else "over budget"
     results.append(_row("keep-all", keep_status, keep, train(build, plain, batches, seed)))
     say(f"training {steps} steps with checkpoint_sequential({segments})")
     results.append(
         _row(
-            f"checkpoint_sequential({segments})",
-            "fits" if sequential.feasible else "over budget",
+            "checkpoint_sequential",
+            f"{segments} segments, "
+            + ("the fastest count that fits" if sequential.feasible else "over budget"),
             sequential,
             train(build, sequential_forward, batches, seed),
         )
@@ -356,18 +357,18 @@ def run_demo(
         say(f"training {steps} steps with save_on_cpu")
         results.append(
             MethodResult(
-                "save_on_cpu(pin_memory=True)",
-                "ran",
+                "save_on_cpu",
+                "pin_memory=True, no budget",
                 measured=train(build, host_saved, batches, seed),
-                note="synchronous copies; not a plan the simulator models",
+                note="synchronous copies; the simulator does not model it",
             )
         )
     else:
-        results.append(MethodResult("save_on_cpu(pin_memory=True)", "skipped", note="needs CUDA"))
+        results.append(MethodResult("save_on_cpu", "skipped", note="pin_memory=True needs CUDA"))
     for name, plan in plans.items():
         say(f"training {steps} steps with the offremat {name} plan")
         measured = train(build, optimized(plan), batches, seed, executor_peak)
-        results.append(_row(f"offremat {name}", _decisions(plan), plan, measured))
+        results.append(_row(f"offremat {name}", f"plan {_decisions(plan)}", plan, measured))
     return DemoReport(
         device=_device_name(device),
         model=model_name,
@@ -406,6 +407,7 @@ def _device_name(device: str) -> str:
 
 def render(report: DemoReport, console: Any) -> None:
     """Print the comparison table and the loss curves with rich."""
+    from rich import box
     from rich.table import Table
 
     console.print(
@@ -415,21 +417,23 @@ def render(report: DemoReport, console: Any) -> None:
         f"({report.budget_bytes / report.keep_all_peak_bytes:.0%} of keep-all)"
     )
     console.print(report.link_note)
-    table = Table(title="predicted (simulator) against measured, per training step")
-    for column in ("method", "plan / status"):
-        table.add_column(column)
-    for column in ("pred. time", "meas. time", "err", "pred. peak", "meas. peak", "err"):
-        table.add_column(column, justify="right")
+    table = Table(
+        title="predicted (simulator) against measured, per training step", box=box.SIMPLE_HEAD
+    )
+    table.add_column("method", no_wrap=True)
+    for column in (
+        "time\npred.",
+        "time\nmeas.",
+        "\nerror",
+        "peak\npred.",
+        "peak\nmeas.",
+        "\nerror",
+    ):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in report.results:
         measured = row.measured
-        status = row.status
-        if row.status == "over budget":
-            status = "[red]over budget[/]"
-        if row.note:
-            status += f" ({row.note})"
         table.add_row(
             row.method,
-            status,
             _seconds(row.predicted_time_s),
             _seconds(measured.step_time_s if measured else None),
             _error(row.predicted_time_s, measured.step_time_s if measured else None),
@@ -438,6 +442,9 @@ def render(report: DemoReport, console: Any) -> None:
             _error(row.predicted_peak_bytes, measured.peak_bytes if measured else None),
         )
     console.print(table)
+    for row in report.results:
+        status = row.status.replace("over budget", "[red]over budget[/]")
+        console.print(f"  {row.method}: {status}" + (f" ({row.note})" if row.note else ""))
     if report.device.startswith("cuda"):
         peak_note = "max_memory_allocated during the step above its start, plus the input"
     else:
@@ -467,13 +474,21 @@ def render(report: DemoReport, console: Any) -> None:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "—"
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def _bytes(value: int | None, budget: int | None = None) -> str:
     if value is None:
         return "—"
-    text = format_bytes(value)
+    unit, size = next(
+        (
+            (unit, size)
+            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+            if value >= size
+        ),
+        ("B", 1),
+    )
+    text = f"{value / size:.3g} {unit}"
     return f"[red]{text}[/]" if budget is not None and value > budget else text
 
 
