@@ -4,7 +4,8 @@ to keep-all, simulated everywhere and measured on a GPU when there is one.
 Usage:
     python experiments/budget_sweep.py [--models gpt-small resnet-small] [--points 10]
         [--methods keep-all chen checkpoint-every-stage offload-all dp milp]
-        [--milp-time-limit 10] [--bandwidth BYTES_PER_S] [--steps 4] [--out experiments/results]
+        [--milp-time-limit 10] [--bandwidth BYTES_PER_S] [--steps 4] [--threads N]
+        [--out experiments/results]
 
 Each model is profiled on this machine (CUDA when present, else CPU) into a chain; on CPU the
 chain has no host link, so it is given ``--bandwidth`` (default 12 GB/s, a PCIe 3.0 x16
@@ -118,7 +119,14 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, help="host link in bytes/s (both ways)")
     parser.add_argument("--steps", type=int, default=4, help="training steps per plan on CUDA")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's); 1 is steadier on a busy machine",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"

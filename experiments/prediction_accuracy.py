@@ -2,7 +2,8 @@
 
 Usage:
     python experiments/prediction_accuracy.py [--models gpt-small resnet-small]
-        [--fractions 0.3 0.5 0.7] [--steps 6] [--milp-time-limit 10] [--out experiments/results]
+        [--fractions 0.3 0.5 0.7] [--steps 6] [--milp-time-limit 10] [--threads N]
+        [--out experiments/results]
 
 Each model is profiled on this machine into a chain. Plans: keep-all, chen,
 checkpoint-every-stage and the dp at each budget fraction of the keep-all peak; on CUDA also
@@ -197,7 +198,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--milp-time-limit", type=float, default=10.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's); 1 is steadier on a busy machine",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
