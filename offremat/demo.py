@@ -257,7 +257,7 @@ def profile_chain(model: nn.Module, example: Batch, name: str) -> Chain:
 def run_demo(
     config: GPTConfig = DEMO_GPT,
     batch_size: int = DEMO_BATCH_SIZE,
-    steps: int = 4,
+    steps: int = 6,
     budget_fraction: float = 0.5,
     milp_time_limit_s: float = 10.0,
     bandwidth: float | None = None,
@@ -402,7 +402,8 @@ def _decisions(plan: Plan) -> str:
 def _device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads > 1 else ''})"
 
 
 def render(report: DemoReport, console: Any) -> None:

@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "and print predicted against measured step time and peak. Exits 1 if the losses are "
         "not identical across methods. Runs on CUDA when present, else on CPU.",
     )
-    parser.add_argument("--steps", type=int, default=4, help="training steps per method (4)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per method (6)")
     parser.add_argument(
         "--budget",
         type=float,
@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and dropout seed")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads (default 1: the demo model is small, and one thread keeps "
+        "the profile and the measured steps comparable when other work shares the cores)",
+    )
     size = parser.add_argument_group("model size (default: the demo GPT)")
     size.add_argument("--layers", type=int)
     size.add_argument("--hidden", type=int)
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--budget is a fraction of the keep-all peak in (0, 1), got {args.budget}"
         )
+    if args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
     sizes = {
@@ -76,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(DEMO_GPT, **sizes)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    torch.set_num_threads(args.threads)
     console = Console(highlight=False)
     report = run_demo(
         config=config,
