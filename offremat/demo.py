@@ -419,7 +419,10 @@ def render(report: DemoReport, console: Any) -> None:
     )
     console.print(report.link_note)
     table = Table(
-        title="predicted (simulator) against measured, per training step", box=box.SIMPLE_HEAD
+        title="predicted (simulator) against measured, per training step",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
     )
     table.add_column("method", no_wrap=True)
     for column in (
@@ -457,13 +460,18 @@ def render(report: DemoReport, console: Any) -> None:
         f"[dim]time: median forward + backward after a warm-up step; measured peak: {peak_note}[/]"
     )
     ran = [r for r in report.results if r.measured is not None]
-    losses = Table(title="loss per step (same seed, same batches)")
-    losses.add_column("method")
+    losses = Table(
+        title="loss per step (same seed, same batches)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    losses.add_column("method", no_wrap=True)
     steps = len(ran[0].measured.losses) if ran else 0
     for n in range(steps):
-        losses.add_column(f"step {n + 1}", justify="right")
+        losses.add_column(f"step {n + 1}", justify="right", no_wrap=True, min_width=7)
     for row in ran:
-        losses.add_row(row.method, *(f"{loss:.6f}" for loss in row.measured.losses))
+        losses.add_row(row.method, *(f"{loss:.5f}" for loss in row.measured.losses))
     console.print(losses)
     if report.losses_identical:
         console.print(f"[green]losses identical bit for bit across {len(ran)} methods[/]")
