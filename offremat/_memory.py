@@ -125,11 +125,21 @@ class Residency:
             else:
                 self._forget(record)
 
-    def offload(self, records: Iterable[StorageRecord], produced: torch.cuda.Event | None) -> None:
-        """Start copying a plan tensor to the host; it stops being resident on the device."""
+    def offload(
+        self,
+        records: Iterable[StorageRecord],
+        produced: torch.cuda.Event | None,
+        newly_away: bool = True,
+    ) -> None:
+        """Start copying a plan tensor to the host; it stops being resident on the device.
+
+        ``newly_away`` is False for a tensor whose host copy is already counted (offloaded
+        before, prefetched, and offloaded again).
+        """
         for record in records:
             record.resident_holders -= 1
-            record.away_holders += 1
+            if newly_away:
+                record.away_holders += 1
             if record.host is None and record.on_device and not record.external:
                 self._copy_to_host(record, produced)
 
@@ -140,10 +150,12 @@ class Residency:
                 self._empty(record)
 
     def prefetch(self, records: Iterable[StorageRecord]) -> None:
-        """Bring an offloaded plan tensor back; storages still on the device are not copied."""
+        """Bring an offloaded plan tensor back; storages still on the device are not copied.
+
+        The host copy stays, for the plan may drop the tensor and prefetch it again.
+        """
         allocated = []
         for record in records:
-            record.away_holders -= 1
             record.resident_holders += 1
             if record.on_device:
                 continue

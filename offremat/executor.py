@@ -69,6 +69,7 @@ from solvers.plan import (
     FREE,
     OFFLOAD,
     PREFETCH,
+    SAVED,
     Op,
     Plan,
     PlanError,
@@ -196,7 +197,7 @@ class _PlanFunction(torch.autograd.Function):
 class _PlanTensor:
     """One of the plan's tensors (a_i, x̄_i or δ_i): torch tensors and the storages held."""
 
-    __slots__ = ("diff", "packer", "records", "resident", "slot", "structure", "tensors")
+    __slots__ = ("diff", "packer", "records", "slot", "structure", "tensors")
 
     def __init__(
         self,
@@ -207,7 +208,6 @@ class _PlanTensor:
         self.tensors = tensors
         self.structure = structure
         self.records = records
-        self.resident = True
         self.packer: SavedTensorPacker | None = None
         self.slot: GradSlot | None = None
         self.diff: list[int] = []
@@ -271,8 +271,11 @@ class _Step:
         for i in range(1, self.length + 1):
             self.needs_grad.append(self.needs_grad[-1] or trainable[i - 1])
         self.input_requires_grad = [t.requires_grad for t in tensors]
-        self.activations: dict[int, _PlanTensor] = {}
-        self.saved: dict[int, _PlanTensor] = {}
+        # A plan tensor can have a version on the device and another whose bytes are on the
+        # host (the same one after a prefetch, a different one after a recomputation).
+        self.on_device: dict[tuple[str, int], _PlanTensor] = {}
+        self.on_host: dict[tuple[str, int], _PlanTensor] = {}
+        self.offloaded_by: dict[int, _PlanTensor] = {}
         self.grads: dict[int, _PlanTensor] = {}
         self.rng: dict[int, RngState] = {}
         self.produced: dict[tuple[str, int], Any] = {}
@@ -285,7 +288,7 @@ class _Step:
         source = _PlanTensor(
             list(tensors), structure, self.residency.hold(unique_storages(tensors), external=True)
         )
-        self.activations[0] = source
+        self.on_device[(ACTIVATION, 0)] = source
 
     # The two halves of the plan.
 
@@ -328,11 +331,9 @@ class _Step:
         for action in actions:
             op = self.ops[action.position]
             if action.kind == RELEASE:
-                offloaded = self._find(op)
-                if offloaded is not None:  # B may have consumed it since
-                    self.residency.release(offloaded.records)
+                self._release(action.position, op)
             elif action.kind == ISSUE:
-                self._memory_op(op)
+                self._memory_op(action.position, op)
             elif op.kind == BACKWARD:
                 self._backward(op.index)
             else:
@@ -340,42 +341,49 @@ class _Step:
 
     # Memory operations.
 
-    def _find(self, op: Op) -> _PlanTensor | None:
-        table = self.activations if op.target == ACTIVATION else self.saved
-        return table.get(op.index)
+    def _release(self, position: int, op: Op) -> None:
+        """Free the device bytes that the offload at ``position`` copied, unless needed again."""
+        offloaded = self.offloaded_by.pop(position)
+        still_away = self.on_host.get(op.tensor) is offloaded
+        if still_away and self.on_device.get(op.tensor) is not offloaded:
+            self.residency.release(offloaded.records)
 
-    def _tensor(self, op: Op) -> _PlanTensor:
-        found = self._find(op)
-        if found is None:
-            raise RuntimeError(f"{op} names a tensor that does not exist; the plan is invalid")
-        return found
-
-    def _memory_op(self, op: Op) -> None:
-        tensor = self._tensor(op)
+    def _memory_op(self, position: int, op: Op) -> None:
+        key = op.tensor
         if op.kind == OFFLOAD:
-            self.residency.offload(tensor.records, self.produced.get(op.tensor))
-            tensor.resident = False
+            tensor = self.on_device.pop(key)
+            previous = self.on_host.get(key)
+            self.residency.offload(
+                tensor.records, self.produced.get(key), newly_away=previous is not tensor
+            )
+            if previous is not None and previous is not tensor:
+                self.residency.drop(previous.records, resident=False)
+            self.on_host[key] = tensor
+            self.offloaded_by[position] = tensor
         elif op.kind == PREFETCH:
+            tensor = self.on_host[key]
             self.residency.prefetch(tensor.records)
-            tensor.resident = True
-            self.produced.pop(op.tensor, None)
+            self.on_device[key] = tensor
+            self.produced.pop(key, None)
             self.peak = max(self.peak, self.residency.live_bytes)
         elif op.kind == FREE:
-            self._drop(op.target, op.index)
+            self._drop_device(key)
 
-    def _drop(self, target: str, index: int) -> None:
-        table = {ACTIVATION: self.activations, "saved": self.saved, "grad": self.grads}[target]
-        tensor = table.pop(index)
-        self.residency.drop(tensor.records, resident=tensor.resident)
+    def _drop_device(self, key: tuple[str, int]) -> None:
+        tensor = self.on_device.pop(key, None)
+        if tensor is not None:
+            self.residency.drop(tensor.records, resident=True)
+
+    def _drop_host(self, key: tuple[str, int]) -> None:
+        tensor = self.on_host.pop(key, None)
+        if tensor is not None:
+            self.residency.drop(tensor.records, resident=False)
 
     def _source(self, index: int) -> _PlanTensor:
         """The resident a_index: by itself, or as the output of x̄_index."""
-        alone = self.activations.get(index)
-        if alone is not None and alone.resident:
-            return alone
-        saved = self.saved.get(index)
-        if saved is not None and saved.resident:
-            return saved
+        for key in ((ACTIVATION, index), (SAVED, index)):
+            if key in self.on_device:
+                return self.on_device[key]
         raise RuntimeError(f"a{index} is not resident; the plan was validated, so this is a bug")
 
     # Compute operations.
@@ -428,16 +436,16 @@ class _Step:
             records += self.residency.hold(others)
         produced = _PlanTensor(tensors, structure, records)
         produced.packer, produced.slot, produced.diff = packer, slot, diff
-        key = ("saved" if op.kind == F_ALL else ACTIVATION, i)
-        (self.saved if op.kind == F_ALL else self.activations)[i] = produced
+        key = (SAVED if op.kind == F_ALL else ACTIVATION, i)
+        self.on_device[key] = produced
         if self.streams is not None:
             self.produced[key] = self.streams.compute.record_event()
         self.peak = max(self.peak, self.residency.live_bytes)
         if op.kind == F_NONE:
-            self._drop_alone(i - 1)
+            self._drop_device((ACTIVATION, i - 1))
 
     def _backward(self, i: int) -> None:
-        saved = self.saved[i]
+        saved = self.on_device[(SAVED, i)]
         grad = self.grads[i]
         source = self._source(i - 1)
         self.residency.use(saved.records)
@@ -457,14 +465,12 @@ class _Step:
         present = [g for g in grads if g is not None]
         self.grads[i - 1] = _PlanTensor(grads, None, self.residency.hold(unique_storages(present)))
         self.peak = max(self.peak, self.residency.live_bytes)
-        self._drop("saved", i)
-        self._drop("grad", i)
-        self._drop_alone(i - 1)
-
-    def _drop_alone(self, index: int) -> None:
-        alone = self.activations.get(index)
-        if alone is not None and alone.resident:
-            self._drop(ACTIVATION, index)
+        gone = self.grads.pop(i)
+        self.residency.drop(gone.records)
+        # Nothing reads x̄_i, or a_{i-1} by itself, after B(i): host copies go too.
+        for key in ((SAVED, i), (ACTIVATION, i - 1)):
+            self._drop_device(key)
+            self._drop_host(key)
 
     def _mark(self) -> None:
         if self.streams is not None:

@@ -152,6 +152,28 @@ def freeing_plan(chain: Chain) -> Plan:
     return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-free")
 
 
+def two_versions_plan(chain: Chain) -> Plan:
+    """x̄_1 recomputed while its host copy lives on; the host copy is prefetched twice."""
+    ops = [
+        forward_all(1),
+        forward_checkpoint(2),
+        offload("saved", 1),
+        forward_all(3),
+        forward_all(4),
+        backward(4),
+        backward(3),
+        forward_all(1),
+        free("saved", 1),
+        prefetch("saved", 1),
+        free("saved", 1),
+        prefetch("saved", 1),
+        forward_all(2),
+        backward(2),
+        backward(1),
+    ]
+    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-two-versions")
+
+
 def input_offload_plan(chain: Chain) -> Plan:
     """Checkpoint every stage input, offload the checkpoints, prefetch each for its stage."""
     length = chain.length
@@ -168,7 +190,12 @@ def input_offload_plan(chain: Chain) -> Plan:
 
 def test_hand_written_plans_are_valid() -> None:
     chain = Chain("c", 8, tuple(Stage(f"s{i}", 1.0, 2.0, 4, 8) for i in range(1, 5)), Link(4, 4))
-    for plan in (mixed_plan(chain), freeing_plan(chain), input_offload_plan(chain)):
+    for plan in (
+        mixed_plan(chain),
+        freeing_plan(chain),
+        two_versions_plan(chain),
+        input_offload_plan(chain),
+    ):
         assert validate(plan, chain) == [], plan.solver
     assert set(mixed_plan(chain).decisions.values()) == {"keep", "recompute", "offload"}
 
@@ -192,7 +219,7 @@ def plans_for(chain: Chain) -> list[Plan]:
         except InfeasibleBudgetError:
             continue
     if chain.length == 4:
-        for plan in (mixed_plan(chain), freeing_plan(chain)):
+        for plan in (mixed_plan(chain), freeing_plan(chain), two_versions_plan(chain)):
             plans.append(score(plan, chain, peak))
     plans.append(score(input_offload_plan(chain), chain, peak))
     return plans
@@ -231,7 +258,12 @@ def test_a_four_stage_model_runs_the_hand_written_offload_plans() -> None:
     chain = profiled(copy.deepcopy(model), x, 0)
     reference_model = copy.deepcopy(model)
     reference = run_step(reference_model, reference_model, x, target, 7)
-    for plan in (mixed_plan(chain), freeing_plan(chain), input_offload_plan(chain)):
+    for plan in (
+        mixed_plan(chain),
+        freeing_plan(chain),
+        two_versions_plan(chain),
+        input_offload_plan(chain),
+    ):
         candidate = copy.deepcopy(model)
         executor = PlanExecutor(list(candidate), score(plan, chain, None), chain)
         assert_identical(reference, run_step(executor, candidate, x, target, 7))
