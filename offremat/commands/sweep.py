@@ -40,7 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument(
         "--model",
         metavar="NAME",
-        help="profile an in-repo model on this machine instead (e.g. gpt-small, resnet-small)",
+        help="profile an in-repo model on this machine instead, on CUDA when present "
+        "(e.g. gpt-small, resnet-small)",
     )
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
@@ -134,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
 def _chain(args: argparse.Namespace) -> Chain:
     if args.model is None:
         return load_chain(args.chain)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return profile_named_model(args.model, batch_size=args.batch)
+        return profile_named_model(args.model, batch_size=args.batch, device=device)
     except ValueError as error:
         raise UsageError(str(error)) from None
