@@ -97,3 +97,13 @@ def test_allocation_tracker_counts_live_storages_once_and_forgets_freed_ones():
         del second
         assert tracker.live_bytes == 4000
     assert tracker.peak_bytes == 6000
+
+
+def test_demo_command_bad_sizes_and_numbers_are_usage_errors(capsys):
+    from offremat.cli import main
+
+    assert main(["demo", "--heads", "5"]) == 2
+    assert "multiple of heads" in capsys.readouterr().err
+    for flag, value in (("--batch", "0"), ("--bandwidth", "-1"), ("--steps", "1")):
+        assert main(["demo", flag, value]) == 2, flag
+        assert flag in capsys.readouterr().err

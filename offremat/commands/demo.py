@@ -73,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--budget is a fraction of the keep-all peak in (0, 1), got {args.budget}"
         )
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch must be at least 1, got {args.batch}")
+    if args.bandwidth is not None and args.bandwidth <= 0:
+        raise UsageError(f"--bandwidth must be positive bytes/s, got {args.bandwidth}")
+    if args.milp_time_limit <= 0:
+        raise UsageError(f"--milp-time-limit must be positive seconds, got {args.milp_time_limit}")
     if args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -83,10 +83,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UsageError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    if args.milp_time_limit <= 0:
+        raise UsageError(f"--milp-time-limit must be positive seconds, got {args.milp_time_limit}")
     if args.points < 1:
         raise UsageError(f"--points must be at least 1, got {args.points}")
     if args.slots is not None and args.slots < 1:
         raise UsageError(f"--slots must be a positive integer, got {args.slots}")
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch must be at least 1, got {args.batch}")
     if args.bandwidth is not None and args.bandwidth <= 0:
         raise UsageError(f"--bandwidth must be positive bytes/s, got {args.bandwidth}")
     chain = _chain(args)
