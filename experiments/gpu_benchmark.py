@@ -70,7 +70,9 @@ def choose_batch(config: GPTConfig, device: str) -> int:
     chain = profile_model(model, gpt_batch(config, 1, 0, device), warmup=1, repeats=1)
     per_sample = keep_all_peak(chain)
     free, _ = torch.cuda.mem_get_info(device)
-    # Gradients and the optimizer's buffers take the weights' size again (plain SGD).
+    # ``free`` already leaves out the weights. Their gradients need as much again (plain SGD
+    # keeps no other state), and the same once more stays free for cuBLAS workspaces and the
+    # allocator's fragmentation.
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     torch.cuda.empty_cache()
