@@ -1,0 +1,454 @@
+"""Solve the joint keep / offload / recompute MILP and return its plan, scored by the simulator.
+
+The formulation (:mod:`solvers.milp_model`, ``docs/milp.md``) follows Checkmate (Jain et al.
+2020) on rotor's persistent model (Herrmann, Beaumont et al. 2019) with POFO's copy channels
+(Beaumont, Eyraud-Dubois, Shilova 2021). The search warm-starts from the best of rotor's DP and
+the baselines, and never returns a plan slower than that warm start: on a chain too long to
+solve whole within the time limit, it improves the warm start window by window (a large
+neighbourhood search whose every step is the same MILP with the decisions outside the window
+fixed), then solves the whole model with whatever time is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pulp
+
+from solvers.baselines import BASELINES
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain
+from solvers.dp import DEFAULT_SLOTS, memory_need, solve_dp
+from solvers.milp_model import (
+    JointModel,
+    NotInFamilyError,
+    Schedule,
+    decode,
+    encode,
+    necessary_budget_bytes,
+)
+from solvers.plan import Plan
+from solvers.registry import lower_bound_s
+from solvers.simulator import score
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("highs", "cbc")
+_INSTALL_HINT = {
+    "highs": "the Python package 'highspy' (pip install highspy), or pass backend='cbc'",
+    "cbc": "PuLP's bundled CBC binary (pip install --force-reinstall pulp), or pass "
+    "backend='highs'",
+}
+# Below this many structural binaries the whole model is searched from the start.
+_WHOLE_MODEL_BINARIES = 1200
+_FIRST_WINDOW = 6
+
+
+class BackendUnavailableError(RuntimeError):
+    """The chosen MILP backend is not installed; the message names what to install."""
+
+
+@dataclass(frozen=True)
+class _Search:
+    """What a MILP search ended with: its best structure, objective and bound (seconds)."""
+
+    schedule: Schedule | None
+    objective_s: float | None
+    bound_s: float | None
+    status: str
+    proven: bool
+
+
+def solve_milp(
+    chain: Chain,
+    budget_bytes: int,
+    *,
+    offload: bool = True,
+    time_limit_s: float = 30.0,
+    gap: float | None = None,
+    backend: str = "highs",
+    slots: int = DEFAULT_SLOTS,
+) -> Plan:
+    """The joint plan of the time-indexed MILP, never slower than rotor's DP at this budget.
+
+    ``time_limit_s`` bounds the whole call (model building included), ``gap`` is the relative
+    MIP gap at which to stop, ``slots`` the DP's discretization for the warm start. The plan's
+    ``info`` reports ``solver_status``, ``objective``, ``best_bound``, ``gap``,
+    ``solve_time_s``, ``backend``, ``warm_start`` and ``fallback``. Raises
+    :class:`InfeasibleBudgetError` when nothing fits and :class:`BackendUnavailableError` when
+    the backend is not installed.
+    """
+    started = time.monotonic()
+    deadline = started + time_limit_s
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MILP backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+    if gap is not None and not 0 <= gap < 1:
+        raise ValueError(f"gap must be in [0, 1), got {gap}")
+    _require_backend(backend)
+    if offload and chain.link is None:
+        logger.warning(
+            "chain %r has no link, so nothing can be offloaded: solving with recomputation only",
+            chain.name,
+        )
+        offload = False
+
+    candidates = _warm_start_candidates(chain, budget_bytes, slots, offload)
+    if not candidates:
+        candidates = _tight_budget_candidates(
+            chain, budget_bytes, slots, offload, backend, deadline
+        )
+    fallback_name, fallback_plan = candidates[0]
+    warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
+
+    model = JointModel(chain, budget_bytes, offload, time_cap_s=warm_time * (1 + 1e-6))
+    # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
+    floor = lower_bound_s(chain, budget_bytes)
+    if math.isfinite(floor):
+        model.problem += model.makespan >= floor / model.time_unit * (1 - 1e-9), "lower_bound"
+    if backend == "highs":
+        search = _search_highs(model, warm_schedule, gap, deadline)
+    else:
+        search = _search_cbc(model, warm_schedule, gap, deadline)
+
+    plan, fallback = fallback_plan, True
+    if search.schedule is not None:
+        own = _plan(decode(search.schedule), chain, budget_bytes)
+        if own.feasible and own.predicted_time_s < fallback_plan.predicted_time_s * (1 - 1e-9):
+            plan, fallback = own, False
+    objective = search.objective_s
+    bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
+    if objective is not None and bound is not None and math.isfinite(bound):
+        relative_gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+    else:
+        relative_gap = None
+    size = model.size
+    info: dict[str, Any] = {
+        "solver_status": search.status,
+        "objective": objective,
+        "best_bound": bound if bound is not None and math.isfinite(bound) else None,
+        "gap": relative_gap,
+        "solve_time_s": time.monotonic() - started,
+        "backend": backend,
+        "warm_start": warm_name,
+        "fallback": fallback,
+        "fallback_plan": fallback_name,
+        "offload": offload,
+        "model": {
+            "binaries": size.binaries,
+            "continuous": size.continuous,
+            "constraints": size.constraints,
+            "nonzeros": size.nonzeros,
+        },
+    }
+    result = Plan(
+        ops=plan.ops,
+        stage_names=plan.stage_names,
+        solver="milp",
+        chain_name=chain.name,
+        info=info,
+    )
+    return score(result, chain, budget_bytes)
+
+
+def least_feasible_budget(
+    chain: Chain, *, offload: bool = True, time_limit_s: float = 30.0, backend: str = "highs"
+) -> int:
+    """The least budget at which :func:`solve_milp` finds a plan.
+
+    Without offloading it is rotor's exact least memory (:func:`solvers.dp.memory_need`, no
+    rounding). With offloading it is the optimum of the MILP with the budget as the objective,
+    or the best value found within ``time_limit_s`` (never above the recompute-only one).
+    """
+    _require_backend(backend)
+    if not offload or chain.link is None:
+        return memory_need(chain)
+    least, _ = _least_budget(chain, backend, time.monotonic() + time_limit_s)
+    return least
+
+
+# ---------------------------------------------------------------------- warm starts
+def _warm_start_candidates(
+    chain: Chain, budget_bytes: int, slots: int, offload: bool
+) -> list[tuple[str, Plan]]:
+    """Rotor's DP and every baseline that fits, fastest first (simulated)."""
+    found: list[tuple[str, Plan]] = []
+    with contextlib.suppress(InfeasibleBudgetError):
+        found.append(("dp", solve_dp(chain, budget_bytes, slots)))
+    for name, build in BASELINES.items():
+        if name == "offload-all" and not offload:
+            continue
+        scored = score(build(chain), chain, budget_bytes)
+        if scored.feasible:
+            found.append((name, scored))
+    found.sort(key=lambda item: item[1].predicted_time_s)
+    return found
+
+
+def _first_in_family(
+    candidates: list[tuple[str, Plan]], length: int
+) -> tuple[Schedule | None, str | None, float]:
+    """The fastest candidate the MILP can express, to be its starting solution, with its time
+    (or, when none can be expressed, the fastest candidate's time)."""
+    for name, plan in candidates:
+        try:
+            return encode(plan.ops, length), name, plan.predicted_time_s
+        except NotInFamilyError as error:
+            logger.debug("warm start %s is outside the MILP's family: %s", name, error)
+    return None, None, candidates[0][1].predicted_time_s
+
+
+def _tight_budget_candidates(
+    chain: Chain, budget_bytes: int, slots: int, offload: bool, backend: str, deadline: float
+) -> list[tuple[str, Plan]]:
+    """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
+
+    Between rotor's exact least memory and the DP's rounded one, the DP with finer slots finds
+    a plan; below it only offloading can, and the least-memory MILP says whether it does.
+    Raises :class:`InfeasibleBudgetError` when nothing fits.
+    """
+    recompute_least = memory_need(chain)
+    if budget_bytes >= recompute_least:
+        for finer in (slots * 10, slots * 100):
+            try:
+                return [(f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer))]
+            except InfeasibleBudgetError:
+                continue
+    least, schedule = recompute_least, None
+    if offload and budget_bytes >= necessary_budget_bytes(chain):
+        least, schedule = _least_budget(chain, backend, deadline)
+    if schedule is None or least > budget_bytes:
+        raise InfeasibleBudgetError(budget_bytes, least, "milp")
+    return [("least-memory milp", _plan(decode(schedule), chain, budget_bytes))]
+
+
+def _plan(ops: list, chain: Chain, budget_bytes: int) -> Plan:
+    plan = Plan(
+        ops=tuple(ops),
+        stage_names=tuple(s.name for s in chain.stages),
+        solver="milp",
+        chain_name=chain.name,
+    )
+    return score(plan, chain, budget_bytes)
+
+
+def _least_budget(chain: Chain, backend: str, deadline: float) -> tuple[int, Schedule | None]:
+    """The least budget with offloading: the MILP with the budget as its objective, and the
+    schedule that reaches it (None and rotor's exact least memory if it finds nothing lower)."""
+    recompute_least = memory_need(chain)
+    model = JointModel(chain, None, offload=True)
+    search = (_search_highs if backend == "highs" else _search_cbc)(model, None, None, deadline)
+    least = model.least_budget_bytes() if search.schedule is not None else None
+    if least is None or math.ceil(least - 1e-6) >= recompute_least:
+        return recompute_least, None
+    # Floats, not the model, can land a hair under the true peak: take the next byte up.
+    return max(math.ceil(least - 1e-6), necessary_budget_bytes(chain)), search.schedule
+
+
+# ---------------------------------------------------------------------- backends
+def _require_backend(backend: str) -> None:
+    if backend == "highs":
+        try:
+            importlib.import_module("highspy")
+        except ImportError:
+            raise BackendUnavailableError(
+                f"the MILP backend 'highs' is not installed: it needs {_INSTALL_HINT['highs']}"
+            ) from None
+        if not pulp.HiGHS(msg=False).available():
+            raise BackendUnavailableError(
+                f"PuLP cannot load HiGHS: install {_INSTALL_HINT['highs']}"
+            )
+    elif not pulp.PULP_CBC_CMD(msg=False).available():
+        raise BackendUnavailableError(
+            f"the MILP backend 'cbc' is not available: it needs {_INSTALL_HINT['cbc']}"
+        )
+
+
+class _HighsSession:
+    """The model loaded once into HiGHS and re-solved with different variables fixed."""
+
+    def __init__(self, model: JointModel, gap: float | None):
+        self.model = model
+        solver = pulp.HiGHS(msg=False, gapRel=gap)
+        solver.createAndConfigureSolver(model.problem)
+        solver.buildSolverModel(model.problem)
+        self.highs = model.problem.solverModel
+        self.highs.setOptionValue("random_seed", 0)
+        self.columns = model.problem.variables()
+        self.structural = model.structural_variables()
+        self.structural_index = np.array([v.index for v in self.structural], dtype=np.int32)
+
+    def run(
+        self,
+        start: np.ndarray | None,
+        free: np.ndarray,
+        time_limit_s: float,
+    ) -> tuple[str, float | None, float | None, np.ndarray | None]:
+        """Solve with the structural binaries not in ``free`` fixed to ``start``."""
+        highs = self.highs
+        lower = np.zeros(len(self.structural_index))
+        upper = np.ones(len(self.structural_index))
+        if start is not None:
+            fixed = ~free
+            values = np.round(start[self.structural_index])
+            lower[fixed] = values[fixed]
+            upper[fixed] = values[fixed]
+        highs.changeColsBounds(len(self.structural_index), self.structural_index, lower, upper)
+        highs.setOptionValue("time_limit", max(0.1, float(time_limit_s)))
+        highs.clearSolver()
+        if start is not None:
+            indices = np.arange(len(start), dtype=np.int32)
+            highs.setSolution(len(start), indices, start)
+        highs.run()
+        status = highs.modelStatusToString(highs.getModelStatus())
+        info = highs.getInfo()
+        if info.primal_solution_status < 2:
+            return status, None, None, None
+        values = np.array(highs.getSolution().col_value)
+        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
+        return status, info.objective_function_value, bound, values
+
+    def load(self, values: np.ndarray) -> None:
+        """Put ``values`` into the PuLP variables, so the model can read its schedule."""
+        for column in self.columns:
+            column.varValue = float(values[column.index])
+
+    def window(self, first: int, last: int) -> np.ndarray:
+        """Which structural binaries concern stages first..last, in the first pass or in
+        their backward steps."""
+        free = np.zeros(len(self.structural), dtype=bool)
+        for n, var in enumerate(self.structural):
+            stage, step = self.model.place(var)
+            free[n] = first <= stage <= last or (step is not None and first <= step <= last)
+        return free
+
+
+def _search_highs(
+    model: JointModel, warm: Schedule | None, gap: float | None, deadline: float
+) -> _Search:
+    """Windows of growing width around the incumbent, then the whole model."""
+    session = _HighsSession(model, gap)
+    incumbent: np.ndarray | None = None
+    if warm is not None:
+        values = model.schedule_values(warm)
+        start = np.zeros(len(session.columns))
+        for var in session.structural:
+            start[var.index] = values[var.name]
+        # The warm start's times and release indicators: the model with its structure fixed.
+        nothing_free = np.zeros(len(session.structural), dtype=bool)
+        status, _, _, incumbent = session.run(start, nothing_free, _share(deadline, 0.25))
+        if incumbent is None:
+            logger.info("the warm start does not fit the MILP (%s); starting without it", status)
+    best = _objective(model, incumbent)
+    length = model.length
+    width = length if len(session.structural) <= _WHOLE_MODEL_BINARIES else _FIRST_WINDOW
+    status, whole_bound, proven = "time limit", None, False
+    while time.monotonic() < deadline:
+        if width >= length or incumbent is None:
+            whole = np.ones(len(session.structural), dtype=bool)
+            status, objective, whole_bound, values = session.run(
+                incumbent, whole, deadline - time.monotonic()
+            )
+            proven = status == "Optimal"
+            if values is not None and (best is None or objective <= best):
+                incumbent, best = values, objective
+            break
+        improved = False
+        for last in range(length, 0, -max(1, width // 2)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            window = session.window(max(1, last - width + 1), last)
+            _, objective, _, values = session.run(
+                incumbent, window, min(remaining, 2.0 * width / _FIRST_WINDOW + 1.0)
+            )
+            if values is not None and objective < best - 1e-9:
+                incumbent, best, improved = values, objective, True
+        if not improved:
+            width *= 2
+    scale = 1.0 if isinstance(model.budget, pulp.LpVariable) else model.time_unit
+    if incumbent is None:
+        return _Search(None, None, None, _status_name(status), False)
+    session.load(incumbent)
+    return _Search(
+        model.read_schedule(),
+        best * scale,
+        None if whole_bound is None else whole_bound * scale,
+        _status_name(status),
+        proven,
+    )
+
+
+def _objective(model: JointModel, values: np.ndarray | None) -> float | None:
+    if values is None:
+        return None
+    if isinstance(model.budget, pulp.LpVariable):
+        return float(values[model.budget.index])
+    return float(values[model.makespan.index])
+
+
+def _share(deadline: float, share: float) -> float:
+    return max(0.5, (deadline - time.monotonic()) * share)
+
+
+def _status_name(status: str) -> str:
+    return status.strip().lower().replace(" reached", "")
+
+
+def _search_cbc(
+    model: JointModel, warm: Schedule | None, gap: float | None, deadline: float
+) -> _Search:
+    """One CBC run on the whole model, started from the warm start's structure."""
+    if warm is not None:
+        for name, value in model.schedule_values(warm).items():
+            model.problem.variablesDict()[name].setInitialValue(value)
+    with tempfile.TemporaryDirectory() as folder:
+        log_path = Path(folder) / "cbc.log"
+        solver = pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=max(1.0, deadline - time.monotonic()),
+            gapRel=gap,
+            warmStart=warm is not None,
+            logPath=str(log_path),
+            threads=1,
+        )
+        status = model.problem.solve(solver)
+        log = log_path.read_text() if log_path.exists() else ""
+    objective = _objective_value(model)
+    bound = _cbc_bound(log)
+    if objective is None or pulp.LpStatus[status] not in ("Optimal", "Not Solved"):
+        return _Search(None, None, None, pulp.LpStatus[status].lower(), False)
+    proven = "Optimal solution found" in log
+    scale = model.time_unit
+    return _Search(
+        model.read_schedule(),
+        objective,
+        None if bound is None or isinstance(model.budget, pulp.LpVariable) else bound * scale,
+        "optimal" if proven else "time limit",
+        proven,
+    )
+
+
+def _objective_value(model: JointModel) -> float | None:
+    if isinstance(model.budget, pulp.LpVariable):
+        return model.least_budget_bytes()
+    return model.objective_s()
+
+
+def _cbc_bound(log: str) -> float | None:
+    """The best bound CBC printed last ("Lower bound:" or "best possible")."""
+    matches = re.findall(r"Lower bound:\s*([-0-9.eE+]+)", log)
+    if not matches:
+        matches = re.findall(r"best possible\s*([-0-9.eE+]+)", log)
+    return float(matches[-1]) if matches else None
