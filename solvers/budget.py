@@ -15,7 +15,7 @@ class InfeasibleBudgetError(ValueError):
         super().__init__(
             f"no {solver} plan fits in {format_bytes(budget_bytes)} ({budget_bytes} B); "
             f"the least feasible budget is {format_bytes(min_budget_bytes)} "
-            f"({min_budget_bytes} B): raise --budget to at least that"
+            f"({min_budget_bytes} B): raise the budget to at least that"
         )
 
 

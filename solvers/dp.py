@@ -17,7 +17,8 @@ exceeds its budget on rotor's own memory model (``tests/test_dp.py`` shows such 
 check both.
 
 Sizes are rounded up to multiples of budget/slots, as rotor does; the plan is therefore
-feasible in exact bytes as well.
+feasible in exact bytes as well. Rounding can hide that plain autograd fits: when it does in
+exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it directly.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from solvers.baselines import keep_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.plan import Op, Plan, backward, forward_all, forward_checkpoint, forward_none
-from solvers.simulator import score
+from solvers.simulator import score, simulate
 
 DEFAULT_SLOTS = 500
 _FORWARD_ALL = 0
@@ -172,6 +174,11 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    stage_names = tuple(stage.name for stage in chain.stages)
+    plain = keep_all(chain)
+    if simulate(plain, chain, budget_bytes).feasible:
+        plan = Plan(plain.ops, stage_names, "dp", info={"slots": slots, "keep_all": True})
+        return score(plan, chain, budget_bytes)
     unit = budget_bytes / slots
     sizes = _Sizes.of(chain, unit)
     capacity = slots - int(sizes.activation[0])
@@ -183,7 +190,7 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     ops = table.ops(1, chain.length, capacity)
     plan = Plan(
         ops=tuple(ops),
-        stage_names=tuple(stage.name for stage in chain.stages),
+        stage_names=stage_names,
         solver="dp",
         info={"slots": slots, "dp_time_s": float(table.time[1, chain.length, capacity])},
     )
@@ -211,15 +218,19 @@ def memory_need(chain: Chain, unit: float = 1.0) -> int:
 
 
 def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:
-    """The least budget, in bytes, at which :func:`solve_dp` with ``slots`` finds a plan."""
-    exact = memory_need(chain)
+    """The least budget, in bytes, at which :func:`solve_dp` with ``slots`` finds a plan.
+
+    Plain autograd's peak always qualifies, so it bounds the search when rounding to few slots
+    keeps the table from fitting anything smaller.
+    """
+    ceiling = simulate(keep_all(chain), chain).peak_bytes
 
     def fits(budget: int) -> bool:
-        return memory_need(chain, budget / slots) <= slots
+        return budget >= ceiling or memory_need(chain, budget / slots) <= slots
 
-    low, high = exact - 1, exact
+    low, high = memory_need(chain) - 1, memory_need(chain)
     while not fits(high):
-        low, high = high, int(high * 1.05) + 1
+        low, high = high, min(ceiling, int(high * 1.05) + 1)
     while high - low > 1:
         middle = (low + high) // 2
         if fits(middle):

@@ -252,6 +252,19 @@ def test_time_never_rises_as_budget_grows(chain: Chain) -> None:
     assert all(later <= earlier + 1e-9 for earlier, later in itertools.pairwise(times))
 
 
+def test_keep_all_is_returned_whenever_it_fits_in_exact_bytes() -> None:
+    rng = random.Random(5)
+    chain = random_chain(rng, length=14)
+    keep_all_peak = simulate(solve_dp(chain, 10**6), chain).peak_bytes
+    # At 5 slots every size rounds up to a fifth of the budget, so the table alone cannot fit
+    # keep-all at exactly its peak; the plan must still be keep-all.
+    plan = solve_dp(chain, keep_all_peak, slots=5)
+    assert plan.predicted_time_s == chain.compute_time_s
+    assert plan.predicted_peak_bytes == keep_all_peak
+    with pytest.raises(InfeasibleBudgetError):
+        solve_dp(chain, keep_all_peak - 1, slots=5)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains)
 def test_large_budget_costs_no_recomputation(chain: Chain) -> None:
