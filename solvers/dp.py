@@ -99,8 +99,7 @@ class _Table:
         self.backward = backward_s
         self.memory = np.arange(capacity + 1)
         for t in range(1, length + 1):
-            for s in range(t, 0, -1):
-                self._fill(s, t)
+            self._fill_column(t)
 
     def _shifted(self, row: np.ndarray, shift: int) -> np.ndarray:
         """row[m - shift] for each m, infinite where m < shift."""
@@ -109,35 +108,42 @@ class _Table:
             out[shift:] = row[: self.capacity + 1 - shift]
         return out
 
-    def _fill(self, s: int, t: int) -> None:
+    def _fill_column(self, t: int) -> None:
+        """opt(., s, t) for s = t down to 1.
+
+        The second option's right-hand term opt(m - x_{j-1}, j, t) does not depend on s, so
+        as soon as opt(., j, t) is final it is offered, as split j, to every s < j at once;
+        ``splits`` then holds the best split found so far for each s.
+        """
         sizes, m = self.sizes, self.memory
-        if s == t:
-            feasible = m >= sizes.single_stage_need(s)
-            self.time[s, t] = np.where(feasible, self.forward[s] + self.backward[s], np.inf)
-            self.choice[s, t] = np.where(feasible, _FORWARD_ALL, _INFEASIBLE)
-            return
-        # First option: F_all(s), the sub-chain s+1..t with x̄_s resident, then B(s).
-        inner = self._shifted(self.time[s + 1, t], sizes.saved[s])
-        best = self.forward[s] + self.backward[s] + inner
-        best[m < sizes.forward_all_need(s, t)] = np.inf
-        choice = np.full(m.shape, _FORWARD_ALL, dtype=np.int32)
-        # Second option, for every split j in s+1..t at once: rows are j, columns m.
-        splits = np.arange(s + 1, t + 1)
-        shifts = sizes.activation[splits - 1]
-        index = m[None, :] - shifts[:, None]
-        rows = np.arange(len(splits))[:, None]
-        right = np.where(index >= 0, self.time[splits, t][rows, np.maximum(index, 0)], np.inf)
-        left = self.time[s, splits - 1]
-        forwards = (self.prefix[splits - 1] - self.prefix[s - 1])[:, None]
-        split_cost = forwards + right + left
-        best_split = np.argmin(split_cost, axis=0)
-        split_time = split_cost[best_split, np.arange(len(m))]
-        better = split_time < best
-        best = np.where(better, split_time, best)
-        choice = np.where(better, splits[best_split], choice)
-        infeasible = (m < sizes.forward_room(s, t)) | np.isinf(best)
-        self.time[s, t] = np.where(infeasible, np.inf, best)
-        self.choice[s, t] = np.where(infeasible, _INFEASIBLE, choice)
+        split_time = np.full((t + 1, len(m)), np.inf)
+        split_choice = np.full((t + 1, len(m)), _INFEASIBLE, dtype=np.int32)
+        for s in range(t, 0, -1):
+            if s == t:
+                feasible = m >= sizes.single_stage_need(s)
+                self.time[s, t] = np.where(feasible, self.forward[s] + self.backward[s], np.inf)
+                self.choice[s, t] = np.where(feasible, _FORWARD_ALL, _INFEASIBLE)
+            else:
+                # First option: F_all(s), the sub-chain s+1..t with x̄_s resident, then B(s).
+                inner = self._shifted(self.time[s + 1, t], sizes.saved[s])
+                best = self.forward[s] + self.backward[s] + inner
+                best[m < sizes.forward_all_need(s, t)] = np.inf
+                better = split_time[s] < best
+                best = np.where(better, split_time[s], best)
+                choice = np.where(better, split_choice[s], _FORWARD_ALL)
+                infeasible = (m < sizes.forward_room(s, t)) | np.isinf(best)
+                self.time[s, t] = np.where(infeasible, np.inf, best)
+                self.choice[s, t] = np.where(infeasible, _INFEASIBLE, choice)
+            if s > 1:
+                # Split s for every earlier start r < s: F_ck(r), F_none(r+1..s-1), then
+                # opt(m - x_{s-1}, s, t), then opt(m, r, s-1).
+                right = self._shifted(self.time[s, t], sizes.activation[s - 1])
+                forwards = (self.prefix[s - 1] - self.prefix[: s - 1])[:, None]
+                cost = forwards + right[None, :] + self.time[1:s, s - 1]
+                # Ties go to the smaller split, which is offered later.
+                improves = cost <= split_time[1:s]
+                split_time[1:s] = np.where(improves, cost, split_time[1:s])
+                split_choice[1:s][improves] = s
 
     def ops(self, s: int, t: int, m: int) -> list[Op]:
         """The operations that reach opt(m, s, t)."""
