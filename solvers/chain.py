@@ -40,7 +40,9 @@ class Stage:
         for attr in ("fwd_s", "bwd_s"):
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
         for attr in ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
-            _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
+            object.__setattr__(
+                self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
+            )
         if self.saved_bytes < self.out_bytes:
             raise ChainFormatError(
                 f"{where}: field 'saved_bytes' ({self.saved_bytes}) is smaller than 'out_bytes' "
@@ -74,7 +76,9 @@ class Chain:
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        _check_bytes(self.input_bytes, "chain: field 'input_bytes'")
+        object.__setattr__(
+            self, "input_bytes", _check_bytes(self.input_bytes, "chain: field 'input_bytes'")
+        )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -225,10 +229,12 @@ def _check_number(value: Any, where: str) -> None:
         raise ChainFormatError(f"{where} must be non-negative, got {value}")
 
 
-def _check_bytes(value: Any, where: str) -> None:
+def _check_bytes(value: Any, where: str) -> int:
+    """The value as an int of bytes; integral floats such as 1024.0 are accepted."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ChainFormatError(f"{where} must be an integer number of bytes, got {value!r}")
     if value < 0:
         raise ChainFormatError(f"{where} must be non-negative, got {value}")
+    return value
