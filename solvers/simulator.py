@@ -142,7 +142,8 @@ def simulate(
     channel_free = {D2H_LANE: 0.0, H2D_LANE: 0.0}
     produced_at: dict[tuple[str, int], float] = {}
     host_ready_at: dict[tuple[str, int], float] = {}
-    gpu_ready_at: dict[tuple[str, int], float] = {}
+    # The input a_0 is resident from the start, like any tensor a compute op produced.
+    gpu_ready_at: dict[tuple[str, int], float] = {(ACTIVATION, 0): 0.0}
     last_reader_end: dict[tuple[str, int], float] = {}
     wait_total = 0.0
 

@@ -175,16 +175,15 @@ def two_versions_plan(chain: Chain) -> Plan:
 
 
 def input_offload_plan(chain: Chain) -> Plan:
-    """Checkpoint every stage input, offload the checkpoints, prefetch each for its stage."""
+    """Checkpoint every stage input, offload the checkpoints (the model input a_0 too) but
+    the last stage's, prefetch each for its stage."""
     length = chain.length
-    ops = [forward_checkpoint(1)]
-    for i in range(2, length):
+    ops = []
+    for i in range(1, length):
         ops += [forward_checkpoint(i), offload("activation", i - 1)]
     ops += [forward_all(length), backward(length)]
     for i in range(length - 1, 0, -1):
-        if i > 1:
-            ops.append(prefetch("activation", i - 1))
-        ops += [forward_all(i), backward(i)]
+        ops += [prefetch("activation", i - 1), forward_all(i), backward(i)]
     return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-checkpoint-offload")
 
 

@@ -111,8 +111,37 @@ def test_admission_delays_a_prefetch_until_memory_is_released() -> None:
 
 def test_free_releases_at_the_end_of_the_preceding_compute_op() -> None:
     ops = [forward_checkpoint(1), forward_all(2), free("activation", 1), forward_all(3)]
+    ops += [backward(3), forward_checkpoint(1), backward(2), forward_all(1), backward(1)]
+    result = simulate(ops, chain(), None)
+    assert result.makespan_s == 3 * 1.0 + 3 * 2.0 + 2 * 1.0
+    curve = dict(result.memory_curve)
+    # While F_all(2) runs it reads a_1: a_0, δ_3, a_1, x̄_2 and the temporary.
+    assert curve[1.0] == 10 + 10 + 10 + 30 + 5
+    # a_1 goes when F_all(2) ends, before F_all(3) allocates x̄_3 and its temporary.
+    assert curve[2.0] == 10 + 10 + 30 + 30 + 5
+
+
+def test_incomplete_plans_are_refused() -> None:
+    ops = [forward_checkpoint(1), forward_all(2), free("activation", 1), forward_all(3)]
     with pytest.raises(PlanError, match="backward B"):
         simulate(ops, chain(), None)
+
+
+def test_the_input_can_be_offloaded_and_prefetched() -> None:
+    ops = [forward_all(1), offload("activation", 0), forward_all(2), forward_all(3)]
+    ops += [backward(3), backward(2), prefetch("activation", 0), backward(1)]
+    result = simulate(ops, chain(), None)
+    lanes = {i.label: (i.lane, i.start_s, i.end_s) for i in result.timeline}
+    # a_0 copies beside F_all(1), which reads it, and is released when both end at t=1.
+    assert lanes["offload(a0)"] == ("d2h", 0.0, 1.0)
+    assert lanes["prefetch(a0)"] == ("h2d", 5.0, 6.0)  # issued when B(2) starts
+    assert result.makespan_s == 9.0 and result.wait_s == 0.0
+    curve = dict(result.memory_curve)
+    assert curve[1.0] == 10 + 30 + 30 + 5  # δ_3, x̄_1, x̄_2 and F_all(2)'s temporary
+    # The keep-all peak less a_0, which is on the host while B(3) runs.
+    assert result.peak_bytes == 10 + 3 * 30 + 10 + 7
+    # B(1) releases a_0 with x̄_1 and δ_1; δ_0 remains.
+    assert result.memory_curve[-1] == (9.0, 10)
 
 
 def test_validation_lists_every_broken_rule() -> None:
