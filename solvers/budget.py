@@ -50,18 +50,27 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
             )
         text, unit = match.group(1), match.group(2).lower()
         if unit:
-            return int(float(text) * _UNITS[unit])
+            return _positive(int(float(text) * _UNITS[unit]), value)
         value = int(text) if text.isdigit() else float(text)
     if isinstance(value, float) and value <= 1:
         if value <= 0:
-            raise ValueError(f"budget fraction {value} is outside (0, 1]")
+            raise ValueError(
+                f"budget fraction {value} is outside (0, 1]: give a fraction of the keep-all "
+                "peak above 0, or a size"
+            )
         if keep_all_peak_bytes is None:
-            raise ValueError("a fractional budget needs the keep-all peak to scale")
-        return int(value * keep_all_peak_bytes)
-    value = int(value)
-    if value <= 0:
-        raise ValueError(f"budget {value} must be positive")
-    return value
+            raise ValueError(
+                f"budget {value} is a fraction of the keep-all peak, which is not known here: "
+                "give a size in bytes instead"
+            )
+        return _positive(int(value * keep_all_peak_bytes), value)
+    return _positive(int(value), value)
+
+
+def _positive(budget_bytes: int, written: int | float | str) -> int:
+    if budget_bytes <= 0:
+        raise ValueError(f"budget {written!r} is {budget_bytes} bytes; a budget must be positive")
+    return budget_bytes
 
 
 def format_bytes(count: float) -> str:

@@ -1,0 +1,63 @@
+"""Budgets as users write them, and sizes as people read them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from solvers.budget import InfeasibleBudgetError, format_bytes, parse_budget
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        (6442450944, 6442450944),
+        ("6442450944", 6442450944),
+        ("6GiB", 6 * 2**30),
+        ("512MB", 512 * 10**6),
+        (" 1.5 kib ", 1536),
+        ("2e3", 2000),
+        (0.25, 250),
+        ("0.25", 250),
+        (1.0, 1000),
+    ],
+)
+def test_parse_budget_reads_bytes_sizes_and_fractions(written: object, expected: int) -> None:
+    assert parse_budget(written, keep_all_peak_bytes=1000) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("lots", "is not a size"),
+        ("6 parsecs", "is not a size"),
+        (True, "is not a size"),
+        (0, "must be positive"),
+        ("0GiB", "must be positive"),
+        ("0.1B", "must be positive"),
+        (1e-9, "must be positive"),
+        (-0.5, "outside (0, 1]"),
+    ],
+)
+def test_parse_budget_refuses_what_is_not_a_positive_budget(written: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_budget(written, keep_all_peak_bytes=1000)  # type: ignore[arg-type]
+
+
+def test_a_fraction_needs_the_keep_all_peak() -> None:
+    with pytest.raises(ValueError, match="give a size in bytes"):
+        parse_budget(0.5)
+
+
+def test_format_bytes_picks_the_largest_binary_unit() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(2**41) == "2.00 TiB"
+
+
+def test_infeasible_budget_error_says_what_to_raise_it_to() -> None:
+    error = InfeasibleBudgetError(1000, 2048, "dp")
+    assert (error.budget_bytes, error.min_budget_bytes, error.solver) == (1000, 2048, "dp")
+    assert "2.00 KiB (2048 B)" in str(error) and "raise the budget" in str(error)
