@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -45,11 +44,6 @@ def solve_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dic
     return code, json.loads(out)
 
 
-def _available(solver: str) -> bool:
-    module = {"dp": "solvers.dp", "milp": "solvers.milp"}.get(solver)
-    return module is None or importlib.util.find_spec(module) is not None
-
-
 def _solver_args(solver: str) -> list[str]:
     # Keep the MILP short in tests; its quality is tested in its own files.
     return ["--time-limit", "2"] if solver == "milp" else []
@@ -60,8 +54,6 @@ def _solver_args(solver: str) -> list[str]:
 def test_every_solver_answers_on_every_example(
     capsys: pytest.CaptureFixture[str], name: str, solver: str
 ) -> None:
-    if not _available(solver):
-        pytest.skip(f"solver {solver} is not in this tree yet")
     chain = examples.load(name)
     code, report = solve_json(
         capsys, name, "--budget", "1.0", "--solver", solver, *_solver_args(solver)
@@ -99,8 +91,6 @@ def test_fraction_size_and_byte_budgets(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dp_json_matches_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
-    if not _available("dp"):
-        pytest.skip("solvers.dp is not in this tree yet")
     chain = examples.load("transformer")
     budget = int(0.4 * keep_all_peak(chain))
     code, report = solve_json(capsys, "transformer", "--budget", str(budget), "--slots", "300")
@@ -146,8 +136,6 @@ def test_infeasible_budget_exits_3_with_the_least_budget(
 
 
 def test_infeasible_dp_names_a_budget_that_works(capsys: pytest.CaptureFixture[str]) -> None:
-    if not _available("dp"):
-        pytest.skip("solvers.dp is not in this tree yet")
     code, report = solve_json(capsys, "transformer", "--budget", "0.1")
     assert code == 3
     code, again = solve_json(capsys, "transformer", "--budget", str(report["min_budget_bytes"]))
@@ -216,7 +204,6 @@ def test_out_writes_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 
 def test_plot_draws_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     target = tmp_path / "plan.png"
     code, _, err = run_cli(
         capsys, "solve", "cnn", "--budget", "0.7", "--solver", "chen", "--plot", str(target)

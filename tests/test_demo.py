@@ -23,7 +23,6 @@ TINY = GPTConfig(layers=3, hidden=32, heads=2, seq=16, vocab=64, dropout=0.1)
 
 @pytest.fixture(scope="module")
 def report():
-    pytest.importorskip("solvers.milp")
     return run_demo(config=TINY, batch_size=4, steps=3, milp_time_limit_s=5.0, device="cpu")
 
 
@@ -63,7 +62,6 @@ def test_the_table_has_one_row_per_method_and_keep_all_is_over_budget(report):
 
 
 def test_demo_command_exits_zero_when_losses_agree(capsys):
-    pytest.importorskip("solvers.milp")
     from offremat.cli import main
 
     argv = ["demo", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "8"]

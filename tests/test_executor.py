@@ -10,7 +10,6 @@ buffers on CPU, and the peak the executor measures must respect the plan.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 import random
 
@@ -268,9 +267,6 @@ def test_a_four_stage_model_runs_the_hand_written_offload_plans() -> None:
         assert_identical(reference, run_step(executor, candidate, x, target, 7))
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("solvers.milp") is None, reason="solvers.milp has not landed"
-)
 @pytest.mark.parametrize("seed", range(2))
 def test_milp_plans_match_plain_autograd(seed: int) -> None:
     from solvers.milp import solve_milp

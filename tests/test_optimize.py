@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -171,9 +170,6 @@ def test_bandwidth_makes_offloading_plans_on_a_cpu() -> None:
     assert om.stats.peak_activation_bytes <= om.plan.budget_bytes
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("solvers.milp") is None, reason="solvers.milp has not landed"
-)
 def test_milp_with_a_fast_link_trains_like_plain_autograd() -> None:
     reference = mlp()
     expected = train(reference, reference, steps=2)

@@ -93,7 +93,6 @@ def test_offload_needs_a_link_and_unknown_methods_are_refused(caplog):
 
 
 def test_milp_points_come_from_the_registry_with_a_time_limit():
-    pytest.importorskip("solvers.milp")
     chain = _chain(length=4)
     top = keep_all_peak(chain)
     points = run_sweep(chain, [top // 2, top], ["milp", "dp"], {"milp": {"time_limit_s": 5.0}})
