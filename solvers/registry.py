@@ -16,6 +16,8 @@ from typing import Any
 from solvers.baselines import BASELINES, keep_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
+from solvers.dp import DEFAULT_SLOTS
+from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.plan import OFFLOAD, Plan
 from solvers.simulator import score, simulate
 
@@ -24,12 +26,12 @@ logger = logging.getLogger(__name__)
 SOLVERS = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp", "milp")
 
 # The keyword options each solver takes; an option passed as None counts as not passed.
-_OPTIONS: dict[str, frozenset[str]] = {
+SOLVER_OPTIONS: dict[str, frozenset[str]] = {
     **{name: frozenset() for name in BASELINES},
     "dp": frozenset({"slots"}),
     "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots"}),
 }
-# Modules that land separately; imported on first use so the registry works without them.
+# Imported on first use, so that loading the registry does not load PuLP.
 _OPTIMIZERS = {"dp": ("solvers.dp", "solve_dp"), "milp": ("solvers.milp", "solve_milp")}
 
 
@@ -47,9 +49,9 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     given = {name: value for name, value in options.items() if value is not None}
-    unknown = sorted(set(given) - _OPTIONS[solver])
+    unknown = sorted(set(given) - SOLVER_OPTIONS[solver])
     if unknown:
-        accepted = ", ".join(sorted(_OPTIONS[solver])) or "none"
+        accepted = ", ".join(sorted(SOLVER_OPTIONS[solver])) or "none"
         raise ValueError(
             f"solver {solver!r} does not take option(s) {', '.join(unknown)}; it takes: {accepted}"
         )
@@ -112,12 +114,8 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     if solver in BASELINES:
         return _least_feasible(BASELINES[solver](chain), chain)
     if solver == "dp":
-        from solvers.dp import min_feasible_budget as dp_min_feasible_budget
-
         slots = options.get("slots")
-        return (
-            dp_min_feasible_budget(chain) if slots is None else dp_min_feasible_budget(chain, slots)
-        )
+        return dp_min_feasible_budget(chain, DEFAULT_SLOTS if slots is None else slots)
     raise ValueError(
         f"no least-budget computation for solver {solver!r}; use one of "
         f"{', '.join((*BASELINES, 'dp'))}"

@@ -25,7 +25,7 @@ from offremat.commands import (
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.registry import SOLVERS, lower_bound_s, solve
+from solvers.registry import SOLVER_OPTIONS, SOLVERS, lower_bound_s, solve
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "gap": args.gap,
         "backend": args.backend,
     }
-    accepted = {"dp": {"slots"}, "milp": set(given)}.get(args.solver, set())
+    accepted = SOLVER_OPTIONS[args.solver]
     ignored = [name for name, value in given.items() if value is not None and name not in accepted]
     if ignored:
         logger.warning("solver %s ignores option(s): %s", args.solver, ", ".join(ignored))
