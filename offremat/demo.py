@@ -36,10 +36,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint_sequential
 
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
-from solvers.baselines import chen_segments
+from solvers.baselines import checkpoint_sequential_plan, chen_segments
 from solvers.budget import format_bytes
 from solvers.chain import Chain, Link
-from solvers.plan import Plan, backward, forward_all, forward_checkpoint, forward_none
+from solvers.plan import Plan
 from solvers.registry import keep_all_peak, min_feasible_budget, solve
 from solvers.simulator import score
 
@@ -205,35 +205,6 @@ def train(
         optimizer.step()
     known = [peak for peak in peaks if peak is not None]
     return Measurement(tuple(losses), tuple(times), max(known) if known else None)
-
-
-def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
-    """The plan ``checkpoint_sequential(model, segments, x)`` runs, for the simulator.
-
-    Each segment but the last runs without autograd, keeping its input; the last runs with
-    autograd; each earlier segment is recomputed from its input just before its backward.
-    PyTorch cuts ``L // segments`` stages per segment and gives the rest to the last one.
-    """
-    length = chain.length
-    segments = max(1, min(segments, length))
-    size = length // segments
-    bounds = [(1 + n * size, (n + 1) * size) for n in range(segments - 1)]
-    bounds.append((1 + (segments - 1) * size, length))
-    ops = []
-    for first, last in bounds[:-1]:
-        ops.append(forward_checkpoint(first))
-        ops += [forward_none(i) for i in range(first + 1, last + 1)]
-    for first, last in reversed(bounds):
-        ops += [forward_all(i) for i in range(first, last + 1)]
-        ops += [backward(i) for i in range(last, first - 1, -1)]
-    names = tuple(s.name for s in chain.stages)
-    return Plan(
-        tuple(ops),
-        names,
-        f"checkpoint_sequential({segments})",
-        chain_name=chain.name,
-        info={"segments": segments},
-    )
 
 
 def best_checkpoint_sequential(chain: Chain, budget: int) -> Plan | None:

@@ -47,39 +47,52 @@ def keep_all(chain: Chain) -> Plan:
     return _plan(chain, ops, "keep-all")
 
 
-def chen_segments(length: int) -> list[tuple[int, int]]:
-    """Chen et al.'s √L segments as (first, last) stages, split like ``checkpoint_sequential``.
-
-    ``checkpoint_sequential(functions, k)`` cuts ``L // k`` stages per segment and gives the
-    last segment whatever remains; here k = round(√L).
-    """
-    count = max(1, round(math.sqrt(length)))
+def sequential_segments(length: int, count: int) -> list[tuple[int, int]]:
+    """``count`` segments of stages 1..``length`` as (first, last), cut the way
+    ``torch.utils.checkpoint.checkpoint_sequential(functions, count)`` cuts them:
+    ``length // count`` stages each, and whatever remains to the last one."""
+    if not 1 <= count <= length:
+        raise ValueError(f"cannot cut {length} stages into {count} segments; pick 1..{length}")
     size = length // count
     segments = [(1 + n * size, (n + 1) * size) for n in range(count - 1)]
     segments.append((1 + (count - 1) * size, length))
     return segments
 
 
-def chen(chain: Chain) -> Plan:
-    """Chen et al. (2016) √L checkpointing, as ``checkpoint_sequential`` runs it.
+def chen_segments(length: int) -> list[tuple[int, int]]:
+    """Chen et al.'s √L segments: :func:`sequential_segments` with round(√L) of them."""
+    return sequential_segments(length, max(1, round(math.sqrt(length))))
 
-    Forward: each segment but the last runs without autograd, keeping only its input (F_ck on
-    its first stage, F_none on the rest); the last segment runs with autograd. Backward: the
-    last segment's backwards, then each earlier segment is recomputed with F_all from its
-    checkpoint and followed by its backwards.
-    """
-    segments = chen_segments(chain.length)
+
+def _segmented_ops(segments: list[tuple[int, int]]) -> list[Op]:
+    """Forward: each segment but the last runs without autograd, keeping only its input (F_ck
+    on its first stage, F_none on the rest); the last segment runs with autograd. Backward:
+    the last segment's backwards, then each earlier segment is recomputed with F_all from its
+    checkpoint and followed by its backwards."""
     ops: list[Op] = []
     for first, last in segments[:-1]:
         ops.append(forward_checkpoint(first))
         ops += [forward_none(i) for i in range(first + 1, last + 1)]
-    first, last = segments[-1]
-    ops += [forward_all(i) for i in range(first, last + 1)]
-    ops += [backward(i) for i in range(last, first - 1, -1)]
-    for first, last in reversed(segments[:-1]):
+    for first, last in reversed(segments):
         ops += [forward_all(i) for i in range(first, last + 1)]
         ops += [backward(i) for i in range(last, first - 1, -1)]
-    return _plan(chain, ops, "chen", segments=[list(s) for s in segments])
+    return ops
+
+
+def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
+    """The plan ``torch.utils.checkpoint.checkpoint_sequential(model, segments, x)`` runs.
+
+    ``segments`` is clamped to 1..L; the plan's ``info["segments"]`` is the count used.
+    """
+    count = max(1, min(segments, chain.length))
+    ops = _segmented_ops(sequential_segments(chain.length, count))
+    return _plan(chain, ops, f"checkpoint_sequential({count})", segments=count)
+
+
+def chen(chain: Chain) -> Plan:
+    """Chen et al. (2016) √L checkpointing, as ``checkpoint_sequential`` runs it."""
+    segments = chen_segments(chain.length)
+    return _plan(chain, _segmented_ops(segments), "chen", segments=[list(s) for s in segments])
 
 
 def checkpoint_every_stage(chain: Chain) -> Plan:
@@ -88,12 +101,8 @@ def checkpoint_every_stage(chain: Chain) -> Plan:
     This is ``checkpoint_sequential`` with one segment per stage: the last stage runs with
     autograd straight away, since recomputing it at once would only cost time.
     """
-    length = chain.length
-    ops = [forward_checkpoint(i) for i in range(1, length)]
-    ops += [forward_all(length), backward(length)]
-    for i in range(length - 1, 0, -1):
-        ops += [forward_all(i), backward(i)]
-    return _plan(chain, ops, "checkpoint-every-stage")
+    segments = [(i, i) for i in range(1, chain.length + 1)]
+    return _plan(chain, _segmented_ops(segments), "checkpoint-every-stage")
 
 
 def offload_all(chain: Chain) -> Plan:

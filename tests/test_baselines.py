@@ -16,10 +16,12 @@ from offremat import examples
 from solvers.baselines import (
     BASELINES,
     checkpoint_every_stage,
+    checkpoint_sequential_plan,
     chen,
     chen_segments,
     keep_all,
     offload_all,
+    sequential_segments,
 )
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
@@ -79,6 +81,20 @@ def test_chen_segments_split_like_checkpoint_sequential() -> None:
         assert len(segments) == max(1, round(math.sqrt(length)))
         assert segments[0][0] == 1 and segments[-1][1] == length
         assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(segments))
+
+
+def test_checkpoint_sequential_plan_matches_torch_segmenting() -> None:
+    chain = Chain("c", 4, tuple(Stage(f"s{i}", 1.0, 2.0, 4, 8) for i in range(10)))
+    # √10 rounds to 3 segments, as the chen baseline cuts them.
+    assert checkpoint_sequential_plan(chain, 3).ops == chen(chain).ops
+    single = checkpoint_sequential_plan(chain, 1)
+    assert [op.kind for op in single.ops] == ["F_all"] * 10 + ["B"] * 10
+    assert single.info["segments"] == 1
+    every = checkpoint_sequential_plan(chain, 99)  # clamped to one segment per stage
+    assert every.ops == checkpoint_every_stage(chain).ops
+    assert every.solver == "checkpoint_sequential(10)"
+    with pytest.raises(ValueError, match=r"pick 1\.\.10"):
+        sequential_segments(10, 11)
 
 
 def test_chen_on_four_stages_by_hand() -> None:

@@ -10,13 +10,10 @@ from rich.console import Console
 
 from offremat.demo import (
     AllocationTracker,
-    checkpoint_sequential_plan,
     render,
     run_demo,
 )
 from offremat.models import GPTConfig
-from solvers.baselines import chen
-from solvers.chain import Chain, Stage
 
 TINY = GPTConfig(layers=3, hidden=32, heads=2, seq=16, vocab=64, dropout=0.1)
 
@@ -75,14 +72,6 @@ def test_demo_command_refuses_a_budget_that_is_not_a_fraction(capsys):
 
     assert main(["demo", "--budget", "1.5"]) == 2
     assert "fraction" in capsys.readouterr().err
-
-
-def test_checkpoint_sequential_plan_matches_torch_segmenting():
-    chain = Chain("c", 4, tuple(Stage(f"s{i}", 1.0, 2.0, 4, 8) for i in range(10)))
-    # √10 rounds to 3 segments, as the chen baseline cuts them.
-    assert checkpoint_sequential_plan(chain, 3).ops == chen(chain).ops
-    single = checkpoint_sequential_plan(chain, 1)
-    assert [op.kind for op in single.ops] == ["F_all"] * 10 + ["B"] * 10
 
 
 def test_allocation_tracker_counts_live_storages_once_and_forgets_freed_ones():

@@ -5,16 +5,9 @@ from __future__ import annotations
 from matplotlib.collections import PolyCollection
 
 from offremat.plots import plot_plan, plot_simulation
+from solvers.baselines import checkpoint_sequential_plan
 from solvers.chain import Chain, Link, Stage
-from solvers.plan import (
-    Plan,
-    backward,
-    forward_all,
-    forward_checkpoint,
-    forward_none,
-    offload,
-    prefetch,
-)
+from solvers.plan import Plan, backward, forward_all, offload, prefetch
 from solvers.simulator import score, simulate
 
 MiB = 2**20
@@ -45,21 +38,6 @@ def _offloading_plan(chain: Chain, budget: int) -> Plan:
     )
     names = tuple(s.name for s in chain.stages)
     return score(Plan(ops, names, "hand"), chain, budget)
-
-
-def _checkpointing_plan(chain: Chain, segment: int) -> Plan:
-    """Evenly spaced checkpoints, recomputing each earlier segment before its backward."""
-    segments = [
-        list(range(start, min(start + segment, chain.length + 1)))
-        for start in range(1, chain.length + 1, segment)
-    ]
-    ops = []
-    for part in segments[:-1]:
-        ops += [forward_checkpoint(part[0])] + [forward_none(i) for i in part[1:]]
-    ops += [forward_all(i) for i in segments[-1]] + [backward(i) for i in reversed(segments[-1])]
-    for part in reversed(segments[:-1]):
-        ops += [forward_all(i) for i in part] + [backward(i) for i in reversed(part)]
-    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "segments")
 
 
 def _bars_and_labels(axes):
@@ -116,7 +94,7 @@ def test_memory_curve_reaches_the_simulated_peak_under_the_budget_line(tmp_path)
 
 def test_labels_stay_inside_their_bars_on_a_long_chain(tmp_path):
     chain = _chain(40)
-    plan = _checkpointing_plan(chain, segment=7)
+    plan = checkpoint_sequential_plan(chain, 6)
     figure = plot_plan(chain, plan, tmp_path / "long.png", budget_bytes=2**30)
     renderer = figure.canvas.get_renderer()
     timeline = figure.axes[0]
@@ -141,7 +119,7 @@ def test_labels_stay_inside_their_bars_on_a_long_chain(tmp_path):
 
 def test_a_plan_without_copies_says_so_and_no_budget_means_no_budget_line(tmp_path):
     chain = _chain(6)
-    plan = _checkpointing_plan(chain, segment=3)
+    plan = checkpoint_sequential_plan(chain, 2)
     figure = plot_simulation(simulate(plan, chain, None), tmp_path / "free.png")
     texts = [text.get_text() for text in figure.axes[0].texts]
     assert texts.count("no copies") == 2
