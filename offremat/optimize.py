@@ -136,11 +136,10 @@ def optimize(
             )
         plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
     else:
-        names = tuple(stage.name for stage in chain.stages)
-        if plan.stage_names != names:
+        if plan.stage_names != chain.stage_names:
             raise ValueError(
                 f"the plan is for stages {list(plan.stage_names)} but the chain has "
-                f"{list(names)}: make the plan from this chain"
+                f"{list(chain.stage_names)}: make the plan from this chain"
             )
         budget_bytes = (
             plan.budget_bytes if budget is None else parse_budget(budget, keep_all_peak(chain))

@@ -156,16 +156,15 @@ def stage_modules(model: nn.Module | Sequence[nn.Module], chain: Chain) -> list[
         return [module for _, module in blocks]
     by_name = dict(blocks)
     order = [name for name, _ in blocks]
-    stage_names = [stage.name for stage in chain.stages]
-    listed = [block for stage_name in stage_names for block in grouping.get(stage_name, [])]
+    listed = [block for name in chain.stage_names for block in grouping.get(name, [])]
     if listed != order:
         raise ValueError(
             f"the chain groups blocks {listed} but the model's blocks are {order}: profile this "
             "model to get its chain"
         )
     return [
-        stage_module([(block, by_name[block]) for block in grouping[stage_name]])
-        for stage_name in stage_names
+        stage_module([(block, by_name[block]) for block in grouping[name]])
+        for name in chain.stage_names
     ]
 
 

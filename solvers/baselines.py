@@ -32,7 +32,7 @@ from solvers.plan import (
 def _plan(chain: Chain, ops: list[Op], solver: str, **info: object) -> Plan:
     return Plan(
         ops=tuple(ops),
-        stage_names=tuple(s.name for s in chain.stages),
+        stage_names=chain.stage_names,
         solver=solver,
         chain_name=chain.name,
         info=dict(info),

@@ -88,6 +88,11 @@ class Chain:
         """L, the number of stages."""
         return len(self.stages)
 
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        """The stages' names in order, as a plan lists them."""
+        return tuple(stage.name for stage in self.stages)
+
     def stage(self, i: int) -> Stage:
         """Stage i, numbered from 1 as in the papers."""
         if not 1 <= i <= self.length:

@@ -180,10 +180,9 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
-    stage_names = tuple(stage.name for stage in chain.stages)
     plain = keep_all(chain)
     if simulate(plain, chain, budget_bytes).feasible:
-        plan = Plan(plain.ops, stage_names, "dp", info={"slots": slots, "keep_all": True})
+        plan = Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})
         return score(plan, chain, budget_bytes)
     unit = budget_bytes / slots
     sizes = _Sizes.of(chain, unit)
@@ -196,7 +195,7 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     ops = table.ops(1, chain.length, capacity)
     plan = Plan(
         ops=tuple(ops),
-        stage_names=stage_names,
+        stage_names=chain.stage_names,
         solver="dp",
         info={"slots": slots, "dp_time_s": float(table.time[1, chain.length, capacity])},
     )

@@ -255,7 +255,7 @@ def score(plan: Plan, chain: Chain, budget: int | None) -> Plan:
     result = simulate(plan, chain, budget)
     return Plan(
         ops=plan.ops,
-        stage_names=tuple(s.name for s in chain.stages),
+        stage_names=chain.stage_names,
         solver=plan.solver,
         budget_bytes=budget,
         predicted_time_s=result.makespan_s,

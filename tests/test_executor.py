@@ -128,7 +128,7 @@ def mixed_plan(chain: Chain) -> Plan:
         backward(2),
         backward(1),
     ]
-    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-mixed")
+    return Plan(tuple(ops), chain.stage_names, "hand-mixed")
 
 
 def freeing_plan(chain: Chain) -> Plan:
@@ -148,7 +148,7 @@ def freeing_plan(chain: Chain) -> Plan:
         backward(2),
         backward(1),
     ]
-    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-free")
+    return Plan(tuple(ops), chain.stage_names, "hand-free")
 
 
 def two_versions_plan(chain: Chain) -> Plan:
@@ -170,7 +170,7 @@ def two_versions_plan(chain: Chain) -> Plan:
         backward(2),
         backward(1),
     ]
-    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-two-versions")
+    return Plan(tuple(ops), chain.stage_names, "hand-two-versions")
 
 
 def input_offload_plan(chain: Chain) -> Plan:
@@ -183,7 +183,7 @@ def input_offload_plan(chain: Chain) -> Plan:
     ops += [forward_all(length), backward(length)]
     for i in range(length - 1, 0, -1):
         ops += [prefetch("activation", i - 1), forward_all(i), backward(i)]
-    return Plan(tuple(ops), tuple(s.name for s in chain.stages), "hand-checkpoint-offload")
+    return Plan(tuple(ops), chain.stage_names, "hand-checkpoint-offload")
 
 
 def test_hand_written_plans_are_valid() -> None:

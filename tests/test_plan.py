@@ -42,7 +42,7 @@ MIXED = (
 
 
 def mixed_plan() -> Plan:
-    return Plan(ops=MIXED, stage_names=tuple(s.name for s in CHAIN.stages), solver="hand")
+    return Plan(ops=MIXED, stage_names=CHAIN.stage_names, solver="hand")
 
 
 def test_decisions_follow_the_ops() -> None:

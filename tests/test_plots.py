@@ -36,8 +36,7 @@ def _offloading_plan(chain: Chain, budget: int) -> Plan:
         backward(2),
         backward(1),
     )
-    names = tuple(s.name for s in chain.stages)
-    return score(Plan(ops, names, "hand"), chain, budget)
+    return score(Plan(ops, chain.stage_names, "hand"), chain, budget)
 
 
 def _bars_and_labels(axes):

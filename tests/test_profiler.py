@@ -30,7 +30,7 @@ def test_one_stage_per_block_named_after_the_blocks() -> None:
     model.add_module("first", nn.Linear(4, 4))
     model.add_module("second", nn.Tanh())
     chain = quick(model, torch.randn(2, 4))
-    assert [s.name for s in chain.stages] == ["first", "second"]
+    assert chain.stage_names == ("first", "second")
     assert chain.metadata["grouping"] == {"first": ["first"], "second": ["second"]}
     assert all(s.fwd_s > 0 and s.bwd_s >= 0 for s in chain.stages)
     assert chain.link is None  # no link on a CPU without bandwidth=
@@ -162,7 +162,7 @@ def test_a_list_of_blocks_profiles_like_a_sequential() -> None:
     x = torch.randn(4, 3)
     from_list = quick(blocks, x)
     from_sequential = quick(nn.Sequential(*blocks), x)
-    assert [s.name for s in from_list.stages] == ["0", "1", "2"]
+    assert from_list.stage_names == ("0", "1", "2")
     sizes = [(s.out_bytes, s.saved_bytes) for s in from_list.stages]
     assert sizes == [(s.out_bytes, s.saved_bytes) for s in from_sequential.stages]
 

@@ -122,7 +122,7 @@ def plan_summary(chain: Chain, plan: Plan) -> dict[str, Any]:
         "feasible": plan.feasible,
         "solver": plan.solver,
         "chain": chain.name,
-        "stages": [stage.name for stage in chain.stages],
+        "stages": list(chain.stage_names),
         "budget_bytes": plan.budget_bytes,
         "predicted_time_s": plan.predicted_time_s,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
