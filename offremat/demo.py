@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
 from solvers.baselines import checkpoint_sequential_plan, chen_segments
-from solvers.budget import format_bytes
+from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain, Link
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak, min_feasible_budget, solve
@@ -460,14 +460,7 @@ def _seconds(value: float | None) -> str:
 def _bytes(value: int | None, budget: int | None = None) -> str:
     if value is None:
         return "—"
-    unit, size = next(
-        (
-            (unit, size)
-            for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-            if value >= size
-        ),
-        ("B", 1),
-    )
+    size, unit = byte_unit(value)
     text = f"{value / size:.3g} {unit}"
     return f"[red]{text}[/]" if budget is not None and value > budget else text
 

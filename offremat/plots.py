@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from offremat.sweep import SweepPoint
-from solvers.budget import format_bytes
+from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
 from solvers.registry import lower_bound_s
@@ -128,7 +128,7 @@ def _draw_timeline(axes, simulation: Simulation, scale: float) -> None:
 
 
 def _draw_memory(axes, simulation: Simulation, scale: float) -> None:
-    divisor, unit = _byte_unit(max(simulation.peak_bytes, simulation.budget_bytes or 0))
+    divisor, unit = byte_unit(max(simulation.peak_bytes, simulation.budget_bytes or 0))
     times = [time * scale for time, _ in simulation.memory_curve]
     levels = [level / divisor for _, level in simulation.memory_curve]
     end = _horizon(simulation) * scale
@@ -186,7 +186,7 @@ def plot_sweep(
     FigureCanvasAgg(figure)
     axes = figure.subplots()
     budgets = [p.budget_bytes for p in points] or [1]
-    divisor, unit = _byte_unit(max(budgets))
+    divisor, unit = byte_unit(max(budgets))
     floor = chain.compute_time_s
     scale, time_unit = (1.0, "s") if floor >= 1.0 else (1e3, "ms")
     for method in [m for m in METHOD_STYLE if any(p.method == m for p in points)]:
@@ -290,13 +290,6 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     if seconds >= 1e-3:
         return 1e3, "ms"
     return 1e6, "µs"
-
-
-def _byte_unit(count: float) -> tuple[float, str]:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return float(size), unit
-    return 1.0, "B"
 
 
 def _format_seconds(seconds: float) -> str:

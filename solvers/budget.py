@@ -73,9 +73,15 @@ def _positive(budget_bytes: int, written: int | float | str) -> int:
     return budget_bytes
 
 
-def format_bytes(count: float) -> str:
-    """A size in binary units, for people: 1.50 GiB."""
+def byte_unit(count: float) -> tuple[int, str]:
+    """The largest binary unit not above ``count``, as (bytes per unit, name): (2**30, "GiB")."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(count) >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{int(count)} B"
+            return scale, unit
+    return 1, "B"
+
+
+def format_bytes(count: float) -> str:
+    """A size in binary units, for people: 1.50 GiB."""
+    scale, unit = byte_unit(count)
+    return f"{int(count)} B" if scale == 1 else f"{count / scale:.2f} {unit}"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from solvers.budget import InfeasibleBudgetError, format_bytes, parse_budget
+from solvers.budget import InfeasibleBudgetError, byte_unit, format_bytes, parse_budget
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,8 @@ def test_format_bytes_picks_the_largest_binary_unit() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(2**41) == "2.00 TiB"
+    assert byte_unit(1023) == (1, "B")
+    assert byte_unit(5 * 2**20) == (2**20, "MiB")
 
 
 def test_infeasible_budget_error_says_what_to_raise_it_to() -> None:
