@@ -33,6 +33,7 @@ from matplotlib.ticker import FuncFormatter
 import offremat
 from offremat.demo import train
 from offremat.models import model_spec
+from offremat.plots import METHOD_STYLE
 from offremat.sweep import profile_named_model
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
@@ -122,14 +123,7 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
     FigureCanvasAgg(figure)
     time_axes, peak_axes = figure.subplots(1, 2)
     markers = {"gpt-small": "o", "resnet-small": "s"}
-    colors = {
-        "keep-all": "#333333",
-        "chen": "#8c8c8c",
-        "checkpoint-every-stage": "#b07aa1",
-        "offload-all": "#55a868",
-        "dp": "#4c72b0",
-        "milp": "#c44e52",
-    }
+    colors = {method: color for method, (color, _) in METHOD_STYLE.items()}
     for axes, key, error_key, scale, unit, what in (
         (time_axes, "time_s", "time_error", 1e3, "ms", "step time"),
         (peak_axes, "peak_bytes", "peak_error", 1 / 2**20, "MiB", "peak activation memory"),

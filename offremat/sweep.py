@@ -19,6 +19,7 @@ from typing import Any
 
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link
+from solvers.dp import DEFAULT_SLOTS
 from solvers.plan import Plan
 from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
 
@@ -75,7 +76,7 @@ def profile_named_model(
     return chain
 
 
-def budget_range(chain: Chain, count: int = 12, slots: int = 500) -> list[int]:
+def budget_range(chain: Chain, count: int = 12, slots: int = DEFAULT_SLOTS) -> list[int]:
     """``count`` evenly spaced budgets from the least feasible one to the keep-all peak.
 
     The least feasible budget is the smallest of the DP's and the baselines' least feasible
@@ -101,10 +102,12 @@ def run_sweep(
 ) -> list[SweepPoint]:
     """Solve every method at every budget; ``options[method]`` goes to that solver.
 
+    The milp's time limit is :data:`DEFAULT_MILP_TIME_LIMIT_S` unless ``options`` sets one.
     A method that cannot plan within a budget gives an infeasible point rather than an error.
     ``on_point`` is called after each solve (for a progress bar).
     """
-    options = {"milp": {"time_limit_s": DEFAULT_MILP_TIME_LIMIT_S}, **(options or {})}
+    options = {method: dict(given) for method, given in (options or {}).items()}
+    options.setdefault("milp", {}).setdefault("time_limit_s", DEFAULT_MILP_TIME_LIMIT_S)
     methods = list(methods)
     unknown = set(methods) - set(METHODS)
     if unknown:
@@ -163,12 +166,8 @@ def read_csv(path: str | Path) -> list[SweepPoint]:
             SweepPoint(
                 method=row["method"],
                 budget_bytes=int(row["budget_bytes"]),
-                predicted_time_s=float(row["predicted_time_s"])
-                if row["predicted_time_s"]
-                else None,
-                predicted_peak_bytes=(
-                    int(row["predicted_peak_bytes"]) if row["predicted_peak_bytes"] else None
-                ),
+                predicted_time_s=_optional(row["predicted_time_s"], float),
+                predicted_peak_bytes=_optional(row["predicted_peak_bytes"], int),
                 solve_time_s=float(row["solve_time_s"]),
             )
             for row in csv.DictReader(handle)
@@ -176,4 +175,5 @@ def read_csv(path: str | Path) -> list[SweepPoint]:
 
 
 def _optional(cell: str, kind: Callable[[str], Any]) -> Any:
+    """An empty CSV cell as None, any other as ``kind`` reads it."""
     return kind(cell) if cell else None

@@ -15,6 +15,7 @@ from offremat.sweep import (
     run_sweep,
     write_csv,
 )
+from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
 from solvers.registry import keep_all_peak, min_feasible_budget
 
@@ -150,3 +151,22 @@ def test_sweep_command_usage_errors_exit_2(tmp_path, capsys):
     assert "greedy" in capsys.readouterr().err
     assert main(["sweep", "--model", "gpt-huge", "--out", out]) == 2
     assert "gpt-small" in capsys.readouterr().err
+
+
+def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):
+    import offremat.sweep as sweep
+
+    received = []
+
+    def fake_solve(chain, budget, solver, **options):
+        received.append((solver, options))
+        raise InfeasibleBudgetError(budget, budget + 1, solver)
+
+    monkeypatch.setattr(sweep, "solve", fake_solve)
+    chain = _chain(length=3)
+    points = run_sweep(chain, [keep_all_peak(chain)], ["milp", "dp"], {"milp": {"slots": 50}})
+    assert [p.feasible for p in points] == [False, False]
+    assert received == [
+        ("milp", {"slots": 50, "time_limit_s": sweep.DEFAULT_MILP_TIME_LIMIT_S}),
+        ("dp", {}),
+    ]

@@ -22,6 +22,7 @@ from offremat.sweep import (
 )
 from solvers.budget import format_bytes
 from solvers.chain import Chain, Link
+from solvers.dp import DEFAULT_SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    options: dict[str, dict[str, Any]] = {"milp": {"time_limit_s": args.milp_time_limit}}
-    if args.slots is not None:
-        options["milp"]["slots"] = args.slots
-        options["dp"] = {"slots": args.slots}
-    budgets = budget_range(chain, args.points, **({"slots": args.slots} if args.slots else {}))
+    # An option given as None counts as not given, so the solvers' defaults apply.
+    options = {
+        "milp": {"time_limit_s": args.milp_time_limit, "slots": args.slots},
+        "dp": {"slots": args.slots},
+    }
+    budgets = budget_range(chain, args.points, DEFAULT_SLOTS if args.slots is None else args.slots)
     console = Console(stderr=True, highlight=False)
     console.print(
         f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
