@@ -141,3 +141,8 @@ def test_plot_command_draws_a_saved_plan_and_refuses_one_for_another_chain(tmp_p
     assert "plan is for 4 stages" in capsys.readouterr().err
     assert main(["plot", str(chain_path), str(tmp_path / "missing.json")]) == 2
     assert "offremat solve" in capsys.readouterr().err
+    assert main(["plot", str(chain_path), str(tmp_path)]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+    unwritable = str(tmp_path / "no" / "such" / "p.png")
+    assert main(["plot", str(chain_path), str(plan_path), "--out", unwritable]) == 2
+    assert "cannot write the plot" in capsys.readouterr().err

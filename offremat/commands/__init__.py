@@ -13,6 +13,7 @@ from pathlib import Path
 from offremat import examples
 from solvers.budget import parse_budget
 from solvers.chain import Chain, ChainFormatError
+from solvers.plan import Plan
 from solvers.registry import keep_all_peak
 
 EXIT_OK = 0
@@ -52,6 +53,21 @@ def load_chain(spec: str) -> Chain:
         raise UsageError(f"{candidate}: {error}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read chain file {candidate}: {error}") from None
+
+
+def draw_plan(chain: Chain, plan: Plan, path: str, budget_bytes: int | None = None) -> None:
+    """Write the plan's timeline and memory curve to the PNG ``path`` (see offremat.plots)."""
+    # matplotlib loads only when a plot is asked for, so the other subcommands start fast.
+    try:
+        from offremat.plots import plot_plan
+    except ImportError as error:
+        raise UsageError(f"plotting needs matplotlib ({error}); pip install matplotlib") from None
+    try:
+        plot_plan(chain, plan, path, budget_bytes=budget_bytes)
+    except OSError as error:
+        raise UsageError(
+            f"cannot write the plot to {path}: {error}; give a path in a writable folder"
+        ) from None
 
 
 def resolve_budget(text: str, chain: Chain) -> int:

@@ -12,6 +12,7 @@ from offremat.commands import (
     EXIT_OK,
     UsageError,
     chain_help,
+    draw_plan,
     load_chain,
     resolve_budget,
 )
@@ -39,9 +40,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Load, check, simulate and draw."""
-    # matplotlib loads only when a plot is asked for, so the other subcommands start fast.
-    from offremat.plots import plot_plan
-
     chain = load_chain(args.chain)
     try:
         plan = Plan.load(args.plan)
@@ -51,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     except (ValueError, json.JSONDecodeError) as error:
         raise UsageError(f"{args.plan}: {error}") from None
+    except OSError as error:
+        raise UsageError(f"cannot read plan file {args.plan}: {error}") from None
     if plan.length != chain.length:
         raise UsageError(
             f"the plan is for {plan.length} stages but {args.chain} has {chain.length}: "
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         )
     budget = resolve_budget(args.budget, chain) if args.budget else None
     try:
-        plot_plan(chain, plan, args.out, budget_bytes=budget)
+        draw_plan(chain, plan, args.out, budget_bytes=budget)
     except PlanError as error:
         raise UsageError(f"{args.plan} does not run on {args.chain}: {error}") from None
     except ValueError as error:

@@ -19,6 +19,7 @@ from offremat.commands import (
     EXIT_OK,
     UsageError,
     chain_help,
+    draw_plan,
     load_chain,
     resolve_budget,
 )
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write the plan to {args.out}: {error}") from None
         logger.info("wrote the plan to %s", args.out)
     if args.plot:
-        _plot(chain, plan, args.plot)
+        draw_plan(chain, plan, args.plot)
+        logger.info("drew the plan in %s", args.plot)
     if args.json:
         print(json.dumps(plan_summary(chain, plan), indent=2))
     else:
@@ -161,18 +163,6 @@ def _report_infeasible(args: argparse.Namespace, chain: Chain, error: Infeasible
     else:
         print(f"offremat solve: {error}", file=sys.stderr)
     return EXIT_INFEASIBLE
-
-
-def _plot(chain: Chain, plan: Plan, path: str) -> None:
-    try:
-        from offremat.plots import plot_plan
-    except ImportError as error:
-        raise UsageError(f"--plot needs matplotlib ({error}); pip install matplotlib") from None
-    try:
-        plot_plan(chain, plan, path)
-    except OSError as error:
-        raise UsageError(f"cannot write the plot to {path}: {error}") from None
-    logger.info("drew the plan in %s", path)
 
 
 def _format_seconds(seconds: float) -> str:
