@@ -151,6 +151,10 @@ def test_sweep_command_usage_errors_exit_2(tmp_path, capsys):
     assert "greedy" in capsys.readouterr().err
     assert main(["sweep", "--model", "gpt-huge", "--out", out]) == 2
     assert "gpt-small" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["sweep", "transformer", "--out", str(blocker / "x"), "--methods", "chen"]) == 2
+    assert "cannot make the output folder" in capsys.readouterr().err
 
 
 def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):

@@ -98,7 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if args.bandwidth is not None:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(
+            f"cannot make the output folder {out}: {error}; give --out a folder you can write"
+        ) from None
     # An option given as None counts as not given, so the solvers' defaults apply.
     options = {
         "milp": {"time_limit_s": args.milp_time_limit, "slots": args.slots},
