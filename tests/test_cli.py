@@ -279,3 +279,21 @@ def test_module_entry_point_runs() -> None:
     )
     assert result.returncode == 3, result.stderr
     assert json.loads(result.stdout)["feasible"] is False
+
+
+def test_number_flags_are_checked_by_the_parser() -> None:
+    import argparse
+
+    from offremat.commands import integer_at_least, positive_number
+
+    assert integer_at_least(0)("0") == 0
+    assert positive_number("2.5e10") == 2.5e10
+    for parse, text, message in (
+        (integer_at_least(1), "0", "at least 1"),
+        (integer_at_least(1), "1.5", "not a whole number"),
+        (positive_number, "0", "positive"),
+        (positive_number, "inf", "positive"),
+        (positive_number, "fast", "not a number"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)

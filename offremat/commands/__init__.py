@@ -8,6 +8,9 @@ Exit statuses: 0 done, 2 usage error (raise :class:`UsageError`), 3 no plan fits
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 from offremat import examples
@@ -28,6 +31,32 @@ BUDGET_HELP = (
 
 class UsageError(Exception):
     """A mistake in what the user asked for; the CLI prints the message and exits 2."""
+
+
+def integer_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse ``type``: a finite number above 0 (seconds, bytes per second)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def chain_help() -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from offremat.commands import EXIT_OK, UsageError
+from offremat.commands import EXIT_OK, UsageError, integer_at_least, positive_number
 
 EXIT_LOSSES_DIFFER = 1
 
@@ -24,7 +24,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "and print predicted against measured step time and peak. Exits 1 if the losses are "
         "not identical across methods. Runs on CUDA when present, else on CPU.",
     )
-    parser.add_argument("--steps", type=int, default=6, help="training steps per method (6)")
+    parser.add_argument(
+        "--steps",
+        type=integer_at_least(2),
+        default=6,
+        help="training steps per method, at least 2: a warm-up and a timed one (6)",
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -33,11 +38,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="budget as a fraction of the keep-all peak, below 1 (default 0.5)",
     )
     parser.add_argument(
-        "--milp-time-limit", type=float, default=10.0, metavar="S", help="MILP time limit (10 s)"
+        "--milp-time-limit",
+        type=positive_number,
+        default=10.0,
+        metavar="S",
+        help="MILP time limit (10 s)",
     )
     parser.add_argument(
         "--bandwidth",
-        type=float,
+        type=positive_number,
         metavar="BYTES_PER_S",
         help="host link for planning, both directions (default: measured on CUDA, 12 GB/s "
         "stand-in on CPU)",
@@ -46,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and dropout seed")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=integer_at_least(1),
         default=1,
         metavar="N",
         help="torch CPU threads (default 1: the demo model is small, and one thread keeps "
@@ -57,7 +66,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     size.add_argument("--hidden", type=int)
     size.add_argument("--heads", type=int)
     size.add_argument("--seq", type=int)
-    size.add_argument("--batch", type=int, help="batch size (default 8)")
+    size.add_argument("--batch", type=integer_at_least(1), help="batch size (default 8)")
     return parser
 
 
@@ -67,20 +76,10 @@ def run(args: argparse.Namespace) -> int:
 
     from offremat.demo import DEMO_BATCH_SIZE, DEMO_GPT, render, run_demo
 
-    if args.steps < 2:
-        raise UsageError(f"--steps must be at least 2 (one warm-up, one timed), got {args.steps}")
     if not 0 < args.budget < 1:
         raise UsageError(
             f"--budget is a fraction of the keep-all peak in (0, 1), got {args.budget}"
         )
-    if args.batch is not None and args.batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {args.batch}")
-    if args.bandwidth is not None and args.bandwidth <= 0:
-        raise UsageError(f"--bandwidth must be positive bytes/s, got {args.bandwidth}")
-    if args.milp_time_limit <= 0:
-        raise UsageError(f"--milp-time-limit must be positive seconds, got {args.milp_time_limit}")
-    if args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
     sizes = {

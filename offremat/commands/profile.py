@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from offremat.commands import EXIT_OK, UsageError
+from offremat.commands import EXIT_OK, UsageError, integer_at_least
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 
@@ -49,10 +49,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="an in-repo model name or MODULE:CALLABLE")
     parser.add_argument("--out", "-o", required=True, metavar="CHAIN.json", help="where to write")
     parser.add_argument(
-        "--stages", type=int, metavar="N", help="group consecutive blocks into N stages"
+        "--stages",
+        type=integer_at_least(1),
+        metavar="N",
+        help="group consecutive blocks into N stages",
     )
     parser.add_argument(
-        "--batch", type=int, metavar="N", help="batch size passed to the callable (batch_size=N)"
+        "--batch",
+        type=integer_at_least(1),
+        metavar="N",
+        help="batch size passed to the callable (batch_size=N)",
     )
     parser.add_argument(
         "--device", metavar="DEV", help="cpu, cuda or cuda:K (default: cuda when available)"
@@ -63,8 +69,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host link for both directions, e.g. 25GB/s or 2.5e10, instead of measuring it "
         "(a CPU has no link otherwise)",
     )
-    parser.add_argument("--warmup", type=int, default=2, metavar="N", help="warm-up runs (2)")
-    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="timed runs (5)")
+    parser.add_argument(
+        "--warmup", type=integer_at_least(0), default=2, metavar="N", help="warm-up runs (2)"
+    )
+    parser.add_argument(
+        "--repeats", type=integer_at_least(1), default=5, metavar="N", help="timed runs (5)"
+    )
     parser.add_argument("--name", metavar="NAME", help="the chain's name (default: MODEL)")
     return parser
 
@@ -77,12 +87,6 @@ def run(args: argparse.Namespace) -> int:
     from offremat._tensors import flatten, unflatten
     from offremat.profiler import parse_bandwidth, profile_model
 
-    for flag in ("stages", "batch"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag} must be a positive integer, got {value}")
-    if args.warmup < 0 or args.repeats < 1:
-        raise UsageError("--warmup must be >= 0 and --repeats >= 1")
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:

@@ -20,7 +20,9 @@ from offremat.commands import (
     UsageError,
     chain_help,
     draw_plan,
+    integer_at_least,
     load_chain,
+    positive_number,
     resolve_budget,
 )
 from solvers.budget import InfeasibleBudgetError, format_bytes
@@ -55,7 +57,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"which planner: {', '.join(SOLVERS)} (default: dp)",
     )
     parser.add_argument(
-        "--slots", type=int, metavar="N", help="dp/milp memory discretization (default 500)"
+        "--slots",
+        type=integer_at_least(1),
+        metavar="N",
+        help="dp/milp memory discretization (default 500)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan (offremat.plan/1)")
@@ -65,7 +70,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--no-offload", action="store_true", help="recomputation only, no host copies"
     )
     milp.add_argument(
-        "--time-limit", type=float, metavar="S", help="solver time limit in seconds (default 30)"
+        "--time-limit",
+        type=positive_number,
+        metavar="S",
+        help="solver time limit in seconds (default 30)",
     )
     milp.add_argument("--gap", type=float, metavar="G", help="relative optimality gap to stop at")
     milp.add_argument("--backend", choices=("highs", "cbc"), help="MILP backend (default highs)")
@@ -90,8 +98,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Solve, then print the plan (table or JSON) and write --out / --plot."""
-    if args.slots is not None and args.slots < 1:
-        raise UsageError(f"--slots must be a positive integer, got {args.slots}")
     chain = load_chain(args.chain)
     budget = resolve_budget(args.budget, chain)
     try:

@@ -11,7 +11,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from offremat.commands import EXIT_OK, UsageError, chain_help, load_chain
+from offremat.commands import (
+    EXIT_OK,
+    UsageError,
+    chain_help,
+    integer_at_least,
+    load_chain,
+    positive_number,
+)
 from offremat.sweep import (
     DEFAULT_MILP_TIME_LIMIT_S,
     METHODS,
@@ -46,7 +53,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
-        "--points", type=int, default=12, metavar="N", help="budgets on the grid (default 12)"
+        "--points",
+        type=integer_at_least(1),
+        default=12,
+        metavar="N",
+        help="budgets on the grid (default 12)",
     )
     parser.add_argument(
         "--methods",
@@ -56,21 +67,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--milp-time-limit",
-        type=float,
+        type=positive_number,
         default=DEFAULT_MILP_TIME_LIMIT_S,
         metavar="S",
         help=f"MILP time limit per budget in seconds (default {DEFAULT_MILP_TIME_LIMIT_S:g})",
     )
-    parser.add_argument("--slots", type=int, metavar="N", help="dp/milp memory discretization")
+    parser.add_argument(
+        "--slots", type=integer_at_least(1), metavar="N", help="dp/milp memory discretization"
+    )
     parser.add_argument(
         "--bandwidth",
-        type=float,
+        type=positive_number,
         metavar="BYTES_PER_S",
         help="host link in bytes/s for both directions, replacing the chain's (needed for "
         "offloading on a chain without a link, e.g. one profiled on CPU)",
     )
     parser.add_argument(
-        "--batch", type=int, metavar="N", help="batch size for --model (default: the model's)"
+        "--batch",
+        type=integer_at_least(1),
+        metavar="N",
+        help="batch size for --model (default: the model's)",
     )
     return parser
 
@@ -84,16 +100,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UsageError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
-    if args.milp_time_limit <= 0:
-        raise UsageError(f"--milp-time-limit must be positive seconds, got {args.milp_time_limit}")
-    if args.points < 1:
-        raise UsageError(f"--points must be at least 1, got {args.points}")
-    if args.slots is not None and args.slots < 1:
-        raise UsageError(f"--slots must be a positive integer, got {args.slots}")
-    if args.batch is not None and args.batch < 1:
-        raise UsageError(f"--batch must be at least 1, got {args.batch}")
-    if args.bandwidth is not None and args.bandwidth <= 0:
-        raise UsageError(f"--bandwidth must be positive bytes/s, got {args.bandwidth}")
     chain = _chain(args)
     if args.bandwidth is not None:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
