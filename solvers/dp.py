@@ -180,6 +180,8 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    if budget_bytes <= 0:  # no memory unit to round sizes to
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
     plain = keep_all(chain)
     if simulate(plain, chain, budget_bytes).feasible:
         plan = Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})

@@ -213,6 +213,10 @@ def test_infeasible_budget_names_the_least_feasible_one() -> None:
     # The named budget really is feasible at the same resolution.
     least = min_feasible_budget(chain, slots=500)
     assert solve_dp(chain, least, slots=500).predicted_peak_bytes <= least
+    for nothing in (0, -need):
+        with pytest.raises(InfeasibleBudgetError) as error:
+            solve_dp(chain, nothing)
+        assert error.value.min_budget_bytes == least
 
 
 def test_dp_plan_is_valid_and_its_simulated_time_is_the_table_value() -> None:
