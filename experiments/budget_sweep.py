@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-import offremat
-from offremat.demo import CPU_STAND_IN_BANDWIDTH, train
+from offremat.demo import CPU_STAND_IN_BANDWIDTH, optimized_forward, train
 from offremat.models import model_spec
 from offremat.plots import plot_sweep
 from offremat.sweep import (
@@ -88,15 +87,12 @@ def measure(name: str, chain: Chain, points: list[SweepPoint], steps: int, path:
         for point in points:
             if point.plan is None:
                 continue
-            plan = point.plan
-
-            def build(spec=spec):
-                return spec.build(0).cuda()
-
-            def wrap(model, plan=plan):
-                return offremat.optimize(model, batches[0], plan=plan, chain=chain)
-
-            measured = train(build, wrap, batches, seed=0)
+            measured = train(
+                lambda: spec.build(0).cuda(),
+                optimized_forward(batches[0], chain, point.plan),
+                batches,
+                seed=0,
+            )
             writer.writerow(
                 [
                     point.method,

@@ -36,13 +36,21 @@ from pathlib import Path
 
 import torch
 
-import offremat
-from offremat.demo import batch_bytes, best_checkpoint_sequential, train
+from offremat.demo import (
+    batch_bytes,
+    best_checkpoint_sequential,
+    checkpoint_sequential_forward,
+    decision_counts,
+    executor_peak,
+    optimized_forward,
+    plain_forward,
+    save_on_cpu_forward,
+    train,
+)
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
 from offremat.profiler import profile_model
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
-from solvers.plan import Plan
 from solvers.registry import keep_all_peak, solve
 
 logger = logging.getLogger("gpu_benchmark")
@@ -123,20 +131,10 @@ def benchmark(
         )
         logger.info("%s", rows[-1])
 
-    def plain(model):
-        return model
-
-    def host_saved(model):
-        def forward(batch):
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                return model(batch)
-
-        return forward
-
     keep = solve(chain, top, "keep-all")
-    record("keep-all", 1.0, top, "", keep, train(build, plain, batches, 0))
+    record("keep-all", 1.0, top, "", keep, train(build, plain_forward, batches, 0))
     if batches[0][0].is_cuda:
-        measured = train(build, host_saved, batches, 0)
+        measured = train(build, save_on_cpu_forward, batches, 0)
         record("save_on_cpu", None, None, "pin_memory=True", None, measured)
     for fraction in fractions:
         budget = int(fraction * top)
@@ -146,28 +144,15 @@ def benchmark(
             except InfeasibleBudgetError as error:
                 logger.warning("%s at %.0f%%: %s", name, fraction * 100, error)
                 continue
-            measured = train(
-                build,
-                lambda model, plan=plan: offremat.optimize(
-                    model, batches[0], chain=chain, plan=plan
-                ),
-                batches,
-                0,
-                executor_peak=lambda wrapped: wrapped.stats.peak_activation_bytes,
-            )
-            record(name, fraction, budget, _decision_counts(plan), plan, measured)
+            forward = optimized_forward(batches[0], chain, plan)
+            measured = train(build, forward, batches, 0, executor_peak=executor_peak)
+            record(name, fraction, budget, decision_counts(plan), plan, measured)
         plan = best_checkpoint_sequential(chain, budget)
         if plan is None:
             logger.warning("no checkpoint_sequential segment count fits %.0f%%", fraction * 100)
             continue
         segments = plan.info["segments"]
-
-        def checkpointed(model, segments=segments):
-            return lambda batch: torch.utils.checkpoint.checkpoint_sequential(
-                model, segments, batch, use_reentrant=False
-            )
-
-        measured = train(build, checkpointed, batches, 0)
+        measured = train(build, checkpoint_sequential_forward(segments), batches, 0)
         record("checkpoint_sequential", fraction, budget, f"{segments} segments", plan, measured)
     keep_throughput = rows[0]["tokens_per_s"]
     for row in rows:
@@ -228,11 +213,6 @@ def main() -> int:
 
 def _error(predicted: float | None, measured: float) -> float | None:
     return None if not predicted else measured / predicted - 1
-
-
-def _decision_counts(plan: Plan) -> str:
-    values = list(plan.decisions.values())
-    return ", ".join(f"{values.count(k)} {k}" for k in ("keep", "recompute", "offload"))
 
 
 def _report(rows, chain, config, batch_size, input_bytes, args) -> str:

@@ -30,8 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-import offremat
-from offremat.demo import train
+from offremat.demo import executor_peak, optimized_forward, train
 from offremat.models import model_spec
 from offremat.plots import METHOD_STYLE
 from offremat.sweep import profile_named_model
@@ -84,10 +83,10 @@ def measure_model(name: str, args: argparse.Namespace, device: str) -> list[dict
     for label, plan in plans_for(chain, args.fractions, cuda, args.milp_time_limit):
         measured = train(
             lambda: spec.build(0).to(device),
-            lambda model, plan=plan: offremat.optimize(model, batches[0], chain=chain, plan=plan),
+            optimized_forward(batches[0], chain, plan),
             batches,
             seed=0,
-            executor_peak=lambda wrapped: wrapped.stats.peak_activation_bytes,
+            executor_peak=executor_peak,
         )
         rows.append(_row(name, device, label, plan, measured.step_time_s, measured.peak_bytes))
         logger.info(

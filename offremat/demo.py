@@ -35,8 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint_sequential
 
+from offremat._tensors import storage_bytes
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
-from solvers.baselines import checkpoint_sequential_plan, chen_segments
+from offremat.optimize import optimize
+from offremat.profiler import profile_model
+from solvers.baselines import checkpoint_sequential_plan, chen_segments, keep_all
 from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain, Link
 from solvers.plan import Plan
@@ -150,13 +153,51 @@ class AllocationTracker(TorchDispatchMode):
 
 
 def batch_bytes(batch: Batch) -> int:
-    """Bytes of the input a_0, which the budget counts."""
-    return sum(t.untyped_storage().nbytes() for t in batch)
+    """Bytes of the input a_0, which the budget counts (distinct storages, as profiled)."""
+    return storage_bytes(batch)
+
+
+# What ``train`` takes as ``make_forward``: from the model, the function a step calls.
+ForwardMaker = Callable[[nn.Module], Callable[[Batch], torch.Tensor]]
+
+
+def plain_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+    """Plain autograd (keep-all): the model itself."""
+    return model
+
+
+def save_on_cpu_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+    """The model under ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (CUDA only)."""
+
+    def forward(batch: Batch) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return model(batch)
+
+    return forward
+
+
+def checkpoint_sequential_forward(segments: int) -> ForwardMaker:
+    """``torch.utils.checkpoint.checkpoint_sequential`` with ``segments`` segments."""
+
+    def make(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
+        return lambda batch: checkpoint_sequential(model, segments, batch, use_reentrant=False)
+
+    return make
+
+
+def optimized_forward(example: Batch, chain: Chain, plan: Plan) -> ForwardMaker:
+    """The model wrapped by :func:`offremat.optimize` to run ``plan`` (no profiling, no solve)."""
+    return lambda model: optimize(model, example, chain=chain, plan=plan)
+
+
+def executor_peak(forward: Any) -> int | None:
+    """The activation peak that an :func:`optimized_forward` module measured in its last step."""
+    return forward.stats.peak_activation_bytes
 
 
 def train(
     build: Callable[[], nn.Module],
-    make_forward: Callable[[nn.Module], Callable[[Batch], torch.Tensor]],
+    make_forward: ForwardMaker,
     batches: Sequence[Batch],
     seed: int,
     executor_peak: Callable[[Any], int | None] | None = None,
@@ -218,13 +259,6 @@ def best_checkpoint_sequential(chain: Chain, budget: int) -> Plan | None:
     return best
 
 
-def profile_chain(model: nn.Module, example: Batch, name: str) -> Chain:
-    """The model's chain, profiled on this machine (one stage per block)."""
-    from offremat.profiler import profile_model
-
-    return profile_model(model, example, name=name)
-
-
 def run_demo(
     config: GPTConfig = DEMO_GPT,
     batch_size: int = DEMO_BATCH_SIZE,
@@ -242,8 +276,6 @@ def run_demo(
     to :data:`CPU_STAND_IN_BANDWIDTH` so that the milp can offload. ``progress`` receives one
     line per phase.
     """
-    import offremat
-
     started = time.perf_counter()
     say = progress or (lambda line: logger.info("%s", line))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -258,7 +290,7 @@ def run_demo(
 
     batches = [gpt_batch(config, batch_size, seed + n, device) for n in range(steps)]
     say(f"profiling the {model_name} on {device}")
-    chain = profile_chain(build(), batches[0], "demo-gpt")
+    chain = profile_model(build(), batches[0], name="demo-gpt")
     if bandwidth is not None:
         chain = chain.with_link(Link(bandwidth, bandwidth))
         link_note = f"host link set to {bandwidth / 1e9:.1f} GB/s by --bandwidth"
@@ -289,31 +321,12 @@ def run_demo(
         checkpoint_sequential_plan(chain, len(chen_segments(chain.length))), chain, budget
     )
     segments = sequential.info["segments"]
-    keep = score(solve(chain, keep_peak, "keep-all"), chain, budget)
-
-    def plain(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-        return model
-
-    def sequential_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-        return lambda batch: checkpoint_sequential(model, segments, batch, use_reentrant=False)
-
-    def host_saved(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-        def forward(batch: Batch) -> torch.Tensor:
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                return model(batch)
-
-        return forward
-
-    def optimized(plan: Plan) -> Callable[[nn.Module], Callable[[Batch], torch.Tensor]]:
-        return lambda model: offremat.optimize(model, batches[0], chain=chain, plan=plan)
-
-    def executor_peak(forward: Any) -> int | None:
-        return forward.stats.peak_activation_bytes
+    keep = score(keep_all(chain), chain, budget)
 
     results = []
     say(f"training {steps} steps with keep-all")
     keep_status = "fits the budget" if keep.feasible else "over budget"
-    results.append(_row("keep-all", keep_status, keep, train(build, plain, batches, seed)))
+    results.append(_row("keep-all", keep_status, keep, train(build, plain_forward, batches, seed)))
     say(f"training {steps} steps with checkpoint_sequential({segments})")
     results.append(
         _row(
@@ -321,7 +334,7 @@ def run_demo(
             f"{segments} segments, "
             + ("the fastest count that fits" if sequential.feasible else "over budget"),
             sequential,
-            train(build, sequential_forward, batches, seed),
+            train(build, checkpoint_sequential_forward(segments), batches, seed),
         )
     )
     if cuda:
@@ -330,7 +343,7 @@ def run_demo(
             MethodResult(
                 "save_on_cpu",
                 "pin_memory=True, no budget",
-                measured=train(build, host_saved, batches, seed),
+                measured=train(build, save_on_cpu_forward, batches, seed),
                 note="synchronous copies; the simulator does not model it",
             )
         )
@@ -338,8 +351,9 @@ def run_demo(
         results.append(MethodResult("save_on_cpu", "skipped", note="pin_memory=True needs CUDA"))
     for name, plan in plans.items():
         say(f"training {steps} steps with the offremat {name} plan")
-        measured = train(build, optimized(plan), batches, seed, executor_peak)
-        results.append(_row(f"offremat {name}", f"plan {_decisions(plan)}", plan, measured))
+        forward = optimized_forward(batches[0], chain, plan)
+        measured = train(build, forward, batches, seed, executor_peak)
+        results.append(_row(f"offremat {name}", f"plan {decision_counts(plan)}", plan, measured))
     return DemoReport(
         device=_device_name(device),
         model=model_name,
@@ -363,10 +377,10 @@ def _row(method: str, status: str, plan: Plan, measured: Measurement) -> MethodR
     )
 
 
-def _decisions(plan: Plan) -> str:
-    counts = {"keep": 0, "recompute": 0, "offload": 0}
-    for decision in plan.decisions.values():
-        counts[decision] += 1
+def decision_counts(plan: Plan) -> str:
+    """How many stages the plan keeps, recomputes and offloads: ``4 keep, 2 recompute``."""
+    decisions = list(plan.decisions.values())
+    counts = {kind: decisions.count(kind) for kind in ("keep", "recompute", "offload")}
     return ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
 
 
