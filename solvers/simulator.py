@@ -140,7 +140,6 @@ def simulate(
     compute_free = 0.0
     last_compute_start = 0.0
     channel_free = {D2H_LANE: 0.0, H2D_LANE: 0.0}
-    produced_at: dict[tuple[str, int], float] = {}
     host_ready_at: dict[tuple[str, int], float] = {}
     # The input a_0 is resident from the start, like any tensor a compute op produced.
     gpu_ready_at: dict[tuple[str, int], float] = {(ACTIVATION, 0): 0.0}
@@ -188,7 +187,6 @@ def simulate(
                 last_reader_end[tensor] = end
             if op.kind in FORWARD_KINDS:
                 out = (SAVED, i) if op.kind == F_ALL else (ACTIVATION, i)
-                produced_at[out] = end
                 gpu_ready_at[out] = end
                 if op.kind == F_NONE and (ACTIVATION, i - 1) in gpu_ready_at:
                     release((ACTIVATION, i - 1), end, instant)
@@ -202,7 +200,8 @@ def simulate(
             last_compute_start = start
         elif op.kind == OFFLOAD:
             tensor = op.tensor
-            issue = max(last_compute_start, produced_at.get(tensor, 0.0), gpu_ready_at[tensor])
+            # Copy once the op that produced the tensor (a forward or a prefetch) has ended.
+            issue = max(last_compute_start, gpu_ready_at[tensor])
             start = max(issue, channel_free[D2H_LANE])
             end = start + size(tensor) / chain.link.d2h_bytes_per_s
             channel_free[D2H_LANE] = end
