@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-_TENSOR = object()
-
 
 @dataclass(frozen=True)
 class Structure:
