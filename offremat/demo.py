@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich import box
+from rich.table import Table
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -393,9 +395,6 @@ def _device_name(device: str) -> str:
 
 def render(report: DemoReport, console: Any) -> None:
     """Print the comparison table and the loss curves with rich."""
-    from rich import box
-    from rich.table import Table
-
     console.print(
         f"[bold]{report.model}[/] on {report.device}: {report.chain.length} stages, "
         f"keep-all needs {format_bytes(report.keep_all_peak_bytes)}, budget "
@@ -403,13 +402,7 @@ def render(report: DemoReport, console: Any) -> None:
         f"({report.budget_bytes / report.keep_all_peak_bytes:.0%} of keep-all)"
     )
     console.print(report.link_note)
-    table = Table(
-        title="predicted (simulator) against measured, per training step",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    table.add_column("method", no_wrap=True)
+    table = _method_table("predicted (simulator) against measured, per training step")
     for column in (
         "time\npred.",
         "time\nmeas.",
@@ -445,13 +438,7 @@ def render(report: DemoReport, console: Any) -> None:
         f"[dim]time: median forward + backward after a warm-up step; measured peak: {peak_note}[/]"
     )
     ran = [r for r in report.results if r.measured is not None]
-    losses = Table(
-        title="loss per step (same seed, same batches)",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    losses.add_column("method", no_wrap=True)
+    losses = _method_table("loss per step (same seed, same batches)")
     steps = len(ran[0].measured.losses) if ran else 0
     for n in range(steps):
         losses.add_column(f"step {n + 1}", justify="right", no_wrap=True, min_width=7)
@@ -463,6 +450,13 @@ def render(report: DemoReport, console: Any) -> None:
     else:
         console.print("[red bold]losses differ between methods[/]")
     console.print(f"demo took {report.elapsed_s:.1f} s")
+
+
+def _method_table(title: str) -> Table:
+    """A narrow rich table with a first column of method names (the demo fits 80 columns)."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("method", no_wrap=True)
+    return table
 
 
 def _seconds(value: float | None) -> str:
