@@ -136,6 +136,11 @@ def optimize(
             )
         plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
     else:
+        if solver_options:
+            logger.warning(
+                "plan= is given, so nothing is solved and the solver options %s are ignored",
+                ", ".join(sorted(solver_options)),
+            )
         if plan.stage_names != chain.stage_names:
             raise ValueError(
                 f"the plan is for stages {list(plan.stage_names)} but the chain has "

@@ -138,13 +138,16 @@ def test_budget_forms_and_their_errors() -> None:
         offremat.optimize(model, x, chain=chain)
 
 
-def test_chain_and_plan_from_files(tmp_path: Path) -> None:
+def test_chain_and_plan_from_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = mlp()
     x = batch()[0]
     first = offremat.optimize(model, x, budget=0.8, stages=3)
     first.chain.save(tmp_path / "chain.json")
     first.plan.save(tmp_path / "plan.json")
-    again = offremat.optimize(model, x, chain=tmp_path / "chain.json", plan=tmp_path / "plan.json")
+    again = offremat.optimize(
+        model, x, chain=tmp_path / "chain.json", plan=tmp_path / "plan.json", slots=50
+    )
+    assert "solver options slots are ignored" in caplog.text
     assert again.plan.ops == first.plan.ops
     assert again.plan.budget_bytes == first.plan.budget_bytes
     assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
