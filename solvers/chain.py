@@ -36,6 +36,8 @@ class Stage:
     bwd_tmp_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ChainFormatError(f"stage field 'name' must be a string, got {self.name!r}")
         where = f"stage {self.name!r}"
         for attr in ("fwd_s", "bwd_s"):
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
@@ -63,6 +65,7 @@ class Link:
             _check_number(value, f"link: field {attr!r}")
             if value <= 0:
                 raise ChainFormatError(f"link: field {attr!r} must be positive, got {value}")
+            object.__setattr__(self, attr, float(value))
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,14 @@ class Chain:
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
         object.__setattr__(self, "stages", tuple(self.stages))
+        seen: set[str] = set()
+        for index, stage in enumerate(self.stages, start=1):
+            if stage.name in seen:
+                raise ChainFormatError(
+                    f"stage {index}: name {stage.name!r} is used by an earlier stage; plans "
+                    "name stages, so give each a name of its own"
+                )
+            seen.add(stage.name)
 
     @property
     def length(self) -> int:
@@ -176,13 +187,16 @@ class Chain:
             if not isinstance(raw_link, dict):
                 raise ChainFormatError("link: must be a JSON object")
             _require(raw_link, ("d2h_bytes_per_s", "h2d_bytes_per_s"), "link")
-            link = Link(float(raw_link["d2h_bytes_per_s"]), float(raw_link["h2d_bytes_per_s"]))
+            link = Link(raw_link["d2h_bytes_per_s"], raw_link["h2d_bytes_per_s"])
+        metadata = data.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ChainFormatError("chain: field 'metadata' must be a JSON object")
         return cls(
             name=str(data["name"]),
             input_bytes=data["input_bytes"],
             stages=tuple(stages),
             link=link,
-            metadata=dict(data.get("metadata") or {}),
+            metadata=dict(metadata),
         )
 
     def to_json(self) -> str:

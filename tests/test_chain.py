@@ -105,6 +105,10 @@ def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
         (_set(("stages",), []), ["stages", "empty"]),
         (_set(("link", "h2d_bytes_per_s"), 0), ["link", "h2d_bytes_per_s", "positive"]),
         (_drop(("link", "d2h_bytes_per_s")), ["link", "d2h_bytes_per_s", "missing"]),
+        (_set(("link", "d2h_bytes_per_s"), "fast"), ["link", "d2h_bytes_per_s", "number"]),
+        (_set(("stages", 1, "name"), 5), ["stage 2", "name", "string"]),
+        (_set(("stages", 1, "name"), "block0"), ["stage 2", "block0", "earlier stage"]),
+        (_set(("metadata",), [1]), ["metadata", "object"]),
     ],
 )
 def test_validation_error_names_the_stage_and_field(
