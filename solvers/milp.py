@@ -29,6 +29,7 @@ from solvers.baselines import BASELINES
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS, memory_need, solve_dp
+from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.milp_model import (
     JointModel,
     NotInFamilyError,
@@ -37,7 +38,17 @@ from solvers.milp_model import (
     encode,
     necessary_budget_bytes,
 )
-from solvers.plan import Plan
+from solvers.plan import (
+    BACKWARD,
+    SAVED,
+    Op,
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    offload,
+    prefetch,
+)
 from solvers.registry import lower_bound_s
 from solvers.simulator import score
 
@@ -52,6 +63,16 @@ _INSTALL_HINT = {
 # Below this many structural binaries the whole model is searched from the start.
 _WHOLE_MODEL_BINARIES = 1200
 _FIRST_WINDOW = 6
+_WINDOW_SECONDS = 3.0
+_POLISH_SECONDS = 5.0
+# The offloaded-prefix warm start: a coarse DP grid, reserves in units of the largest saved
+# set, and how many backwards ahead a prefetch is issued.
+_PREFIX_SLOTS = 200
+_PREFIX_RESERVES = 5
+_PREFIX_LEADS = (1, 2, 3)
+# How much finer than asked the DP's memory grid gets when the budget is just above rotor's
+# least memory.
+_FINER_SLOTS = (10, 100)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -104,15 +125,15 @@ def solve_milp(
         )
         offload = False
 
-    candidates = _warm_start_candidates(chain, budget_bytes, slots, offload)
+    candidates = _warm_start_candidates(chain, budget_bytes, slots, offload, deadline)
     if not candidates:
         candidates = _tight_budget_candidates(
             chain, budget_bytes, slots, offload, backend, deadline
         )
-    fallback_name, fallback_plan = candidates[0]
+    fallback_name, fallback_plan = candidates[0] if candidates else (None, None)
     warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
-
-    model = JointModel(chain, budget_bytes, offload, time_cap_s=warm_time * (1 + 1e-6))
+    cap = None if warm_time is None else warm_time * (1 + 1e-6)
+    model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
     # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
     floor = lower_bound_s(chain, budget_bytes)
     if math.isfinite(floor):
@@ -122,11 +143,20 @@ def solve_milp(
     else:
         search = _search_cbc(model, warm_schedule, gap, deadline)
 
-    plan, fallback = fallback_plan, True
+    plan, fallback, own_time = fallback_plan, True, None
     if search.schedule is not None:
         own = _plan(decode(search.schedule), chain, budget_bytes)
-        if own.feasible and own.predicted_time_s < fallback_plan.predicted_time_s * (1 - 1e-9):
+        own_time = own.predicted_time_s
+        if own.feasible and (
+            fallback_plan is None
+            or own.predicted_time_s < fallback_plan.predicted_time_s * (1 - 1e-9)
+        ):
             plan, fallback = own, False
+    if plan is None:
+        # Rotor's exact least memory is below the budget, yet neither the DP with finer slots
+        # nor the MILP within its time found a plan: name the budget the finer DP needs.
+        finer = dp_min_feasible_budget(chain, slots * _FINER_SLOTS[-1])
+        raise InfeasibleBudgetError(budget_bytes, finer, "milp")
     objective = search.objective_s
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
     if objective is not None and bound is not None and math.isfinite(bound):
@@ -137,6 +167,7 @@ def solve_milp(
     info: dict[str, Any] = {
         "solver_status": search.status,
         "objective": objective,
+        "milp_plan_time_s": own_time,
         "best_bound": bound if bound is not None and math.isfinite(bound) else None,
         "gap": relative_gap,
         "solve_time_s": time.monotonic() - started,
@@ -180,9 +211,9 @@ def least_feasible_budget(
 
 # ---------------------------------------------------------------------- warm starts
 def _warm_start_candidates(
-    chain: Chain, budget_bytes: int, slots: int, offload: bool
+    chain: Chain, budget_bytes: int, slots: int, offload: bool, deadline: float
 ) -> list[tuple[str, Plan]]:
-    """Rotor's DP and every baseline that fits, fastest first (simulated)."""
+    """Rotor's DP, every baseline and the offloaded-prefix plans that fit, fastest first."""
     found: list[tuple[str, Plan]] = []
     with contextlib.suppress(InfeasibleBudgetError):
         found.append(("dp", solve_dp(chain, budget_bytes, slots)))
@@ -192,8 +223,71 @@ def _warm_start_candidates(
         scored = score(build(chain), chain, budget_bytes)
         if scored.feasible:
             found.append((name, scored))
+    if offload:
+        prefix = _offloaded_prefix_plan(chain, budget_bytes, slots, deadline)
+        if prefix is not None:
+            found.append(("offloaded prefix + dp", prefix))
     found.sort(key=lambda item: item[1].predicted_time_s)
     return found
+
+
+def _offloaded_prefix_plan(
+    chain: Chain, budget_bytes: int, slots: int, deadline: float
+) -> Plan | None:
+    """A quick joint plan to start from: offload the saved sets of stages 1..m-1, keep a_m as
+    a checkpoint, run rotor's DP on stages m+1..L with ``reserve`` bytes set aside for the
+    copies in flight, and prefetch each x̄_i ``lead`` backwards before B(i+1) reads it.
+
+    The best (m, reserve, lead) by simulated time, searched until a tenth of the time left is
+    spent; None if none fits. Early stages go first because the first pass starts with an
+    empty GPU, where the device-to-host backlog costs least.
+    """
+    length = chain.length
+    stop = time.monotonic() + 0.1 * (deadline - time.monotonic())
+    largest = max(s.saved_bytes for s in chain.stages)
+    coarse = min(slots, _PREFIX_SLOTS)
+    best: Plan | None = None
+    for split in range(2, length - 1):
+        suffix = Chain(chain.name, chain.activation_bytes(split), chain.stages[split:], chain.link)
+        for reserve in range(_PREFIX_RESERVES):
+            if time.monotonic() > stop:
+                return best
+            try:
+                rest = solve_dp(suffix, budget_bytes - reserve * largest, coarse)
+            except InfeasibleBudgetError:
+                continue
+            for lead in _PREFIX_LEADS:
+                plan = _plan(_prefix_ops(split, rest, lead, length), chain, budget_bytes)
+                if plan.feasible and (
+                    best is None or plan.predicted_time_s < best.predicted_time_s
+                ):
+                    best = plan
+    return best
+
+
+def _prefix_ops(split: int, rest: Plan, lead: int, length: int) -> list[Op]:
+    ops: list[Op] = []
+    for i in range(1, split):
+        ops.append(forward_all(i))
+        if i >= 2:
+            ops.append(offload(SAVED, i - 1))
+    ops.append(forward_checkpoint(split))
+    if split >= 2:
+        ops.append(offload(SAVED, split - 1))
+    ops += [Op(op.kind, op.index + split, op.target) for op in rest.ops]
+    ops += [forward_all(split), backward(split)]
+    ops += [backward(i) for i in range(split - 1, 0, -1)]
+    issue_after: dict[int, list[int]] = {}
+    for i in range(1, split):
+        issue_after.setdefault(min(length, i + 1 + lead), []).append(i)
+    result: list[Op] = []
+    for op in ops:
+        result.append(op)
+        if op.kind == BACKWARD:
+            result += [
+                prefetch(SAVED, i) for i in sorted(issue_after.get(op.index, ()), reverse=True)
+            ]
+    return result
 
 
 def _first_in_family(
@@ -206,7 +300,7 @@ def _first_in_family(
             return encode(plan.ops, length), name, plan.predicted_time_s
         except NotInFamilyError as error:
             logger.debug("warm start %s is outside the MILP's family: %s", name, error)
-    return None, None, candidates[0][1].predicted_time_s
+    return None, None, candidates[0][1].predicted_time_s if candidates else None
 
 
 def _tight_budget_candidates(
@@ -214,19 +308,22 @@ def _tight_budget_candidates(
 ) -> list[tuple[str, Plan]]:
     """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
 
-    Between rotor's exact least memory and the DP's rounded one, the DP with finer slots finds
-    a plan; below it only offloading can, and the least-memory MILP says whether it does.
-    Raises :class:`InfeasibleBudgetError` when nothing fits.
+    Between rotor's exact least memory and the DP's rounded one, the DP with finer slots
+    usually finds a plan (if not, the MILP searches without a warm start: the empty list);
+    below it only offloading can, and the least-memory MILP says whether it does. Raises
+    :class:`InfeasibleBudgetError` when nothing fits.
     """
     recompute_least = memory_need(chain)
     if budget_bytes >= recompute_least:
-        for finer in (slots * 10, slots * 100):
+        for factor in _FINER_SLOTS:
             try:
+                finer = slots * factor
                 return [(f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer))]
             except InfeasibleBudgetError:
                 continue
+        return []
     least, schedule = recompute_least, None
-    if offload and budget_bytes >= necessary_budget_bytes(chain):
+    if offload:
         least, schedule = _least_budget(chain, backend, deadline)
     if schedule is None or least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "milp")
@@ -276,7 +373,7 @@ def _require_backend(backend: str) -> None:
 
 
 class _HighsSession:
-    """The model loaded once into HiGHS and re-solved with different variables fixed."""
+    """The model loaded once into HiGHS and re-solved with different binaries fixed."""
 
     def __init__(self, model: JointModel, gap: float | None):
         self.model = model
@@ -286,30 +383,35 @@ class _HighsSession:
         self.highs = model.problem.solverModel
         self.highs.setOptionValue("random_seed", 0)
         self.columns = model.problem.variables()
-        self.structural = model.structural_variables()
-        self.structural_index = np.array([v.index for v in self.structural], dtype=np.int32)
+        self.binaries = model.binaries()
+        self.index = np.array([v.index for v in self.binaries], dtype=np.int32)
+        decisions = {v.name for v in model.structural_variables()}
+        self.decisions = np.array([v.name in decisions for v in self.binaries], dtype=bool)
+        self.places = [model.place(v) for v in self.binaries]
 
     def run(
-        self,
-        start: np.ndarray | None,
-        free: np.ndarray,
-        time_limit_s: float,
+        self, start: np.ndarray | None, free: np.ndarray, time_limit_s: float, presolve: bool
     ) -> tuple[str, float | None, float | None, np.ndarray | None]:
-        """Solve with the structural binaries not in ``free`` fixed to ``start``."""
+        """Solve with the binaries not in ``free`` fixed to their values in ``start``.
+
+        Presolve is left off for the whole model: HiGHS 1.15's presolve has returned
+        suboptimal "optimal" answers on this formulation (CBC and HiGHS without presolve
+        agree); with most binaries fixed it is only the speed of a neighbourhood at stake.
+        """
         highs = self.highs
-        lower = np.zeros(len(self.structural_index))
-        upper = np.ones(len(self.structural_index))
+        lower = np.zeros(len(self.index))
+        upper = np.ones(len(self.index))
         if start is not None:
             fixed = ~free
-            values = np.round(start[self.structural_index])
+            values = np.round(start[self.index])
             lower[fixed] = values[fixed]
             upper[fixed] = values[fixed]
-        highs.changeColsBounds(len(self.structural_index), self.structural_index, lower, upper)
+        highs.changeColsBounds(len(self.index), self.index, lower, upper)
         highs.setOptionValue("time_limit", max(0.1, float(time_limit_s)))
+        highs.setOptionValue("presolve", "on" if presolve else "off")
         highs.clearSolver()
         if start is not None:
-            indices = np.arange(len(start), dtype=np.int32)
-            highs.setSolution(len(start), indices, start)
+            highs.setSolution(len(start), np.arange(len(start), dtype=np.int32), start)
         highs.run()
         status = highs.modelStatusToString(highs.getModelStatus())
         info = highs.getInfo()
@@ -325,13 +427,16 @@ class _HighsSession:
             column.varValue = float(values[column.index])
 
     def window(self, first: int, last: int) -> np.ndarray:
-        """Which structural binaries concern stages first..last, in the first pass or in
-        their backward steps."""
-        free = np.zeros(len(self.structural), dtype=bool)
-        for n, var in enumerate(self.structural):
-            stage, step = self.model.place(var)
-            free[n] = first <= stage <= last or (step is not None and first <= step <= last)
-        return free
+        """The decisions about stages first..last (in every step) and those of steps
+        first..last about stages at most one window width lower; and the release and late
+        indicators of every stage from that width lower on, since FIFO channels tie them to
+        the window."""
+        lowest = first - (last - first + 1)
+        free = []
+        for (stage, step), decision in zip(self.places, self.decisions, strict=True):
+            in_steps = step is not None and first <= step <= last and stage >= lowest
+            free.append(first <= stage <= last or in_steps or (not decision and stage >= lowest))
+        return np.array(free, dtype=bool)
 
 
 def _search_highs(
@@ -343,35 +448,37 @@ def _search_highs(
     if warm is not None:
         values = model.schedule_values(warm)
         start = np.zeros(len(session.columns))
-        for var in session.structural:
+        for var in model.structural_variables():
             start[var.index] = values[var.name]
-        # The warm start's times and release indicators: the model with its structure fixed.
-        nothing_free = np.zeros(len(session.structural), dtype=bool)
-        status, _, _, incumbent = session.run(start, nothing_free, _share(deadline, 0.25))
+        # The warm start's times, releases and late prefetches: its decisions fixed.
+        status, _, _, incumbent = session.run(
+            start, ~session.decisions, _share(deadline, 0.25), presolve=True
+        )
         if incumbent is None:
             logger.info("the warm start does not fit the MILP (%s); starting without it", status)
     best = _objective(model, incumbent)
     length = model.length
-    width = length if len(session.structural) <= _WHOLE_MODEL_BINARIES else _FIRST_WINDOW
+    decisions = int(session.decisions.sum())
+    width = length if decisions <= _WHOLE_MODEL_BINARIES else _FIRST_WINDOW
     status, whole_bound, proven = "time limit", None, False
     while time.monotonic() < deadline:
         if width >= length or incumbent is None:
-            whole = np.ones(len(session.structural), dtype=bool)
+            whole = np.ones(len(session.index), dtype=bool)
             status, objective, whole_bound, values = session.run(
-                incumbent, whole, deadline - time.monotonic()
+                incumbent, whole, deadline - time.monotonic(), presolve=False
             )
             proven = status == "Optimal"
             if values is not None and (best is None or objective <= best):
                 incumbent, best = values, objective
             break
         improved = False
-        for last in range(length, 0, -max(1, width // 2)):
+        for last in range(width, length + width // 2, max(1, width // 2)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            window = session.window(max(1, last - width + 1), last)
+            window = session.window(max(1, last - width + 1), min(last, length))
             _, objective, _, values = session.run(
-                incumbent, window, min(remaining, 2.0 * width / _FIRST_WINDOW + 1.0)
+                incumbent, window, min(remaining, _WINDOW_SECONDS), presolve=True
             )
             if values is not None and objective < best - 1e-9:
                 incumbent, best, improved = values, objective, True
@@ -380,6 +487,13 @@ def _search_highs(
     scale = 1.0 if isinstance(model.budget, pulp.LpVariable) else model.time_unit
     if incumbent is None:
         return _Search(None, None, None, _status_name(status), False)
+    if not proven:
+        # A neighbourhood cut short may leave the times of its decisions loose: settle them.
+        _, objective, _, values = session.run(
+            incumbent, ~session.decisions, _POLISH_SECONDS, presolve=True
+        )
+        if values is not None and objective <= best:
+            incumbent, best = values, objective
     session.load(incumbent)
     return _Search(
         model.read_schedule(),

@@ -62,7 +62,8 @@ class Schedule:
     (k, i, target): in step k, F(i) is recomputed producing x̄_i (``saved``) or a_i
     (``activation``). ``resident`` holds (k, target, j): the tensor is usable on the GPU when
     step k starts. ``prefetches`` maps a tensor to (issue step, ready step): its prefetch is
-    issued when B(issue) starts and it is usable from the start of step ``ready``.
+    issued when B(issue) starts and it is usable from the start of step ``ready``; those in
+    ``late`` are expected to wait for B(issue) to end before their bytes fit.
     """
 
     length: int
@@ -70,6 +71,7 @@ class Schedule:
     recompute: frozenset[tuple[int, int, str]]
     resident: frozenset[tuple[int, str, int]]
     prefetches: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
+    late: frozenset[Tensor] = frozenset()
 
     def is_resident(self, k: int, tensor: Tensor) -> bool:
         """Whether ``tensor`` is usable on the GPU at the start of step k."""
@@ -120,12 +122,21 @@ def decode(schedule: Schedule) -> list[Op]:
     for k in range(length, 0, -1):
         on_gpu = {t for t in _valid_at(length, k) if schedule.is_resident(k, t)}
         on_gpu.add((ACTIVATION, 0))
-        produced: set[Tensor] = set()
-        stages = sorted((i, target) for kk, i, target in schedule.recompute if kk == k)
-        for i, target in stages:
+        recomputed = {i for kk, i, _ in schedule.recompute if kk == k}
+        for i, target in sorted((i, t) for kk, i, t in schedule.recompute if kk == k):
             source = (ACTIVATION, i - 1) if (ACTIVATION, i - 1) in on_gpu else None
             needed_later = i == k or schedule.carried(k, (ACTIVATION, i - 1))
             drop_input = source is not None and not needed_later and i - 1 >= 1
+            # The model counts an output only while this step still reads it, unless it is
+            # kept; a saved set nothing keeps is cheaper as a plain activation.
+            read_later = i == k - 1 or (i < k and i + 1 in recomputed)
+            if (
+                target == SAVED
+                and i != k
+                and not schedule.carried(k, (SAVED, i))
+                and (ACTIVATION, i) not in on_gpu
+            ):
+                target = ACTIVATION
             if target == SAVED:
                 ops.append(forward_all(i))
                 if drop_input:
@@ -134,17 +145,11 @@ def decode(schedule: Schedule) -> list[Op]:
                 ops.append(forward_none(i) if drop_input else forward_checkpoint(i))
             if drop_input:
                 on_gpu.discard((ACTIVATION, i - 1))
-            previous_saved = (SAVED, i - 1)
-            if (
-                previous_saved in produced
-                and i - 1 != k - 1
-                and not schedule.carried(k, previous_saved)
-            ):
-                ops.append(free(SAVED, i - 1))
-                on_gpu.discard(previous_saved)
             output = (target, i)
-            on_gpu.add(output)
-            produced.add(output)
+            if i == k or read_later or schedule.carried(k, output):
+                on_gpu.add(output)
+            else:
+                ops.append(free(*output))
         ops.append(backward(k))
         on_gpu -= {(SAVED, k), (ACTIVATION, k - 1)}
         for tensor in sorted(on_gpu - {(ACTIVATION, 0)}, key=lambda t: (t[1], t[0])):
@@ -153,7 +158,11 @@ def decode(schedule: Schedule) -> list[Op]:
         issued = [
             (ready, tensor) for tensor, (issue, ready) in schedule.prefetches.items() if issue == k
         ]
-        for _, tensor in sorted(issued, key=lambda item: (-item[0], item[1][1], item[1][0])):
+        # Early ones first: a late one waits for memory, and the channel is FIFO.
+        for _, tensor in sorted(
+            issued,
+            key=lambda item: (item[1] in schedule.late, -item[0], item[1][1], item[1][0]),
+        ):
             ops.append(prefetch(*tensor))
     return ops
 
@@ -318,6 +327,7 @@ class JointModel:
         self.memory_unit = float(max(max(s.saved_bytes for s in chain.stages), 1))
         self.time_unit = chain.compute_time_s if chain.compute_time_s > 0 else 1.0
         self._structural: list[pulp.LpVariable] = []
+        self._all_binaries: list[pulp.LpVariable] = []
         self._places: dict[str, tuple[int, int | None]] = {}
         self.x = [chain.activation_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.saved = [0.0] + [s.saved_bytes / self.memory_unit for s in chain.stages]
@@ -373,11 +383,11 @@ class JointModel:
                     names += [OFFLOAD_SAVED, OFFLOAD_ACTIVATION]
             self.fate[i] = {name: self._binary(f"fate_{name}_{i}", i, None) for name in names}
             self._add(pulp.lpSum(self.fate[i].values()) == 1, f"one_fate_{i}")
-            if i >= 2:
-                # Rotor's persistence: F_all(i) keeps its input while x̄_i is on the GPU.
+            if i >= 2 and DROP_ACTIVATION in self.fate[i - 1]:
+                # Rotor's persistence: the input of F_all(i) is not dropped while x̄_i is on the
+                # GPU (autograd would keep it alive); it may go to the host.
                 self._add(
-                    self.fate[i][KEEP_SAVED]
-                    <= self.fate[i - 1][KEEP_SAVED] + self.fate[i - 1][KEEP_ACTIVATION],
+                    self.fate[i][KEEP_SAVED] + self.fate[i - 1][DROP_ACTIVATION] <= 1,
                     f"input_stays_{i}",
                 )
 
@@ -530,13 +540,14 @@ class JointModel:
                 self._add(state[(ACTIVATION, j)] + state[(SAVED, j)] <= 1, f"one_copy_a{j}_step{k}")
                 if k < length:
                     # Persistence again, for a saved set that was computed rather than
-                    # prefetched: its autograd graph still holds a_j.
+                    # prefetched: a_j stays on the GPU, or went to the host in the first pass.
                     arrived = (
                         self._ready_since[(SAVED, j + 1)][k] if (SAVED, j + 1) in self.ready else 0
                     )
+                    on_host = self._fate(j, OFFLOAD_SAVED) + self._fate(j, OFFLOAD_ACTIVATION)
                     self._add(
                         state[(SAVED, j + 1)] - arrived
-                        <= state[(ACTIVATION, j)] + state[(SAVED, j)],
+                        <= state[(ACTIVATION, j)] + state[(SAVED, j)] + on_host,
                         f"input_stays_{j + 1}_step{k}",
                     )
             # Into step k-1: keep what was produced, drop (D) what was resident, or arrive.
@@ -625,7 +636,8 @@ class JointModel:
             previous = None
             for position in self.positions[first:last]:
                 name = f"{i}_{position[0]}{position[1]}"
-                phi = self._binary(f"released_{name}", None, None)
+                step = position[1]
+                phi = self._binary(f"released_{name}", i, step, decision=False)
                 self.released[i][position] = phi
                 when = (
                     self.first_pass_start[position[1]]
@@ -657,29 +669,60 @@ class JointModel:
                 self.unreleased[position] = pulp.LpAffineExpression()
 
     def _host_to_device(self) -> None:
-        """FIFO prefetches: H_s ends the batch issued at B(s); P_t is tensor t's arrival."""
+        """FIFO prefetches. The prefetches listed after B(s) start with B(s) when their bytes
+        fit beside it, or wait (memory admission) for the releases at its end: ``late``. The
+        early ones are listed first; H_s ends the whole batch, P_t is tensor t's arrival."""
         length, big = self.length, self.big_time
+        self.late: dict[Tensor, dict[int, pulp.LpVariable]] = {}
+        for tensor, steps in self.issue.items():
+            self.late[tensor] = {}
+            for s, var in steps.items():
+                late = self._binary(
+                    f"late_{tensor[0]}_{tensor[1]}_step{s}", tensor[1], s, decision=False
+                )
+                self._add(late <= var, f"late_if_issued_{tensor[0]}_{tensor[1]}_step{s}")
+                self.late[tensor][s] = late
+        early_end: dict[int, pulp.LpVariable] = {}
         channel_end: dict[int, pulp.LpVariable] = {}
         later = None
         for s in range(length, 1, -1):
-            batch = [(tensor, steps[s]) for tensor, steps in self.issue.items() if s in steps]
+            batch = [t for t, steps in self.issue.items() if s in steps]
             if not batch:
                 continue
-            end = self._continuous(f"H_{s}", 0, big)
-            duration = self._continuous(f"h2d_batch_{s}", 0)
+            early_duration = self._continuous(f"h2d_early_{s}", 0)
+            late_duration = self._continuous(f"h2d_late_{s}", 0)
             self._add(
-                duration
-                == pulp.lpSum(self._size(tensor) * self.h2d * var for tensor, var in batch),
-                f"h2d_batch_{s}",
+                early_duration
+                == pulp.lpSum(
+                    self._size(t) * self.h2d * (self.issue[t][s] - self.late[t][s]) for t in batch
+                ),
+                f"h2d_early_{s}",
             )
+            self._add(
+                late_duration
+                == pulp.lpSum(self._size(t) * self.h2d * self.late[t][s] for t in batch),
+                f"h2d_late_{s}",
+            )
+            early = self._continuous(f"He_{s}", 0, big)
+            end = self._continuous(f"H_{s}", 0, big)
             if later is not None:
-                self._add(end >= later + duration, f"h2d_fifo_{s}")
-            self._add(end >= self.backward_start[s] + duration, f"h2d_issue_{s}")
-            for tensor, var in batch:
+                self._add(early >= later + early_duration, f"h2d_fifo_{s}")
+            self._add(early >= self.backward_start[s] + early_duration, f"h2d_issue_{s}")
+            self._add(end >= early + late_duration, f"h2d_then_late_{s}")
+            backward_end = self.backward_start[s] + self.bwd[s]
+            self._add(end >= backward_end + late_duration, f"h2d_late_issue_{s}")
+            for t in batch:
+                name = f"{t[0]}_{t[1]}_step{s}"
+                on_host = self.offload_end[t[1]]
                 self._add(
-                    end >= self.offload_end[tensor[1]] + duration - big * (1 - var),
-                    f"h2d_host_ready_{tensor[0]}_{tensor[1]}_step{s}",
+                    early >= on_host + early_duration - big * (1 - self.issue[t][s]),
+                    f"h2d_host_ready_{name}",
                 )
+                self._add(
+                    end >= on_host + late_duration - big * (1 - self.late[t][s]),
+                    f"h2d_host_ready_late_{name}",
+                )
+            early_end[s] = early
             channel_end[s] = later = end
         self.prefetch_end: dict[Tensor, pulp.LpVariable] = {}
         for tensor, steps in self.issue.items():
@@ -687,13 +730,23 @@ class JointModel:
             arrival = self._continuous(f"P_{name}", 0, big)
             self.prefetch_end[tensor] = arrival
             for s, var in steps.items():
+                self._add(arrival >= early_end[s] - big * (1 - var), f"prefetch_end_{name}_{s}")
                 self._add(
-                    arrival >= channel_end[s] - big * (1 - var), f"prefetch_end_{name}_step{s}"
+                    arrival >= channel_end[s] - big * (1 - self.late[tensor][s]),
+                    f"prefetch_end_late_{name}_{s}",
                 )
             for c, var in self.ready[tensor].items():
-                self._add(
-                    self.step_start[c] >= arrival - big * (1 - var), f"wait_prefetch_{name}_{c}"
-                )
+                # The first op of step c to read the tensor waits for it: B(c) for x̄_c; F(c)
+                # (when recomputed) and then B(c) for a_{c-1}; else the first recomputation.
+                if tensor == (SAVED, c):
+                    reader = pulp.LpAffineExpression(self.backward_start[c])
+                elif tensor[1] == c - 1:
+                    reader = self.backward_start[c] - self.fwd[c] * self.recompute.get(c, {}).get(
+                        (SAVED, c), 0
+                    )
+                else:
+                    reader = pulp.LpAffineExpression(self.step_start[c])
+                self._add(reader >= arrival - big * (1 - var), f"wait_prefetch_{name}_{c}")
 
     def _memory(self) -> None:
         """Resident bytes at every admission point of the simulator stay within the budget."""
@@ -731,8 +784,11 @@ class JointModel:
                     f"in_flight_bytes_step{k}",
                 )
                 flying = pulp.LpAffineExpression(flying_var)
+            # Issued at B(k) and admitted beside it (not waiting for its end).
             issued_here = pulp.lpSum(
-                self._size(t) * steps[k] for t, steps in self.issue.items() if k in steps
+                self._size(t) * (steps[k] - self.late[t][k])
+                for t, steps in self.issue.items()
+                if k in steps
             )
             base = x[k] + x[0] + resident_bytes + flying
             # Releases seen by step k's recomputation: those before the previous backward.
@@ -773,18 +829,23 @@ class JointModel:
     def _size(self, tensor: Tensor) -> float:
         return self.saved[tensor[1]] if tensor[0] == SAVED else self.x[tensor[1]]
 
-    def _binary(self, name: str, stage: int | None, step: int | None) -> pulp.LpVariable:
-        """A binary; with a stage it is structural (a decision :class:`Schedule` records)."""
-        var = pulp.LpVariable(name, cat=pulp.LpBinary)
-        if stage is not None:
-            self._places[var.name] = (stage, step)
+    def _binary(
+        self, name: str, stage: int, step: int | None, decision: bool = True
+    ) -> pulp.LpVariable:
+        """A binary about ``stage`` in ``step`` (None: the first pass). A decision is one a
+        :class:`Schedule` records; the others (releases, late prefetches) follow from the
+        times."""
+        var = self.problem.add_variable(name, cat=pulp.LpBinary)
+        self._places[var.name] = (stage, step)
+        self._all_binaries.append(var)
+        if decision:
             self._structural.append(var)
         return var
 
     def _continuous(
         self, name: str, low: float | None = None, high: float | None = None
     ) -> pulp.LpVariable:
-        return pulp.LpVariable(name, lowBound=low, upBound=high)
+        return self.problem.add_variable(name, lowBound=low, upBound=high)
 
     def _add(self, constraint: pulp.LpConstraint, name: str) -> None:
         self.problem += constraint, name
@@ -795,7 +856,7 @@ class JointModel:
         """Counts of variables, constraints and nonzeros."""
         variables = self.problem.variables()
         binaries = sum(1 for v in variables if v.cat == pulp.LpInteger)
-        constraints = self.problem.constraints.values()
+        constraints = self.problem.constraints()
         return ModelSize(
             binaries=binaries,
             continuous=len(variables) - binaries,
@@ -828,9 +889,14 @@ class JointModel:
         """The binaries :meth:`schedule_values` sets: all but the release indicators."""
         return list(self._structural)
 
+    def binaries(self) -> list[pulp.LpVariable]:
+        """Every binary, decisions first."""
+        decisions = set(v.name for v in self._structural)
+        return list(self._structural) + [v for v in self._all_binaries if v.name not in decisions]
+
     def place(self, var: pulp.LpVariable) -> tuple[int, int | None]:
-        """The stage a structural binary is about and the step it belongs to (None: first
-        pass), which the neighbourhood search uses to pick windows."""
+        """The stage a binary is about and the step (or first-pass forward) it belongs to,
+        which the neighbourhood search uses to pick windows."""
         return self._places[var.name]
 
     def read_schedule(self) -> Schedule:
@@ -864,12 +930,16 @@ class JointModel:
             ready = next((c for c, var in self.ready[tensor].items() if on(var)), None)
             if issue is not None and ready is not None:
                 prefetches[tensor] = (issue, ready)
+        late = frozenset(
+            tensor for tensor, steps in self.late.items() if any(on(var) for var in steps.values())
+        )
         return Schedule(
             length=self.length,
             fates=tuple(fates),
             recompute=recompute,
             resident=resident,
             prefetches=prefetches,
+            late=late,
         )
 
     def objective_s(self) -> float | None:

@@ -1,0 +1,232 @@
+"""The joint MILP: its objective is the simulated time, it never loses to the DP, and it says why.
+
+Chains have small integer sizes so that the DP can run with one slot per byte (``slots`` equal
+to the budget): then the DP rounds nothing and both solvers see the same problem.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+
+import pytest
+
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain, Link, Stage
+from solvers.dp import memory_need, solve_dp
+from solvers.milp import BackendUnavailableError, least_feasible_budget, solve_milp
+from solvers.milp_model import decode, encode, necessary_budget_bytes
+from solvers.plan import COPY_KINDS, OFFLOAD, PREFETCH, validate
+from solvers.registry import keep_all_peak
+from solvers.simulator import simulate
+
+
+def random_chain(rng: random.Random, length: int, link: bool = True) -> Chain:
+    stages = []
+    for i in range(1, length + 1):
+        out = rng.randint(1, 6)
+        stages.append(
+            Stage(
+                name=f"s{i}",
+                fwd_s=float(rng.randint(1, 5)),
+                bwd_s=float(rng.randint(1, 8)),
+                out_bytes=out,
+                saved_bytes=out + rng.randint(0, 8),
+                fwd_tmp_bytes=rng.randint(0, 3),
+                bwd_tmp_bytes=rng.randint(0, 4),
+            )
+        )
+    bandwidths = (1.0, 2.0, 4.0)
+    return Chain(
+        "random",
+        rng.randint(1, 6),
+        tuple(stages),
+        Link(rng.choice(bandwidths), rng.choice(bandwidths)) if link else None,
+    )
+
+
+def instances(seed: int, count: int, max_length: int, link: bool = True):
+    """Seeded random chains, each with a budget between the DP's least and keep-all."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        chain = random_chain(rng, rng.randint(2, max_length), link)
+        least = memory_need(chain)
+        yield chain, rng.randint(least, max(least, keep_all_peak(chain)))
+
+
+def exact_dp_time(chain: Chain, budget: int) -> float:
+    return solve_dp(chain, budget, slots=budget).predicted_time_s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_objective_is_the_simulated_time(seed):
+    """On random chains with a link the MILP's objective is what the simulator measures for the
+    plan decoded from its solution (to 1%), and that plan fits its budget."""
+    for chain, budget in instances(seed, 6, 6):
+        plan = solve_milp(chain, budget, slots=budget, time_limit_s=20)
+        info = plan.info
+        assert info["solver_status"] == "optimal"
+        assert info["milp_plan_time_s"] == pytest.approx(info["objective"], rel=0.01)
+        assert plan.predicted_peak_bytes <= budget
+        assert not validate(plan, chain)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_never_slower_than_the_dp(seed):
+    for chain, budget in instances(100 + seed, 6, 6):
+        plan = solve_milp(chain, budget, slots=budget, time_limit_s=20)
+        assert plan.feasible
+        assert plan.predicted_time_s <= exact_dp_time(chain, budget) * (1 + 1e-9)
+
+
+def test_offloading_beats_the_dp_when_the_link_is_fast():
+    """Offloading removes recomputation: strictly faster than the DP on some random chains, and
+    the faster plans do copy tensors."""
+    faster = 0
+    for chain, budget in instances(7, 12, 6):
+        plan = solve_milp(chain, budget, slots=budget, time_limit_s=20)
+        if plan.predicted_time_s < exact_dp_time(chain, budget) - 1e-9:
+            faster += 1
+            assert any(op.kind in COPY_KINDS for op in plan.ops)
+    assert faster >= 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_without_offloading_it_matches_the_dp(seed):
+    """Recompute only, the MILP reaches rotor's optimum (to 1%) and is never worse; it copies
+    nothing."""
+    for chain, budget in instances(200 + seed, 8, 7):
+        plan = solve_milp(chain, budget, offload=False, slots=budget, time_limit_s=20)
+        dp = exact_dp_time(chain, budget)
+        assert plan.predicted_time_s <= dp * (1 + 1e-9)
+        assert plan.predicted_time_s == pytest.approx(dp, rel=0.01)
+        assert not any(op.kind in COPY_KINDS for op in plan.ops)
+
+
+def test_recomputing_a_checkpoint_early_beats_rotors_family():
+    """The MILP may recompute a checkpoint in an earlier backward step than the one that reads
+    it, which rotor's nested sweeps cannot; on this chain that is one unit faster than the DP."""
+    shapes = [(3, 4, 2, 9, 2, 3), (3, 7, 3, 8, 0, 4), (4, 4, 5, 12, 1, 4), (5, 4, 4, 5, 3, 4)]
+    shapes += [(4, 7, 2, 4, 3, 2), (4, 7, 1, 5, 0, 2), (2, 5, 1, 5, 0, 0)]
+    stages = tuple(
+        Stage(f"s{n}", float(f), float(b), out, saved, ftmp, btmp)
+        for n, (f, b, out, saved, ftmp, btmp) in enumerate(shapes, start=1)
+    )
+    chain = Chain("early", 3, stages)
+    plan = solve_milp(chain, 31, offload=False, slots=31, time_limit_s=20)
+    assert exact_dp_time(chain, 31) == 77.0
+    assert plan.predicted_time_s == 76.0
+    assert plan.predicted_peak_bytes <= 31
+
+
+def test_dp_plans_are_in_the_family():
+    """Every DP plan encodes to a schedule that decodes to a plan just as fast and as small."""
+    for chain, budget in instances(300, 10, 7, link=False):
+        dp = solve_dp(chain, budget, slots=budget)
+        ops = decode(encode(dp.ops, chain.length))
+        replay = simulate(ops, chain, budget)
+        assert replay.makespan_s == dp.predicted_time_s
+        assert replay.peak_bytes <= budget
+
+
+def test_chain_without_link_warns_once_and_recomputes(caplog):
+    chain, budget = next(instances(400, 1, 6, link=False))
+    with caplog.at_level(logging.WARNING, logger="solvers.milp"):
+        plan = solve_milp(chain, budget, slots=budget, time_limit_s=20)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "no link" in warnings[0].getMessage()
+    assert plan.info["offload"] is False
+    assert not any(op.kind in (OFFLOAD, PREFETCH) for op in plan.ops)
+    assert plan.predicted_time_s == pytest.approx(exact_dp_time(chain, budget), rel=0.01)
+
+
+def test_missing_highs_names_the_package(monkeypatch):
+    chain, budget = next(instances(500, 1, 4))
+    monkeypatch.setitem(sys.modules, "highspy", None)
+    with pytest.raises(BackendUnavailableError, match="highspy"):
+        solve_milp(chain, budget)
+
+
+def test_missing_cbc_names_the_package(monkeypatch):
+    import pulp
+
+    chain, budget = next(instances(500, 1, 4))
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "available", lambda self: False)
+    with pytest.raises(BackendUnavailableError, match="pulp"):
+        solve_milp(chain, budget, backend="cbc")
+
+
+def test_unknown_backend_is_refused():
+    chain, budget = next(instances(500, 1, 4))
+    with pytest.raises(ValueError, match="highs, cbc"):
+        solve_milp(chain, budget, backend="gurobi")
+
+
+def test_cbc_backend_reaches_the_same_optimum():
+    for chain, budget in instances(600, 2, 5):
+        highs = solve_milp(chain, budget, slots=budget, time_limit_s=20)
+        cbc = solve_milp(chain, budget, slots=budget, time_limit_s=20, backend="cbc")
+        assert cbc.info["backend"] == "cbc"
+        assert cbc.info["solver_status"] == "optimal"
+        assert cbc.predicted_time_s == pytest.approx(highs.predicted_time_s, rel=1e-6)
+        assert cbc.predicted_peak_bytes <= budget
+
+
+def test_infeasible_budget_names_the_least_one():
+    """Recompute only, the least budget is rotor's exact least memory: it fits, a byte less
+    does not."""
+    for chain, _ in instances(700, 4, 6, link=False):
+        least = memory_need(chain)
+        with pytest.raises(InfeasibleBudgetError) as raised:
+            solve_milp(chain, least - 1, time_limit_s=20)
+        assert raised.value.min_budget_bytes == least
+        assert solve_milp(chain, least, time_limit_s=20).predicted_peak_bytes <= least
+
+
+def test_least_budget_with_offloading_fits_and_nothing_below_does():
+    """With a link the least budget comes from the MILP that minimizes the peak: between what
+    every plan needs and the recompute-only least, a plan fits in it, and below the bound every
+    plan needs the error names it."""
+    for chain, _ in instances(800, 4, 5):
+        least = least_feasible_budget(chain, time_limit_s=20)
+        assert necessary_budget_bytes(chain) <= least <= memory_need(chain)
+        assert solve_milp(chain, least, time_limit_s=20).predicted_peak_bytes <= least
+        with pytest.raises(InfeasibleBudgetError) as raised:
+            solve_milp(chain, necessary_budget_bytes(chain) - 1, time_limit_s=20)
+        assert raised.value.min_budget_bytes == least
+
+
+def test_offloading_a_checkpoint_lowers_the_least_budget():
+    """Here the recompute-only plans need a checkpoint during B(5), the peak; sending it to the
+    host and back lowers the least budget by one byte."""
+    shapes = [(1, 16, 2, 0), (12, 27, 2, 0), (1, 2, 0, 1), (1, 16, 2, 1), (2, 17, 0, 0)]
+    stages = tuple(
+        Stage(f"s{n}", 1.0, 2.0, out, saved, ftmp, btmp)
+        for n, (out, saved, ftmp, btmp) in enumerate(shapes, start=1)
+    )
+    chain = Chain("checkpoint", 8, stages, Link(4.0, 4.0))
+    assert memory_need(chain) == 50
+    assert least_feasible_budget(chain, time_limit_s=20) == 49
+    plan = solve_milp(chain, 49, time_limit_s=20)
+    assert plan.predicted_peak_bytes <= 49
+    assert any(op.kind == OFFLOAD for op in plan.ops)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        solve_milp(chain, 48, time_limit_s=20)
+    assert raised.value.min_budget_bytes == 49
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        solve_milp(chain, 49, offload=False, time_limit_s=20)
+    assert raised.value.min_budget_bytes == 50
+
+
+def test_time_limit_still_returns_a_plan_no_slower_than_the_dp():
+    """A 30-stage chain cannot be solved in two seconds; the answer still comes back within the
+    limit (plus model building) and is at least as fast as the DP's."""
+    rng = random.Random(900)
+    chain = random_chain(rng, 30)
+    budget = (memory_need(chain) + keep_all_peak(chain)) // 3
+    plan = solve_milp(chain, budget, time_limit_s=2.0, slots=budget)
+    assert plan.info["solve_time_s"] < 15
+    assert plan.feasible
+    assert plan.predicted_time_s <= exact_dp_time(chain, budget) * (1 + 1e-9)
