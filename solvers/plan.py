@@ -202,11 +202,19 @@ class Plan:
             ops = tuple(Op.from_dict(raw) for raw in data["ops"])
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"plan: malformed field 'ops' ({error})") from None
+        stages = data["stages"]
+        if not isinstance(stages, list) or not all(isinstance(name, str) for name in stages):
+            raise ValueError("plan: field 'stages' must be a list of stage names")
+        budget = data.get("budget_bytes")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ValueError(
+                f"plan: field 'budget_bytes' must be an integer or null, got {budget!r}"
+            )
         return cls(
             ops=ops,
-            stage_names=tuple(data["stages"]),
+            stage_names=tuple(stages),
             solver=str(data["solver"]),
-            budget_bytes=data.get("budget_bytes"),
+            budget_bytes=budget,
             predicted_time_s=data.get("predicted_time_s"),
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
             chain_name=str(data.get("chain", "")),

@@ -88,6 +88,17 @@ def test_op_text_names_the_tensor() -> None:
             },
             "ops",
         ),
+        ({"format": "offremat.plan/1", "stages": 5, "solver": "x", "ops": []}, "stages"),
+        (
+            {
+                "format": "offremat.plan/1",
+                "stages": [],
+                "solver": "x",
+                "ops": [],
+                "budget_bytes": "1",
+            },
+            "budget_bytes",
+        ),
     ],
 )
 def test_malformed_plans_name_the_field(raw: dict, message: str) -> None:
