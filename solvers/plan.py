@@ -206,6 +206,8 @@ class Plan:
         if not isinstance(stages, list) or not all(isinstance(name, str) for name in stages):
             raise ValueError("plan: field 'stages' must be a list of stage names")
         budget = data.get("budget_bytes")
+        if isinstance(budget, float) and budget.is_integer():
+            budget = int(budget)
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
             raise ValueError(
                 f"plan: field 'budget_bytes' must be an integer or null, got {budget!r}"
