@@ -10,8 +10,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "optimize": "offremat.optimize",
-    "OptimizedModule": "offremat.optimize",
+    "optimize": "offremat.wrapper",
+    "OptimizedModule": "offremat.wrapper",
     "profile_model": "offremat.profiler",
     "parse_bandwidth": "offremat.profiler",
     "PlanExecutor": "offremat.executor",

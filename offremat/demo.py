@@ -39,8 +39,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from offremat._tensors import storage_bytes
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
-from offremat.optimize import optimize
 from offremat.profiler import profile_model
+from offremat.wrapper import optimize
 from solvers.baselines import checkpoint_sequential_plan, chen_segments, keep_all
 from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain, Link

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib
+import pkgutil
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,14 @@ def train(step, model: nn.Module, steps: int = 3) -> list[float]:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def test_no_export_is_hidden_by_a_submodule_of_the_same_name() -> None:
+    # Importing offremat.X binds X on the package, which would replace an export called X.
+    submodules = {module.name for module in pkgutil.iter_modules(offremat.__path__)}
+    assert not set(offremat.__all__) & submodules
+    importlib.import_module("offremat.wrapper")
+    assert callable(offremat.optimize) and offremat.optimize.__name__ == "optimize"
 
 
 def test_training_follows_plain_autograd_exactly() -> None:

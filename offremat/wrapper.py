@@ -1,5 +1,8 @@
 """``offremat.optimize``: profile, plan and wrap a model so its training step fits a budget.
 
+The module is not called ``optimize``: importing a submodule binds its name on the package,
+which would hide the function ``offremat.optimize``.
+
 Design note: the returned :class:`OptimizedModule` *is* the model as far as ``nn.Module`` can
 tell. It shares the model's parameter, buffer and child dictionaries, so ``state_dict()`` has
 the model's keys (a checkpoint saved from either loads into the other), ``parameters()`` yields
