@@ -221,7 +221,8 @@ def simulate(
             last_reader_end.pop(tensor, None)
             timeline.append(Interval(n, label, H2D_LANE, start, end))
         elif op.kind == FREE:
-            release(op.tensor, compute_free)
+            # A tensor still arriving is freed once its prefetch has ended.
+            release(op.tensor, max(compute_free, gpu_ready_at[op.tensor]))
 
     curve = _levels(memory.changes)
     peak = max(level for _, level in curve)

@@ -170,3 +170,21 @@ def test_zero_length_ops_still_count_their_temporaries() -> None:
     stages = (Stage("s1", 0.0, 0.0, 1, 1, 50, 0),)
     result = simulate([forward_all(1), backward(1)], Chain("z", 1, stages), None)
     assert result.peak_bytes == 1 + 1 + 1 + 50  # a_0, δ_1, x̄_1 and the forward temporary
+
+
+def test_free_of_a_tensor_still_arriving_waits_for_its_prefetch() -> None:
+    ops = [forward_all(1), forward_all(2), offload("saved", 1), forward_all(3)]
+    ops += [backward(3), prefetch("saved", 1), free("saved", 1)]
+    ops += [forward_all(1), backward(2), backward(1)]
+    result = simulate(ops, chain(), None)
+    prefetch_span = next(i for i in result.timeline if i.label == "prefetch(x̄1)")
+    # The prefetch allocates at t=4 (issued when B(3) starts, after the offload ended) and
+    # ends at t=7; the free cannot release before then, although B(3) ended at t=5.
+    assert (prefetch_span.start_s, prefetch_span.end_s) == (4.0, 7.0)
+    levels = dict(result.memory_curve)
+    # t=5: B(3) releases x̄_3, δ_3 and btmp and F_all(1) allocates x̄_1 + ftmp; the arriving
+    # x̄_1 is still held.
+    assert levels[5.0] == levels[4.0] - (30 + 10 + 7) + 35
+    # t=6: F_all(1)'s temporary goes, B(2) allocates δ_1 and btmp. t=7: the free lands.
+    assert levels[6.0] == levels[5.0] - 5 + 17
+    assert levels[7.0] == levels[6.0] - 30
