@@ -61,10 +61,11 @@ _INSTALL_HINT = {
     "backend='highs'",
 }
 # Below this many structural binaries the whole model is searched from the start.
-_WHOLE_MODEL_BINARIES = 1200
-_FIRST_WINDOW = 6
-_WINDOW_SECONDS = 3.0
+_WHOLE_MODEL_BINARIES = 300
+_FIRST_WINDOW = 4
+_WINDOW_SECONDS = 2.0
 _POLISH_SECONDS = 5.0
+_RELEASE_WINDOW: int | None = None
 # The offloaded-prefix warm start: a coarse DP grid, reserves in units of the largest saved
 # set, and how many backwards ahead a prefetch is issued.
 _PREFIX_SLOTS = 200
@@ -133,7 +134,7 @@ def solve_milp(
     fallback_name, fallback_plan = candidates[0] if candidates else (None, None)
     warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
-    model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
+    model = JointModel(chain, budget_bytes, offload, time_cap_s=cap, release_window=_RELEASE_WINDOW)
     # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
     floor = lower_bound_s(chain, budget_bytes)
     if math.isfinite(floor):
@@ -476,9 +477,18 @@ def _search_highs(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            window = session.window(max(1, last - width + 1), min(last, length))
-            _, objective, _, values = session.run(
+            first = max(1, last - width + 1)
+            window = session.window(first, min(last, length))
+            window_status, objective, _, values = session.run(
                 incumbent, window, min(remaining, _WINDOW_SECONDS), presolve=True
+            )
+            logger.debug(
+                "window %d..%d (%d binaries free): %s, %s",
+                first,
+                min(last, length),
+                int(window.sum()),
+                window_status,
+                objective,
             )
             if values is not None and objective < best - 1e-9:
                 incumbent, best, improved = values, objective, True
