@@ -69,6 +69,7 @@ _RELEASE_WINDOW: int | None = None
 # The offloaded-prefix warm start: a coarse DP grid, reserves in units of the largest saved
 # set, and how many backwards ahead a prefetch is issued.
 _PREFIX_SLOTS = 200
+_PREFIX_SHARE = 0.2
 _PREFIX_RESERVES = 5
 _PREFIX_LEADS = (1, 2, 3)
 # How much finer than asked the DP's memory grid gets when the budget is just above rotor's
@@ -239,30 +240,42 @@ def _offloaded_prefix_plan(
     a checkpoint, run rotor's DP on stages m+1..L with ``reserve`` bytes set aside for the
     copies in flight, and prefetch each x̄_i ``lead`` backwards before B(i+1) reads it.
 
-    The best (m, reserve, lead) by simulated time, searched until a tenth of the time left is
-    spent; None if none fits. Early stages go first because the first pass starts with an
-    empty GPU, where the device-to-host backlog costs least.
+    The best (m, reserve, lead) by simulated time: every few m first, then the others nearest
+    the best first, until a fifth of the time left is spent; None if none fits. Early stages
+    go first because the first pass starts with an empty GPU, where the device-to-host
+    backlog costs least.
     """
     length = chain.length
-    stop = time.monotonic() + 0.1 * (deadline - time.monotonic())
+    stop = time.monotonic() + _PREFIX_SHARE * (deadline - time.monotonic())
     largest = max(s.saved_bytes for s in chain.stages)
     coarse = min(slots, _PREFIX_SLOTS)
+    splits = list(range(2, length - 1))
+    stride = max(1, len(splits) // 8)
+    first_round = splits[::stride]
     best: Plan | None = None
-    for split in range(2, length - 1):
-        suffix = Chain(chain.name, chain.activation_bytes(split), chain.stages[split:], chain.link)
-        for reserve in range(_PREFIX_RESERVES):
-            if time.monotonic() > stop:
-                return best
-            try:
-                rest = solve_dp(suffix, budget_bytes - reserve * largest, coarse)
-            except InfeasibleBudgetError:
-                continue
-            for lead in _PREFIX_LEADS:
-                plan = _plan(_prefix_ops(split, rest, lead, length), chain, budget_bytes)
-                if plan.feasible and (
-                    best is None or plan.predicted_time_s < best.predicted_time_s
-                ):
-                    best = plan
+    best_split = first_round[0] if first_round else 0
+    for round_splits in (first_round, None):
+        if round_splits is None:
+            round_splits = sorted(
+                (m for m in splits if m not in first_round), key=lambda m: abs(m - best_split)
+            )
+        for split in round_splits:
+            suffix = Chain(
+                chain.name, chain.activation_bytes(split), chain.stages[split:], chain.link
+            )
+            for reserve in range(_PREFIX_RESERVES):
+                if time.monotonic() > stop:
+                    return best
+                try:
+                    rest = solve_dp(suffix, budget_bytes - reserve * largest, coarse)
+                except InfeasibleBudgetError:
+                    continue
+                for lead in _PREFIX_LEADS:
+                    plan = _plan(_prefix_ops(split, rest, lead, length), chain, budget_bytes)
+                    if plan.feasible and (
+                        best is None or plan.predicted_time_s < best.predicted_time_s
+                    ):
+                        best, best_split = plan, split
     return best
 
 
