@@ -126,9 +126,14 @@ def gpt2_small() -> Chain:
     )
 
 
-def llama_7b() -> Chain:
-    """Llama-7B-shaped (issue 3's target): 32 blocks, h=4096, seq 4096, batch 1, bf16, flash."""
+def llama_7b(fused_swiglu: bool = False) -> Chain:
+    """Llama-7B-shaped (issue 3's target): 32 blocks, h=4096, seq 4096, batch 1, bf16, flash.
+
+    Eager PyTorch keeps four f-wide tensors per SwiGLU (gate, up, silu(gate), their product);
+    a fused SwiGLU kernel keeps only gate and up, which ``fused_swiglu`` models.
+    """
     layers, h, heads, ffn, s, b, vocab = 32, 4096, 32, 11008, 4096, 1, 32000
+    swiglu_tensors = 2 if fused_swiglu else 4
     rate, hbm, link = 400e12, 3e12, 50e9
     hidden = HALF * s * b * h
     stages = [
@@ -141,14 +146,16 @@ def llama_7b() -> Chain:
                 2 * s * b * (4 * h * h + 3 * h * ffn) + 4 * s * s * b * h,
                 rate,
                 out_bytes=hidden,
-                saved_bytes=16 * s * b * h + 8 * s * b * ffn + FLOAT * heads * s * b,
+                saved_bytes=16 * s * b * h
+                + HALF * swiglu_tensors * s * b * ffn
+                + FLOAT * heads * s * b,
                 fwd_tmp_bytes=HALF * s * b * ffn,
                 bwd_tmp_bytes=2 * HALF * s * b * ffn,
             )
         )
     stages.append(_lm_head(s, b, h, vocab, rate))
     return Chain(
-        name="llama-7b",
+        name="llama-7b-fused-swiglu" if fused_swiglu else "llama-7b",
         input_bytes=INDEX * s * b,
         stages=tuple(stages),
         link=Link(link, link),
@@ -180,11 +187,18 @@ def llama_7b() -> Chain:
                 "out_bytes": "2·s·b·h",
                 "embed.saved_bytes": "2·s·b·h (the output only)",
                 "embed.time": "fwd = 2·(2·s·b·h) / HBM bandwidth",
-                "block.saved_bytes": "16·s·b·h + 8·s·b·f + 4·a·s·b, counting 16-bit tensors "
-                "autograd keeps: normed input (2sbh), q, k, v (6sbh), attention output (2sbh), "
-                "mid residual and its norm (4sbh), output a_i (2sbh); SwiGLU gate, up, "
-                "silu(gate) and their product (8sbf); fp32 log-sum-exp (4asb). The block "
-                "input is not counted (it is a_{i-1})",
+                "block.saved_bytes": (
+                    "16·s·b·h + 4·s·b·f + 4·a·s·b, counting 16-bit tensors autograd keeps: "
+                    "normed input (2sbh), q, k, v (6sbh), attention output (2sbh), mid residual "
+                    "and its norm (4sbh), output a_i (2sbh); a fused SwiGLU keeps gate and up "
+                    "(4sbf); fp32 log-sum-exp (4asb). The block input is not counted"
+                    if fused_swiglu
+                    else "16·s·b·h + 8·s·b·f + 4·a·s·b, counting 16-bit tensors autograd "
+                    "keeps: normed input (2sbh), q, k, v (6sbh), attention output (2sbh), mid "
+                    "residual and its norm (4sbh), output a_i (2sbh); SwiGLU gate, up, "
+                    "silu(gate) and their product (8sbf); fp32 log-sum-exp (4asb). The block "
+                    "input is not counted (it is a_{i-1})"
+                ),
                 "block.fwd_tmp_bytes": "2·s·b·f (one f-wide 16-bit intermediate)",
                 "block.bwd_tmp_bytes": "4·s·b·f (gradients of the two f-wide branches)",
                 "block.flops": "2·s·b·(4·h² + 3·h·f) + 4·s²·b·h",
@@ -299,7 +313,12 @@ def resnet50() -> Chain:
     )
 
 
-EXAMPLES = {"transformer": gpt2_small, "cnn": resnet50, "llama7b": llama_7b}
+EXAMPLES = {
+    "transformer": gpt2_small,
+    "cnn": resnet50,
+    "llama7b": llama_7b,
+    "llama7b-fused": lambda: llama_7b(fused_swiglu=True),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
