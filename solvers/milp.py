@@ -493,7 +493,10 @@ def _search_highs(
             first = max(1, last - width + 1)
             window = session.window(first, min(last, length))
             window_status, objective, _, values = session.run(
-                incumbent, window, min(remaining, _WINDOW_SECONDS), presolve=True
+                incumbent,
+                window,
+                min(remaining, _WINDOW_SECONDS * width / _FIRST_WINDOW),
+                presolve=True,
             )
             logger.debug(
                 "window %d..%d (%d binaries free): %s, %s",
