@@ -2,11 +2,11 @@
 
 The formulation (:mod:`solvers.milp_model`, ``docs/milp.md``) follows Checkmate (Jain et al.
 2020) on rotor's persistent model (Herrmann, Beaumont et al. 2019) with POFO's copy channels
-(Beaumont, Eyraud-Dubois, Shilova 2021). The search warm-starts from the best of rotor's DP and
-the baselines, and never returns a plan slower than that warm start: on a chain too long to
-solve whole within the time limit, it improves the warm start window by window (a large
-neighbourhood search whose every step is the same MILP with the decisions outside the window
-fixed), then solves the whole model with whatever time is left.
+(Beaumont, Eyraud-Dubois, Shilova 2021). The search warm-starts from the best of rotor's DP,
+the baselines and a quick offloaded-prefix plan, and never returns a plan slower than that
+warm start: on a chain too long to solve whole within the time limit, it improves the warm
+start window by window (a large neighbourhood search whose every step is the same MILP with
+the decisions outside the window fixed), widening the windows up to the whole model.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ _WHOLE_MODEL_BINARIES = 300
 _FIRST_WINDOW = 4
 _WINDOW_SECONDS = 2.0
 _POLISH_SECONDS = 5.0
-_RELEASE_WINDOW: int | None = None
 # The offloaded-prefix warm start: a coarse DP grid, reserves in units of the largest saved
 # set, and how many backwards ahead a prefetch is issued.
 _PREFIX_SLOTS = 200
@@ -89,7 +88,6 @@ class _Search:
     objective_s: float | None
     bound_s: float | None
     status: str
-    proven: bool
 
 
 def solve_milp(
@@ -135,7 +133,7 @@ def solve_milp(
     fallback_name, fallback_plan = candidates[0] if candidates else (None, None)
     warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
-    model = JointModel(chain, budget_bytes, offload, time_cap_s=cap, release_window=_RELEASE_WINDOW)
+    model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
     # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
     floor = lower_bound_s(chain, budget_bytes)
     if math.isfinite(floor):
@@ -306,7 +304,7 @@ def _prefix_ops(split: int, rest: Plan, lead: int, length: int) -> list[Op]:
 
 def _first_in_family(
     candidates: list[tuple[str, Plan]], length: int
-) -> tuple[Schedule | None, str | None, float]:
+) -> tuple[Schedule | None, str | None, float | None]:
     """The fastest candidate the MILP can express, to be its starting solution, with its time
     (or, when none can be expressed, the fastest candidate's time)."""
     for name, plan in candidates:
@@ -512,7 +510,7 @@ def _search_highs(
             width *= 2
     scale = 1.0 if isinstance(model.budget, pulp.LpVariable) else model.time_unit
     if incumbent is None:
-        return _Search(None, None, None, _status_name(status), False)
+        return _Search(None, None, None, _status_name(status))
     if not proven:
         # A neighbourhood cut short may leave the times of its decisions loose: settle them.
         _, objective, _, values = session.run(
@@ -526,7 +524,6 @@ def _search_highs(
         best * scale,
         None if whole_bound is None else whole_bound * scale,
         _status_name(status),
-        proven,
     )
 
 
@@ -568,7 +565,7 @@ def _search_cbc(
     objective = _objective_value(model)
     bound = _cbc_bound(log)
     if objective is None or pulp.LpStatus[status] not in ("Optimal", "Not Solved"):
-        return _Search(None, None, None, pulp.LpStatus[status].lower(), False)
+        return _Search(None, None, None, pulp.LpStatus[status].lower())
     proven = "Optimal solution found" in log
     scale = model.time_unit
     return _Search(
@@ -576,7 +573,6 @@ def _search_cbc(
         objective,
         None if bound is None or isinstance(model.budget, pulp.LpVariable) else bound * scale,
         "optimal" if proven else "time limit",
-        proven,
     )
 
 

@@ -45,7 +45,6 @@ Tensor = tuple[str, int]
 # What the first forward pass does with the output of each stage.
 KEEP_SAVED, OFFLOAD_SAVED = "keep_saved", "offload_saved"
 KEEP_ACTIVATION, OFFLOAD_ACTIVATION, DROP_ACTIVATION = "keep_act", "offload_act", "drop_act"
-FATES = (KEEP_SAVED, OFFLOAD_SAVED, KEEP_ACTIVATION, OFFLOAD_ACTIVATION, DROP_ACTIVATION)
 SAVED_FATES = (KEEP_SAVED, OFFLOAD_SAVED)
 OFFLOAD_FATES = (OFFLOAD_SAVED, OFFLOAD_ACTIVATION)
 
@@ -317,7 +316,6 @@ class JointModel:
         budget_bytes: int | None,
         offload: bool,
         time_cap_s: float | None = None,
-        release_window: int | None = None,
     ):
         if offload and chain.link is None:
             raise ValueError("offloading needs a chain with a link")
@@ -341,7 +339,6 @@ class JointModel:
         else:
             self.d2h = self.h2d = 0.0
         self.offloadable = list(range(1, length - 1)) if offload else []
-        self.release_window = release_window
         if budget_bytes is None:
             self.budget: pulp.LpVariable | float = self._continuous("budget", 0)
         else:
@@ -489,20 +486,19 @@ class JointModel:
                 sums[k] = pulp.LpAffineExpression(total)
         return sums
 
-    def _in_flight(self, tensor: Tensor, k: int, during_backward: bool) -> pulp.LpAffineExpression:
-        """1 if ``tensor`` is being prefetched and not yet usable during step k's recomputation
-        (or during B(k)): issued at a backward before that point, usable only later."""
+    def _in_flight(self, tensor: Tensor, k: int) -> pulp.LpAffineExpression:
+        """1 if ``tensor``'s prefetch was listed after an earlier backward and the tensor is
+        not usable yet when step k starts."""
         if tensor not in self.issue:
             return pulp.LpAffineExpression()
-        first = k if during_backward else k + 1
-        return self._issued_since[tensor][first] - self._ready_since[tensor][k]
+        return self._issued_since[tensor][k + 1] - self._ready_since[tensor][k]
 
     # ------------------------------------------------------------------ constraints
     def _step_constraints(self) -> None:
         length = self.length
         for tensor in self.issue:
             for k in range(1, length + 1):
-                flight = self._in_flight(tensor, k, during_backward=False)
+                flight = self._in_flight(tensor, k)
                 name = f"{tensor[0]}_{tensor[1]}_step{k}"
                 self._add(flight >= 0, f"ready_after_issue_{name}")
                 if k < length and tensor in self.resident[k]:
@@ -512,7 +508,7 @@ class JointModel:
             rec = self.recompute.get(k, {})
             for i in range(1, k + 1) if k < length else ():
                 self._add(rec[(SAVED, i)] + state[(SAVED, i)] <= 1, f"no_rec_saved_{i}_step{k}")
-                flight = self._in_flight((SAVED, i), k, during_backward=False)
+                flight = self._in_flight((SAVED, i), k)
                 if len(flight):
                     self._add(rec[(SAVED, i)] + flight <= 1, f"no_rec_flying_saved_{i}_step{k}")
                 if i < k:
@@ -521,7 +517,7 @@ class JointModel:
                         rec[(ACTIVATION, i)]
                         + state[(ACTIVATION, i)]
                         + state[(SAVED, i)]
-                        + self._in_flight((ACTIVATION, i), k, during_backward=False)
+                        + self._in_flight((ACTIVATION, i), k)
                         <= 1,
                         f"no_rec_act_{i}_step{k}",
                     )
@@ -629,12 +625,9 @@ class JointModel:
         parts: dict[tuple[str, int], list[pulp.LpVariable]] = {p: [] for p in self.positions}
         for i in self.offloadable:
             first = self.positions.index(("F", i + 2))
-            last = len(self.positions)
-            if self.release_window is not None:
-                last = min(last, first + self.release_window)
             self.released[i] = {}
             previous = None
-            for position in self.positions[first:last]:
+            for position in self.positions[first:]:
                 name = f"{i}_{position[0]}{position[1]}"
                 step = position[1]
                 phi = self._binary(f"released_{name}", i, step, decision=False)
@@ -657,9 +650,6 @@ class JointModel:
                     f"unreleased_bytes_{name}",
                 )
                 parts[position].append(remaining)
-            if last < len(self.positions):
-                # Past the window the copy must be over: its bytes are gone from then on.
-                self._add(previous == 1, f"released_by_{i}")
         for position, terms in parts.items():
             if terms:
                 total = self._continuous(f"unreleased_{position[0]}{position[1]}", 0)
@@ -777,10 +767,7 @@ class JointModel:
                 flying_var = self._continuous(f"in_flight_bytes_step{k}", 0)
                 self._add(
                     flying_var
-                    == pulp.lpSum(
-                        self._size(t) * self._in_flight(t, k, during_backward=False)
-                        for t in self.issue
-                    ),
+                    == pulp.lpSum(self._size(t) * self._in_flight(t, k) for t in self.issue),
                     f"in_flight_bytes_step{k}",
                 )
                 flying = pulp.LpAffineExpression(flying_var)
