@@ -76,7 +76,7 @@ _PREFIX_LEADS = (1, 2, 3)
 _FINER_SLOTS = (10, 100)
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(ImportError):
     """The chosen MILP backend is not installed; the message names what to install."""
 
 
