@@ -105,21 +105,25 @@ def _least_feasible(plan: Plan, chain: Chain, above: int = 0) -> int:
 
 
 def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
-    """The least budget at which ``solver`` finds a plan (baselines and dp).
+    """The least budget at which ``solver`` finds a plan.
 
     For dp this is :func:`solvers.dp.min_feasible_budget` at the given ``slots``; for a
-    baseline, the least budget at which its fixed plan fits. The MILP has no closed form, so it
-    is refused.
+    baseline, the least budget at which its fixed plan fits; for milp,
+    :func:`solvers.milp.least_feasible_budget` (``offload``, ``time_limit_s`` and ``backend``
+    pass through), which with offloading is the best found within the time limit.
     """
     if solver in BASELINES:
         return _least_feasible(BASELINES[solver](chain), chain)
     if solver == "dp":
         slots = options.get("slots")
         return dp_min_feasible_budget(chain, DEFAULT_SLOTS if slots is None else slots)
-    raise ValueError(
-        f"no least-budget computation for solver {solver!r}; use one of "
-        f"{', '.join((*BASELINES, 'dp'))}"
-    )
+    if solver == "milp":
+        # Imported here so that the registry loads without PuLP until the MILP is asked for.
+        from solvers.milp import least_feasible_budget
+
+        given = {k: v for k, v in options.items() if v is not None and k != "slots"}
+        return least_feasible_budget(chain, **given)
+    raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
 def keep_all_peak(chain: Chain) -> int:

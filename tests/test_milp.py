@@ -230,3 +230,18 @@ def test_time_limit_still_returns_a_plan_no_slower_than_the_dp():
     assert plan.info["solve_time_s"] < 15
     assert plan.feasible
     assert plan.predicted_time_s <= exact_dp_time(chain, budget) * (1 + 1e-9)
+
+
+def test_registry_names_the_milps_least_budget() -> None:
+    from solvers.registry import min_feasible_budget
+
+    chain = Chain(
+        "three",
+        4,
+        tuple(Stage(f"s{i}", 1.0, 2.0, 4, 12) for i in (1, 2, 3)),
+        Link(1e3, 1e3),
+    )
+    assert min_feasible_budget(chain, "milp", offload=False) == memory_need(chain)
+    with_offload = min_feasible_budget(chain, "milp", time_limit_s=10.0)
+    assert with_offload <= memory_need(chain)
+    assert solve_milp(chain, with_offload, time_limit_s=10.0).predicted_peak_bytes <= with_offload
