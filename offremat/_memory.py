@@ -6,31 +6,80 @@ Design notes.
   storages can be shared: a stage that passes its input through, or returns a view of it, puts
   one storage in two plan tensors. A storage's device memory is released only when no plan
   tensor that is resident on the device still needs it, and its bytes count once.
-- Offloading keeps every tensor object alive, including those inside autograd's graph, and
-  only empties the storage (``resize_(0)``); a prefetch refills the same storage. Views and
-  saved tensors therefore stay valid without being rebuilt, as in FSDP's parameter freeing.
-  The copies go through a fresh byte view of the storage, whose version counter is its own, so
-  autograd's in-place checks on the saved tensors are untouched.
-- The caller's storages (the step's input and its returned output) are never emptied: the
-  executor stops counting them when the plan releases them, but the memory is the caller's.
+- The step never empties a storage in place. It holds each of its tensors through a
+  :class:`TensorRef` (the stage outputs it keeps and everything autograd saved, see
+  :mod:`offremat._stage`). Offloading copies the storage to the host and then drops every
+  reference the step holds to it; the memory is freed when nobody else holds it either. A
+  storage that a module attribute, a hook, autocast's cache or the caller also holds therefore
+  stays valid and stays counted: it is never emptied under its owner. A prefetch allocates a
+  new storage and the references rebuild their tensors over it.
+- Storages that the step cannot move are resident for the whole step: the caller's (the input
+  a_0 and the returned output), those on another device (CPU scalars beside a CUDA step, such
+  as attention's RNG seed and offset), and tiny ones below :data:`MIN_MOVED_BYTES`, which cost
+  more as a copy and an event than as bytes.
+- In-place changes: each reference records its tensor's version counter. Saved-tensor hooks
+  switch off autograd's own check, so the executor compares versions itself where autograd
+  would (see :mod:`offremat._stage`).
 - CUDA ordering, without host synchronisation: copies run on a device-to-host and a
   host-to-device stream. A storage allocated for a prefetch is allocated on the compute stream
-  and the copy waits on an event recorded right after the allocation. Device memory read by a
-  copy is handed back to the allocator only after the compute stream has waited on the copy's
-  event (a deferred free), so the allocator can reuse it at once for compute-stream work.
-- Host buffers come from a pool that lives as long as the executor: pinned memory is
-  allocated once and reused step after step.
+  and the copy waits on an event recorded right after the allocation. A storage read by a copy
+  is let go only after the compute stream has waited on the copy's event (a deferred free), so
+  the allocator can reuse it at once for compute-stream work.
+- Host buffers come from a pool that lives as long as the executor and is released on demand.
+  It remembers the event of the last step's last prefetch: a later step's copies into its
+  buffers wait for it, whatever stream that step runs on.
 - CPU: the same bookkeeping with synchronous copies into separate host buffers.
 """
 
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-from offremat._tensors import byte_view
+from offremat._tensors import byte_view, storage_key
+
+MIN_MOVED_BYTES = 4096
+"""Storages smaller than this stay on the device when their plan tensor is offloaded."""
+
+
+class TensorRef:
+    """One tensor the step holds, rebuilt over its storage's current device copy.
+
+    ``original`` is a weak reference to the tensor as autograd or the stage produced it, so an
+    in-place change made through it after an offload is still seen.
+    """
+
+    __slots__ = ("dtype", "offset", "original", "record", "size", "stride", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
+        self.tensor: torch.Tensor | None = tensor
+        self.original = weakref.ref(tensor if original is None else original)
+        self.version = tensor._version
+        self.dtype = tensor.dtype
+        self.offset = tensor.storage_offset()
+        self.size = tuple(tensor.size())
+        self.stride = tuple(tensor.stride())
+        self.record: StorageRecord | None = None
+
+    def get(self) -> torch.Tensor:
+        """The tensor, over the storage resident now."""
+        if self.tensor is None:
+            assert self.record is not None and self.record.storage is not None
+            storage = self.record.storage
+            empty = torch.empty(0, dtype=self.dtype, device=storage.device)
+            self.tensor = empty.set_(storage, self.offset, self.size, self.stride)
+        return self.tensor
+
+    def modified_version(self) -> int | None:
+        """The tensor's version now if it was changed in place since recorded, else None."""
+        original = self.original()
+        if original is not None and original._version != self.version:
+            return original._version
+        return None
 
 
 class HostBufferPool:
@@ -40,6 +89,7 @@ class HostBufferPool:
         self.pinned = pinned
         self._free: list[tuple[int, int, torch.Tensor]] = []
         self.allocated_bytes = 0
+        self.last_use: torch.cuda.Event | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes``, from the pool when one is large enough."""
@@ -47,35 +97,48 @@ class HostBufferPool:
         if index < len(self._free):
             return self._free.pop(index)[2]
         self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        # Host memory, not the device's: on CPU, where both are the same RAM, it is allocated
+        # outside any dispatch mode so that the step's measurement leaves it out (design.md).
+        with _disable_current_modes():
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
         """Return buffers for later steps to reuse."""
         for buffer in buffers:
             bisect.insort(self._free, (buffer.numel(), id(buffer), buffer))
 
+    def release(self) -> None:
+        """Drop every free buffer (pinned memory goes back to torch's host cache)."""
+        if self.last_use is not None:
+            self.last_use.synchronize()
+            self.last_use = None
+        self._free.clear()
+        self.allocated_bytes = 0
+
 
 class StorageRecord:
-    """One storage held by the executor: its holders, where its bytes are, pending copies."""
+    """One storage held by the step: its references, holders, where its bytes are, copies."""
 
     __slots__ = (
         "away_holders",
         "device_ready",
-        "external",
         "host",
         "host_ready",
         "key",
+        "movable",
         "nbytes",
         "on_device",
+        "refs",
         "resident_holders",
         "storage",
     )
 
-    def __init__(self, key: int, storage: torch.UntypedStorage, external: bool):
+    def __init__(self, key: int, storage: torch.UntypedStorage, movable: bool):
         self.key = key
-        self.storage = storage
+        self.storage: torch.UntypedStorage | None = storage
         self.nbytes = storage.nbytes()
-        self.external = external
+        self.movable = movable and self.nbytes >= MIN_MOVED_BYTES
+        self.refs: list[TensorRef] = []
         self.resident_holders = 0
         self.away_holders = 0
         self.on_device = True
@@ -85,31 +148,59 @@ class StorageRecord:
 
 
 class Residency:
-    """The storages of one step, their copies, and the live device bytes they add up to."""
+    """The storages of one step on ``device``, their copies, and the bytes they add up to.
 
-    def __init__(self, pool: HostBufferPool, streams: CudaStreams | None):
+    ``fixed`` names storages never moved: the parameters' and buffers'.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        pool: HostBufferPool,
+        streams: CudaStreams | None,
+        fixed: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        self.device = device
+        self.fixed = fixed
         self.pool = pool
         self.streams = streams
+        # Storages on the device by key; a key is an address that the allocator may give to a
+        # new storage once this one is freed, so an emptied record leaves the index.
         self.records: dict[int, StorageRecord] = {}
+        self.away: dict[int, StorageRecord] = {}
         self.live_bytes = 0
         self.host_buffers: list[torch.Tensor] = []
         self.last_h2d: torch.cuda.Event | None = None
 
-    def hold(
-        self, storages: dict[int, torch.UntypedStorage], external: bool = False
-    ) -> tuple[StorageRecord, ...]:
-        """Count a new resident plan tensor made of ``storages``."""
-        held = []
-        for key, storage in storages.items():
+    def hold(self, refs: Iterable[TensorRef], movable: bool = True) -> tuple[StorageRecord, ...]:
+        """Count a new resident plan tensor made of the storages of ``refs``."""
+        held: dict[int, StorageRecord] = {}
+        for ref in refs:
+            tensor = ref.get()
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            key = storage_key(tensor)
             record = self.records.get(key)
             if record is None:
-                record = StorageRecord(key, storage, external)
+                can_move = (
+                    movable
+                    and key not in self.fixed
+                    and tensor.device == self.device
+                    and tensor.layout == torch.strided
+                )
+                record = StorageRecord(key, storage, can_move)
                 self.records[key] = record
                 self.live_bytes += record.nbytes
-            record.external = record.external or external
-            record.resident_holders += 1
-            held.append(record)
-        return tuple(held)
+            elif not movable:
+                record.movable = False
+            if ref.record is None:
+                ref.record = record
+                record.refs.append(ref)
+            if key not in held:
+                record.resident_holders += 1
+                held[key] = record
+        return tuple(held.values())
 
     def drop(self, records: Iterable[StorageRecord], resident: bool = True) -> None:
         """A plan tensor made of ``records`` is gone (``resident``: it was on the device)."""
@@ -140,11 +231,11 @@ class Residency:
             record.resident_holders -= 1
             if newly_away:
                 record.away_holders += 1
-            if record.host is None and record.on_device and not record.external:
+            if record.host is None and record.on_device and record.movable:
                 self._copy_to_host(record, produced)
 
     def release(self, records: Iterable[StorageRecord]) -> None:
-        """Free the device bytes of an offloaded plan tensor that nothing resident still uses."""
+        """Let go of the device bytes of an offloaded plan tensor that nothing resident uses."""
         for record in records:
             if record.resident_holders == 0 and record.on_device:
                 self._empty(record)
@@ -161,9 +252,13 @@ class Residency:
                 continue
             record.on_device = True
             self.live_bytes += record.nbytes
-            if not record.external:  # the caller's storage never left the device
-                record.storage.resize_(record.nbytes)
-                allocated.append(record)
+            assert record.movable and record.host is not None
+            storage = torch.empty(record.nbytes, dtype=torch.uint8, device=self.device)
+            record.storage = storage.untyped_storage()
+            record.key = storage_key(storage)
+            del self.away[id(record)]
+            self.records[record.key] = record
+            allocated.append(record)
         if not allocated:
             return
         if self.streams is None:
@@ -193,20 +288,25 @@ class Residency:
                 record.device_ready = None
 
     def close(self) -> None:
-        """End of the step: settle every pending copy and return the host buffers."""
-        for record in list(self.records.values()):
+        """End of the step, normal or not: settle every pending copy, return host buffers."""
+        for record in [*self.records.values(), *self.away.values()]:
             self._settle(record)
-        if self.streams is not None and self.last_h2d is not None:
-            # Next step's device-to-host copies, ordered after this compute stream, may then
-            # write into the host buffers this step's prefetches read.
-            self.streams.compute.wait_event(self.last_h2d)
-            self.last_h2d = None
+            record.refs.clear()
+            record.storage = None
+        if self.streams is not None:
+            # Later copies into these host buffers, on whatever stream, wait for this event.
+            self.pool.last_use = self.streams.compute.record_event()
+            if self.last_h2d is not None:
+                self.streams.compute.wait_event(self.last_h2d)
+                self.last_h2d = None
         self.records.clear()
+        self.away.clear()
         self.live_bytes = 0
         self.pool.give_back(self.host_buffers)
         self.host_buffers = []
 
     def _copy_to_host(self, record: StorageRecord, produced: torch.cuda.Event | None) -> None:
+        assert record.storage is not None
         buffer = self.pool.take(record.nbytes)
         self.host_buffers.append(buffer)
         record.host = buffer[: record.nbytes]
@@ -216,6 +316,8 @@ class Residency:
         stream = self.streams.d2h
         if produced is not None:
             stream.wait_event(produced)
+        if self.pool.last_use is not None:
+            stream.wait_event(self.pool.last_use)
         with torch.cuda.stream(stream):
             record.host.copy_(byte_view(record.storage), non_blocking=True)
         record.host_ready = stream.record_event()
@@ -235,16 +337,24 @@ class Residency:
         if not record.on_device:
             return
         self._settle(record)
-        if not record.external:
-            record.storage.resize_(0)
-        record.on_device = False
-        self.live_bytes -= record.nbytes
+        if record.movable:
+            record.storage = None
+            for ref in record.refs:
+                ref.tensor = None
+            record.on_device = False
+            self.live_bytes -= record.nbytes
+            del self.records[record.key]
+            self.away[id(record)] = record
 
     def _forget(self, record: StorageRecord) -> None:
         self._settle(record)
         if record.on_device:
             self.live_bytes -= record.nbytes
-        del self.records[record.key]
+            del self.records[record.key]
+        else:
+            del self.away[id(record)]
+        record.refs.clear()
+        record.storage = None
 
 
 class CudaStreams:

@@ -16,15 +16,22 @@ Design notes (the invariants that make a plan's gradients those of plain autogra
 - RNG. The first forward of a stage in a step runs on the global generators as plain autograd
   would; their state before it is kept, and every later forward of the stage (a recomputation)
   replays that state and then puts the global state back, as ``torch.utils.checkpoint`` does.
+  A stage that drew no random numbers keeps no state.
 - BatchNorm. A recomputation must not move running statistics a second time: it runs against
   throw-away copies of the normalisation buffers.
-- Autocast. A recomputation during the backward runs under the autocast state that was active
-  when the step's forward ran.
+- Autocast. Every forward the executor runs (the first one and every recomputation) runs
+  under the autocast state that was active when the step's forward ran, with autocast's
+  weight cache off: the cache would keep each stage's low-precision weight copies alive until
+  the caller's autocast region ends, and nothing counts them.
+- In-place changes. Saved-tensor hooks switch off autograd's version check, so
+  :class:`SavedTensorPacker` records each saved tensor's version and compares it when
+  unpacking, raising autograd's own error with the stage's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +40,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from offremat._tensors import storage_key
+from offremat._memory import TensorRef
+from offremat._tensors import storage_key, unique_storages
 
 
 class GradSlot:
@@ -86,6 +94,24 @@ def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Seque
             )
 
 
+def modified_error(stage: str, tensor: TensorRef | InputView, version: int) -> RuntimeError:
+    """Autograd's own error for a saved tensor changed in place, naming the stage."""
+    kind = str(tensor.dtype).removeprefix("torch.")
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{kind} {list(tensor.size)}], saved by offremat stage {stage!r}, "
+        f"is at version {version}; expected version {tensor.version} instead. Make the "
+        f"in-place change out of place, or make it after the backward pass"
+    )
+
+
+def check_versions(stage: str, refs: Iterable[TensorRef | None]) -> None:
+    """Raise :func:`modified_error` if any of ``refs`` was changed in place since recorded."""
+    for ref in refs:
+        if ref is not None and (version := ref.modified_version()) is not None:
+            raise modified_error(stage, ref, version)
+
+
 @dataclass(frozen=True)
 class InputView:
     """A tensor autograd saved from the stage's input, described so it can be rebuilt."""
@@ -95,25 +121,32 @@ class InputView:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    version: int
+    original: weakref.ref[torch.Tensor]
 
 
 class SavedTensorPacker:
-    """``saved_tensors_hooks`` for one grad-enabled stage forward; see the design notes."""
+    """``saved_tensors_hooks`` for one grad-enabled stage forward; see the design notes.
 
-    def __init__(self, inputs: Sequence[torch.Tensor], excluded: set[int]):
+    Saved-tensor hooks switch off autograd's check that a saved tensor was not changed in
+    place, so :meth:`unpack` makes it: every packed tensor records its version.
+    """
+
+    def __init__(self, stage: str, inputs: Sequence[torch.Tensor], excluded: set[int]):
+        self.stage = stage
         self.inputs = list(inputs)
         self.input_of_storage: dict[int, int] = {}
         for index, tensor in enumerate(inputs):
             self.input_of_storage.setdefault(storage_key(tensor), index)
         self.excluded = excluded
-        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.refs: list[TensorRef] = []
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the packing hooks."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Describe input aliases; record other storages; keep a detached alias."""
+        """Describe input aliases; hold the rest through a :class:`TensorRef`."""
         key = storage_key(tensor)
         index = self.input_of_storage.get(key)
         if index is not None:
@@ -123,19 +156,31 @@ class SavedTensorPacker:
                 tuple(tensor.size()),
                 tuple(tensor.stride()),
                 tensor.dtype,
+                tensor._version,
+                weakref.ref(self.inputs[index]),
             )
-        storage = tensor.untyped_storage()
-        if key not in self.excluded and storage.nbytes() > 0:
-            self.storages.setdefault(key, storage)
-        return tensor.detach()
+        # A detached alias: packing a stage output as itself would make a reference cycle
+        # through its grad_fn.
+        ref = TensorRef(tensor.detach(), original=tensor)
+        if key not in self.excluded and tensor.untyped_storage().nbytes() > 0:
+            self.refs.append(ref)
+        return ref
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        """Rebuild input aliases from the input resident now; the rest as packed."""
+        """Rebuild input aliases from the input resident now; the rest from its reference."""
         if isinstance(packed, InputView):
+            original = packed.original()
+            if original is not None and original._version != packed.version:
+                raise modified_error(self.stage, packed, original._version)
             source = self.inputs[packed.input]
             rebuilt = torch.empty(0, dtype=packed.dtype, device=source.device)
             return rebuilt.set_(source.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return packed
+        check_versions(self.stage, [packed])
+        return packed.get()
+
+    def saved_storages(self) -> dict[int, torch.UntypedStorage]:
+        """The distinct storages held, by :func:`storage_key` (what the profiler measures)."""
+        return unique_storages(ref.get() for ref in self.refs)
 
 
 def parameter_storages(modules: Sequence[nn.Module]) -> set[int]:
@@ -206,6 +251,12 @@ class RngState:
             tuple((index, torch.cuda.get_rng_state(index)) for index in cuda_devices),
         )
 
+    def unchanged(self) -> bool:
+        """Whether the global states are still these: nothing drew random numbers since."""
+        return torch.equal(torch.get_rng_state(), self.cpu) and all(
+            torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
+        )
+
     def restore(self) -> None:
         """Make these the global states."""
         torch.set_rng_state(self.cpu)
@@ -231,7 +282,6 @@ class AutocastState:
     device_type: str
     enabled: bool
     dtype: torch.dtype
-    cache_enabled: bool
 
     @classmethod
     def capture(cls, device_type: str) -> AutocastState:
@@ -240,12 +290,13 @@ class AutocastState:
             device_type,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
         )
 
     def enter(self, stack: ExitStack) -> None:
-        """Re-enter this autocast state inside ``stack`` (nothing if it was off)."""
+        """Enter this autocast state, with its weight cache off, inside ``stack``.
+
+        The cache would keep each stage's low-precision weight copies alive until the caller's
+        autocast region ends, memory that no plan counts.
+        """
         if self.enabled:
-            stack.enter_context(
-                torch.autocast(self.device_type, self.dtype, cache_enabled=self.cache_enabled)
-            )
+            stack.enter_context(torch.autocast(self.device_type, self.dtype, cache_enabled=False))

@@ -9,7 +9,7 @@ count once (Herrmann, Beaumont et al. 2019 count an activation's bytes the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,40 +28,42 @@ class Structure:
 def flatten(value: Any) -> tuple[list[torch.Tensor], Structure]:
     """The tensors of an activation, in order, and the structure that puts them back."""
     tensors: list[torch.Tensor] = []
-
-    def visit(item: Any) -> Structure:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return Structure("tensor")
-        if isinstance(item, (tuple, list)):
-            return Structure("sequence", tuple(visit(child) for child in item), type(item))
-        if isinstance(item, dict):
-            keys = tuple(item)
-            return Structure("dict", tuple(visit(item[key]) for key in keys), (type(item), keys))
-        return Structure("value", value=item)
-
-    structure = visit(value)
-    return tensors, structure
+    return tensors, _visit(value, tensors)
 
 
 def unflatten(tensors: Iterable[torch.Tensor], structure: Structure) -> Any:
     """The activation that :func:`flatten` took apart, with ``tensors`` in its tensors' places."""
-    remaining = iter(tensors)
+    return _build(structure, iter(tensors))
 
-    def build(node: Structure) -> Any:
-        if node.kind == "tensor":
-            return next(remaining)
-        if node.kind == "value":
-            return node.value
-        items = [build(child) for child in node.children]
-        if node.kind == "dict":
-            container, keys = node.value
-            return container(zip(keys, items, strict=True))
-        if hasattr(node.value, "_fields"):  # a namedtuple takes its fields as arguments
-            return node.value(*items)
-        return node.value(items)
 
-    return build(structure)
+# Module-level recursion, not nested closures: a recursive closure is a reference cycle that
+# would keep the activation's tensors alive until the cyclic garbage collector runs, long after
+# the plan frees them.
+def _visit(item: Any, tensors: list[torch.Tensor]) -> Structure:
+    if isinstance(item, torch.Tensor):
+        tensors.append(item)
+        return Structure("tensor")
+    if isinstance(item, (tuple, list)):
+        return Structure("sequence", tuple(_visit(child, tensors) for child in item), type(item))
+    if isinstance(item, dict):
+        keys = tuple(item)
+        children = tuple(_visit(item[key], tensors) for key in keys)
+        return Structure("dict", children, (type(item), keys))
+    return Structure("value", value=item)
+
+
+def _build(node: Structure, remaining: Iterator[torch.Tensor]) -> Any:
+    if node.kind == "tensor":
+        return next(remaining)
+    if node.kind == "value":
+        return node.value
+    items = [_build(child, remaining) for child in node.children]
+    if node.kind == "dict":
+        container, keys = node.value
+        return container(zip(keys, items, strict=True))
+    if hasattr(node.value, "_fields"):  # a namedtuple takes its fields as arguments
+        return node.value(*items)
+    return node.value(items)
 
 
 def is_differentiable(tensor: torch.Tensor) -> bool:

@@ -9,12 +9,11 @@ with Chen et al.'s √L segments ("Training Deep Nets with Sublinear Memory Cost
 Measurement, the same for every method: each trains the same freshly seeded model on the same
 batches with the same RNG seed, so a method that changes only *where* activations live must
 give the same losses bit for bit. Step time is the median forward plus backward time after a
-first warm-up step. Peak activation memory is, on CUDA, ``max_memory_allocated`` during the
-step above what was allocated before it (parameters, their gradients and the optimizer state
-are allocated by then), plus the input batch, which the budget counts; on CPU, where no
-allocator keeps statistics, it is the peak of live storages allocated during the step, from
-an allocation tracker for torch's methods and from the executor's own counter for offremat's
-plans (whose host copies live in the same CPU memory).
+first warm-up step. Peak activation memory is measured independently of offremat, the same
+way for every method (:class:`offremat.measure.StepMemory`): on CUDA, ``max_memory_allocated``
+during the step above what was allocated before it (parameters, their gradients and the
+optimizer state are allocated by then), on CPU the peak of live storages created during the
+step, seen by a dispatch-mode tracker; both plus the input batch, which the budget counts.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import logging
 import math
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +31,10 @@ import torch
 from rich import box
 from rich.table import Table
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint_sequential
 
 from offremat._tensors import storage_bytes
+from offremat.measure import StepMemory
 from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
 from offremat.profiler import profile_model
 from offremat.wrapper import optimize
@@ -115,45 +112,6 @@ class DemoReport:
         return next(r for r in self.results if r.method == method)
 
 
-class AllocationTracker(TorchDispatchMode):
-    """Live bytes of the storages allocated while active, and their peak.
-
-    Each op's fresh output storage is counted until the storage is freed (a weakref finalizer
-    on the storage, whose Python object PyTorch keeps alive exactly as long as the storage).
-    Outputs that reuse an input's storage (in-place ops, ``out=``, views) are not new.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        inputs = {
-            t.untyped_storage()._cdata
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for tensor in tree_leaves(result):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in inputs or key in self.live or storage.nbytes() == 0:
-                continue
-            self.live[key] = storage.nbytes()
-            self.live_bytes += storage.nbytes()
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            weakref.finalize(storage, self._release, key)
-        return result
-
-    def _release(self, key: int) -> None:
-        self.live_bytes -= self.live.pop(key, 0)
-
-
 def batch_bytes(batch: Batch) -> int:
     """Bytes of the input a_0, which the budget counts (distinct storages, as profiled)."""
     return storage_bytes(batch)
@@ -192,23 +150,17 @@ def optimized_forward(example: Batch, chain: Chain, plan: Plan) -> ForwardMaker:
     return lambda model: optimize(model, example, chain=chain, plan=plan)
 
 
-def executor_peak(forward: Any) -> int | None:
-    """The activation peak that an :func:`optimized_forward` module measured in its last step."""
-    return forward.stats.peak_activation_bytes
-
-
 def train(
     build: Callable[[], nn.Module],
     make_forward: ForwardMaker,
     batches: Sequence[Batch],
     seed: int,
-    executor_peak: Callable[[Any], int | None] | None = None,
 ) -> Measurement:
     """Train a fresh model with one method for ``len(batches)`` SGD steps; measure each step.
 
     ``make_forward(model)`` returns the function that maps a batch to the loss. The peak is
-    measured as the module notes say; on CPU, ``executor_peak(forward)`` gives it instead for
-    offremat's plans.
+    measured as the module notes say: on CPU the tracker slows the step it watches, so it
+    watches only the untimed warm-up step.
     """
     model = build()
     forward = make_forward(model)
@@ -224,30 +176,22 @@ def train(
     losses, times, peaks = [], [], []
     for number, batch in enumerate(batches):
         optimizer.zero_grad(set_to_none=False)
-        # The tracker slows the step it watches, so it watches only the untimed warm-up step.
-        tracked = not cuda and executor_peak is None and number == 0
-        tracker = AllocationTracker()
+        measured = cuda or number == 0
+        memory = StepMemory(device, batch)
         if cuda:
             torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
         started = time.perf_counter()
-        with tracker if tracked else contextlib.nullcontext():
+        with memory if measured else contextlib.nullcontext():
             loss = forward(batch)
             loss.backward()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
-        if cuda:
-            peaks.append(torch.cuda.max_memory_allocated(device) - before + batch_bytes(batch))
-        elif tracked:
-            peaks.append(tracker.peak_bytes + batch_bytes(batch))
-        elif executor_peak is not None:
-            peaks.append(executor_peak(forward))
+        if measured:
+            peaks.append(memory.peak_bytes)
         losses.append(loss.item())
         optimizer.step()
-    known = [peak for peak in peaks if peak is not None]
-    return Measurement(tuple(losses), tuple(times), max(known) if known else None)
+    return Measurement(tuple(losses), tuple(times), max(peaks))
 
 
 def best_checkpoint_sequential(chain: Chain, budget: int) -> Plan | None:
@@ -354,7 +298,7 @@ def run_demo(
     for name, plan in plans.items():
         say(f"training {steps} steps with the offremat {name} plan")
         forward = optimized_forward(batches[0], chain, plan)
-        measured = train(build, forward, batches, seed, executor_peak)
+        measured = train(build, forward, batches, seed)
         results.append(_row(f"offremat {name}", f"plan {decision_counts(plan)}", plan, measured))
     return DemoReport(
         device=_device_name(device),

@@ -15,12 +15,17 @@ Design notes.
 - Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
   :mod:`offremat._schedule` (what the host issues around each compute op, and where the
   simulator's memory admission becomes a wait on an offload's event).
-- Measurement: the executor counts the device bytes of the distinct storages it holds, the
-  way the simulator counts (an op's output is counted before its inputs are released), and
-  keeps the peak. On CUDA it also reads the allocator's peak, and times the step with events
-  that are only synchronised when :attr:`PlanExecutor.stats` is read.
+- Graph roots. B(i) starts from the gradient edges of stage i's outputs, not from the output
+  tensors: the step keeps a_i only through references it can drop when the plan offloads it.
+- Measurement, opt-in: with ``measure_memory=True`` each step is measured independently of
+  this module (:mod:`offremat.measure`: the allocator on CUDA, a dispatch-mode tracker of live
+  storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. The
+  executor's own count of the storages it holds is kept as a diagnostic
+  (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
+  :attr:`PlanExecutor.stats` is read.
 - State: everything about one step lives in a :class:`_Step`, made by the forward and kept by
-  the autograd graph until the backward has used it.
+  the autograd graph until the backward has used it. Its residency is closed on every exit,
+  an exception included, so no copy stays in flight and no host buffer is lost.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._memory import CudaStreams, HostBufferPool, Residency, StorageRecord
+from offremat._memory import CudaStreams, HostBufferPool, Residency, StorageRecord, TensorRef
 from offremat._schedule import COMPUTE, ISSUE, RELEASE, HostAction, host_schedule
 from offremat._stage import (
     AutocastState,
@@ -43,6 +49,7 @@ from offremat._stage import (
     RngState,
     SavedTensorPacker,
     check_unmodified,
+    check_versions,
     cuda_device_indices,
     enter_stage,
     frozen_running_stats,
@@ -57,8 +64,8 @@ from offremat._tensors import (
     is_differentiable,
     storage_key,
     unflatten,
-    unique_storages,
 )
+from offremat.measure import StepMemory
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import (
@@ -84,27 +91,36 @@ logger = logging.getLogger(__name__)
 class StepStats:
     """What the executor measured during one training step.
 
-    - ``peak_activation_bytes``: the most device bytes held at once by the step's tensors
-      (input, activations, saved sets, gradients of activations), counted per distinct storage
-      the way the simulator counts them; temporaries inside an op are not seen.
+    - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
+      defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
+      unless the executor measures (``measure_memory=True``).
+    - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
+      executor itself held at once, counted the way the simulator counts; it does not see
+      temporaries or what other code holds. Never use it as the measurement.
+    - ``reserved_peak_bytes``: on CUDA when measuring, the allocator's reserved peak.
     - ``step_time_s``: ``forward_time_s`` + ``backward_time_s``, the plan's forward and backward
       halves (the caller's loss in between is not counted), timed with CUDA events on a GPU.
-    - ``max_memory_allocated_delta_bytes``: on CUDA, the allocator's peak during the step above
-      what was allocated when it began (the step resets the peak statistics); None on CPU.
     """
 
-    peak_activation_bytes: int
+    measured_peak_bytes: int | None
+    bookkept_peak_bytes: int
+    reserved_peak_bytes: int | None
     step_time_s: float
     forward_time_s: float
     backward_time_s: float
-    max_memory_allocated_delta_bytes: int | None
     device: str
 
 
 class PlanExecutor:
     """Runs ``plan`` over ``stages``, the modules of ``chain``'s stages in order."""
 
-    def __init__(self, stages: Sequence[nn.Module], plan: Plan, chain: Chain):
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        plan: Plan,
+        chain: Chain,
+        measure_memory: bool = False,
+    ):
         if len(stages) != chain.length or plan.length != chain.length:
             raise ValueError(
                 f"the plan has {plan.length} stages, the chain {chain.length} and the model "
@@ -116,6 +132,7 @@ class PlanExecutor:
         self.stages = list(stages)
         self.plan = plan
         self.chain = chain
+        self.measure_memory = measure_memory
         self.simulation = simulate(plan, chain, plan.budget_bytes)
         actions = host_schedule(plan.ops, self.simulation)
         # The backward half starts with what the host does on the way to B(L).
@@ -136,12 +153,22 @@ class PlanExecutor:
         """Figures of the last completed step (on CUDA, reading them waits for its end)."""
         return None if self._last is None else self._last.resolve()
 
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory that the executor keeps for offloads between steps."""
+        return sum(pool.allocated_bytes for pool in self._pools.values())
+
+    def release_host_memory(self) -> None:
+        """Give back the host buffers kept for offloads; the next step allocates them again."""
+        for pool in self._pools.values():
+            pool.release()
+
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""
         tensors, structure = flatten(value)
         if not tensors:
             raise TypeError("the model input holds no tensor; pass the example input's kind")
-        device = tensors[0].device
+        device = self._device(tensors)
         trainable = [has_trainable_parameters(stage) for stage in self.stages]
         if not torch.is_grad_enabled() or not (
             any(trainable) or any(t.requires_grad for t in tensors)
@@ -152,6 +179,16 @@ class PlanExecutor:
         step = _Step(self, tensors, structure, device, trainable)
         outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
         return unflatten(outputs, step.output_structure)
+
+    def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
+        """The step's device: the stages' parameters', else the first input tensor's.
+
+        A CPU tensor among a CUDA model's inputs (lengths, say) must not make a CPU step.
+        """
+        for stage in self.stages:
+            for parameter in stage.parameters():
+                return parameter.device
+        return tensors[0].device
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
         if device not in self._anchors:
@@ -195,33 +232,42 @@ class _PlanFunction(torch.autograd.Function):
 
 
 class _PlanTensor:
-    """One of the plan's tensors (a_i, x̄_i or δ_i): torch tensors and the storages held."""
+    """One of the plan's tensors (a_i, x̄_i or δ_i): references to its tensors, storages held.
 
-    __slots__ = ("diff", "packer", "records", "slot", "structure", "tensors")
+    For x̄_i, ``edges`` are the gradient edges of stage i's outputs (the roots of B(i)),
+    ``packer`` holds what autograd saved and ``slot`` receives δ_{i-1}.
+    """
+
+    __slots__ = ("diff", "edges", "packer", "records", "refs", "slot", "structure")
 
     def __init__(
         self,
-        tensors: list[torch.Tensor | None],
+        refs: list[TensorRef | None],
         structure: Structure | None,
         records: tuple[StorageRecord, ...],
     ):
-        self.tensors = tensors
+        self.refs = refs
         self.structure = structure
         self.records = records
+        self.edges: list[GradientEdge | None] = []
         self.packer: SavedTensorPacker | None = None
         self.slot: GradSlot | None = None
         self.diff: list[int] = []
 
+    @property
+    def tensors(self) -> list[torch.Tensor | None]:
+        """The tensors, over the storages resident now."""
+        return [None if ref is None else ref.get() for ref in self.refs]
+
 
 @dataclass
 class _Timing:
-    """Clock readings of one step, resolved into :class:`StepStats` when asked."""
+    """Clock readings and memory figures of one step, resolved into :class:`StepStats`."""
 
     device: torch.device
-    peak_activation_bytes: int
+    bookkept_peak_bytes: int
     marks: list[Any]
-    allocated_before: int | None
-    allocated_peak: int | None
+    memory: StepMemory | None
 
     def resolve(self) -> StepStats:
         if self.device.type == "cuda":
@@ -231,15 +277,14 @@ class _Timing:
         else:
             forward = self.marks[1] - self.marks[0]
             backward = self.marks[3] - self.marks[2]
-        delta = None
-        if self.allocated_peak is not None and self.allocated_before is not None:
-            delta = self.allocated_peak - self.allocated_before
+        memory = self.memory
         return StepStats(
-            peak_activation_bytes=self.peak_activation_bytes,
+            measured_peak_bytes=None if memory is None else memory.peak_bytes,
+            bookkept_peak_bytes=self.bookkept_peak_bytes,
+            reserved_peak_bytes=None if memory is None else memory.reserved_peak_bytes,
             step_time_s=forward + backward,
             forward_time_s=forward,
             backward_time_s=backward,
-            max_memory_allocated_delta_bytes=delta,
             device=str(self.device),
         )
 
@@ -258,19 +303,21 @@ class _Step:
         self.executor = executor
         self.ops = executor.plan.ops
         self.length = executor.chain.length
+        self.names = executor.chain.stage_names
         self.device = device
         pool, self.streams = executor._resources(device)
-        self.residency = Residency(pool, self.streams)
-        self.anchor = executor._anchor(device)
         self.excluded = parameter_storages(executor.stages)
+        self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
+        self.anchor = executor._anchor(device)
         self.norms = [norm_layers(stage) for stage in executor.stages]
         self.cuda_devices = cuda_device_indices(device)
-        self.autocast = [AutocastState.capture(t) for t in {device.type, "cpu"}]
-        # needs_grad[i]: whether a_i's floating tensors carry gradients in plain autograd.
-        self.needs_grad = [any(t.requires_grad for t in tensors)]
-        for i in range(1, self.length + 1):
-            self.needs_grad.append(self.needs_grad[-1] or trainable[i - 1])
+        self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
+        self.trainable = trainable
         self.input_requires_grad = [t.requires_grad for t in tensors]
+        # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
+        self.flags: dict[int, list[bool]] = {
+            0: [t.requires_grad and is_differentiable(t) for t in tensors]
+        }
         # A plan tensor can have a version on the device and another whose bytes are on the
         # host (the same one after a prefetch, a different one after a recomputation).
         self.on_device: dict[tuple[str, int], _PlanTensor] = {}
@@ -284,48 +331,63 @@ class _Step:
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
         self.marks: list[Any] = []
-        self.allocated_before: int | None = None
-        source = _PlanTensor(
-            list(tensors), structure, self.residency.hold(unique_storages(tensors), external=True)
-        )
+        self.memory = StepMemory(device, tensors) if executor.measure_memory else None
+        # The caller's input: resident for the whole step, never moved.
+        refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
+        source = _PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
         self.on_device[(ACTIVATION, 0)] = source
 
     # The two halves of the plan.
 
     def run_forward(self) -> tuple[torch.Tensor, ...]:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.allocated_before = torch.cuda.memory_allocated(self.device)
+        if self.memory is not None:
+            self.memory.__enter__()
         self._mark()
         self.peak = self.residency.live_bytes
-        with self._out_of_memory_advice():
-            self._run(self.executor.forward_actions)
+        try:
+            with self._out_of_memory_advice():
+                self._run(self.executor.forward_actions)
+        except BaseException:
+            self._close()
+            raise
+        finally:
+            if self.memory is not None:
+                self.memory.pause()
         self._mark()
         assert self.outputs is not None
-        return tuple(output.detach() for output in self.outputs)
+        outputs, self.outputs = self.outputs, None
+        return tuple(output.detach() for output in outputs)
 
     def run_backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         if self.streams is not None:
             self.streams.compute = torch.cuda.current_stream(self.device)
+        if self.memory is not None:
+            self.memory.resume()
+        try:
+            self._mark()
+            self.in_backward = True
+            refs = [None if g is None else TensorRef(g) for g in grads]
+            held = self.residency.hold(r for r in refs if r is not None)
+            self.grads[self.length] = _PlanTensor(refs, None, held)
+            with self._out_of_memory_advice():
+                self._run(self.executor.backward_actions)
+            first_grads = self.grads.pop(0).tensors
+        finally:
+            self._close()
         self._mark()
-        self.in_backward = True
-        present = [g for g in grads if g is not None]
-        self.grads[self.length] = _PlanTensor(
-            list(grads), None, self.residency.hold(unique_storages(present))
-        )
-        with self._out_of_memory_advice():
-            self._run(self.executor.backward_actions)
-        first_grads = self.grads.pop(0).tensors
-        self.residency.close()
-        self._mark()
-        allocated_peak = None
-        if self.device.type == "cuda":
-            allocated_peak = torch.cuda.max_memory_allocated(self.device)
-        self.executor._last = _Timing(
-            self.device, self.peak, self.marks, self.allocated_before, allocated_peak
-        )
+        if self.memory is not None:
+            self.memory.__exit__(None, None, None)
+        self.executor._last = _Timing(self.device, self.peak, self.marks, self.memory)
         wanted = self.input_requires_grad
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
+
+    def _close(self) -> None:
+        """Settle copies and give back host buffers; drop every tensor of the step."""
+        self.residency.close()
+        self.on_device.clear()
+        self.on_host.clear()
+        self.offloaded_by.clear()
+        self.grads.clear()
 
     def _run(self, actions: Sequence[HostAction]) -> None:
         for action in actions:
@@ -367,17 +429,16 @@ class _Step:
             self.produced.pop(key, None)
             self.peak = max(self.peak, self.residency.live_bytes)
         elif op.kind == FREE:
-            self._drop_device(key)
+            self._drop_resident(key)
 
-    def _drop_device(self, key: tuple[str, int]) -> None:
-        tensor = self.on_device.pop(key, None)
-        if tensor is not None:
-            self.residency.drop(tensor.records, resident=True)
-
-    def _drop_host(self, key: tuple[str, int]) -> None:
-        tensor = self.on_host.pop(key, None)
-        if tensor is not None:
-            self.residency.drop(tensor.records, resident=False)
+    def _drop(self, key: tuple[str, int]) -> None:
+        """Nothing reads ``key`` again: its host copy goes first, then its device bytes."""
+        away = self.on_host.pop(key, None)
+        if away is not None:
+            self.residency.drop(away.records, resident=False)
+        resident = self.on_device.pop(key, None)
+        if resident is not None:
+            self.residency.drop(resident.records, resident=True)
 
     def _source(self, index: int) -> _PlanTensor:
         """The resident a_index: by itself, or as the output of x̄_index."""
@@ -390,59 +451,91 @@ class _Step:
 
     def _forward(self, op: Op) -> None:
         i = op.index
+        name = self.names[i - 1]
         stage = self.executor.stages[i - 1]
         source = self._source(i - 1)
-        inputs = list(source.tensors)
         self.residency.use(source.records)
-        first = i not in self.rng
-        if first:
-            self.rng[i] = RngState.capture(self.cuda_devices)
+        # A checkpoint changed in place since it was made would recompute another activation.
+        check_versions(name, source.refs)
+        inputs = source.tensors
+        first = i not in self.flags
+        rng = RngState.capture(self.cuda_devices) if first else self.rng.get(i)
         versions = [tensor._version for tensor in inputs]
         packer = slot = None
         diff: list[int] = []
         excluded = self.excluded
         with ExitStack() as stack:
             if not first:
-                stack.enter_context(replayed_rng(self.rng[i]))
+                if rng is not None:
+                    stack.enter_context(replayed_rng(rng))
                 copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 excluded = excluded | {storage_key(copy) for copy in copies}
-            if self.in_backward:
-                for state in self.autocast:
-                    state.enter(stack)
+            for state in self.autocast:
+                state.enter(stack)
             if op.kind == F_ALL:
                 stack.enter_context(torch.enable_grad())
-                diff = [
-                    k
-                    for k, tensor in enumerate(inputs)
-                    if is_differentiable(tensor)
-                    and (self.input_requires_grad[k] if i == 1 else self.needs_grad[i - 1])
-                ]
-                packer = SavedTensorPacker(inputs, excluded)
+                diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
+                packer = SavedTensorPacker(name, inputs, excluded)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 stack.enter_context(packer.hooks())
             else:
                 stack.enter_context(torch.no_grad())
             result = stage(unflatten(inputs, source.structure))
-        check_unmodified(self.executor.chain.stage(i).name, source.tensors, versions)
+        check_unmodified(name, source.tensors, versions)
         tensors, structure = flatten(result)
-        is_output = i == self.length and self.outputs is None
+        del result
+        if first:
+            self.flags[i] = self._gradient_flags(i, op, inputs, tensors)
+            if rng is not None and not rng.unchanged():
+                self.rng[i] = rng
+            del rng
+        del inputs
+        is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:
             self.outputs, self.output_structure = tensors, structure
-        output_storages = unique_storages(tensors)
-        records = self.residency.hold(output_storages, external=is_output)
+        refs: list[TensorRef | None] = [TensorRef(t.detach(), original=t) for t in tensors]
+        held = [r for r in refs if r is not None]
         if packer is not None:
-            others = {k: s for k, s in packer.storages.items() if k not in output_storages}
-            records += self.residency.hold(others)
-        produced = _PlanTensor(tensors, structure, records)
+            held += packer.refs
+        produced = _PlanTensor(refs, structure, self.residency.hold(held, movable=not is_output))
+        if op.kind == F_ALL:
+            produced.edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
+        if packer is not None:
+            packer.inputs = []  # B(i) binds whichever copy of a_{i-1} is resident then
         produced.packer, produced.slot, produced.diff = packer, slot, diff
+        del tensors
         key = (SAVED if op.kind == F_ALL else ACTIVATION, i)
         self.on_device[key] = produced
         if self.streams is not None:
             self.produced[key] = self.streams.compute.record_event()
         self.peak = max(self.peak, self.residency.live_bytes)
         if op.kind == F_NONE:
-            self._drop_device((ACTIVATION, i - 1))
+            self._drop_resident((ACTIVATION, i - 1))
+
+    def _gradient_flags(
+        self, i: int, op: Op, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+    ) -> list[bool]:
+        """Which of a_i's tensors carry a gradient in plain autograd.
+
+        A grad-enabled forward knows it from autograd. A forward without autograd assumes so
+        for every floating output of a stage with a trainable parameter or a gradient-carrying
+        input, except what it passes on unchanged from an input without one (a target, a mask).
+        """
+        if op.kind == F_ALL:
+            return [t.requires_grad and is_differentiable(t) for t in outputs]
+        upstream = self.trainable[i - 1] or any(self.flags[i - 1])
+        constant = {
+            storage_key(t) for t, flag in zip(inputs, self.flags[i - 1], strict=True) if not flag
+        }
+        return [
+            upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
+        ]
+
+    def _drop_resident(self, key: tuple[str, int]) -> None:
+        tensor = self.on_device.pop(key, None)
+        if tensor is not None:
+            self.residency.drop(tensor.records, resident=True)
 
     def _backward(self, i: int) -> None:
         saved = self.on_device[(SAVED, i)]
@@ -451,26 +544,28 @@ class _Step:
         self.residency.use(saved.records)
         self.residency.use(source.records)
         assert saved.packer is not None and saved.slot is not None
-        saved.packer.inputs = list(source.tensors)
+        saved.packer.inputs = source.tensors
         pairs = [
-            (output, g)
-            for output, g in zip(saved.tensors, grad.tensors, strict=True)
-            if g is not None and output.requires_grad
+            (edge, g)
+            for edge, g in zip(saved.edges, grad.tensors, strict=True)
+            if g is not None and edge is not None
         ]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads: list[torch.Tensor | None] = [None] * len(source.tensors)
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        grads: list[torch.Tensor | None] = [None] * len(source.refs)
         for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
             grads[k] = g
-        present = [g for g in grads if g is not None]
-        self.grads[i - 1] = _PlanTensor(grads, None, self.residency.hold(unique_storages(present)))
+        saved.slot.grads = None
+        refs = [None if g is None else TensorRef(g) for g in grads]
+        del grads, pairs
+        held = self.residency.hold(r for r in refs if r is not None)
+        self.grads[i - 1] = _PlanTensor(refs, None, held)
         self.peak = max(self.peak, self.residency.live_bytes)
         gone = self.grads.pop(i)
         self.residency.drop(gone.records)
-        # Nothing reads x̄_i, or a_{i-1} by itself, after B(i): host copies go too.
+        # Nothing reads x̄_i, or a_{i-1} by itself, after B(i).
         for key in ((SAVED, i), (ACTIVATION, i - 1)):
-            self._drop_device(key)
-            self._drop_host(key)
+            self._drop(key)
 
     def _mark(self) -> None:
         if self.streams is not None:

@@ -15,11 +15,10 @@ statistics) and the parameters' ``.grad`` are untouched.
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import chain_blocks, group_evenly, group_name, stage_module
+from offremat._link import measure_link, parse_bandwidth
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
@@ -37,14 +37,10 @@ from offremat._stage import (
     parameter_storages,
 )
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
-from solvers.budget import format_bytes, parse_budget
-from solvers.chain import Chain, Link, Stage
+from offremat.measure import StepMemory
+from solvers.chain import Chain, Stage
 
 logger = logging.getLogger(__name__)
-
-LINK_SIZES = (2**23, 2**26, 2**28)
-"""Bytes per copy when measuring the link: 8 MiB, 64 MiB, 256 MiB."""
-
 
 @dataclass(frozen=True)
 class _Measured:
@@ -168,109 +164,6 @@ def stage_modules(model: nn.Module | Sequence[nn.Module], chain: Chain) -> list[
     ]
 
 
-def parse_bandwidth(value: Any) -> Link:
-    """A link from bytes per second: a number, ``"25GB/s"``, a (d2h, h2d) pair or a Link."""
-    if isinstance(value, Link):
-        return value
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2:
-            raise ValueError(f"bandwidth pair {value!r} must be (device-to-host, host-to-device)")
-        return Link(_bytes_per_second(value[0]), _bytes_per_second(value[1]))
-    rate = _bytes_per_second(value)
-    return Link(rate, rate)
-
-
-def _bytes_per_second(value: Any) -> float:
-    if isinstance(value, str):
-        text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip())
-        try:
-            rate = float(text)
-        except ValueError:
-            try:
-                rate = float(parse_budget(text))
-            except ValueError:
-                raise ValueError(
-                    f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
-                    "size per second (25GB/s, 12GiB/s)"
-                ) from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    else:
-        raise ValueError(f"bandwidth {value!r} is not a rate in bytes per second")
-    if not rate > 0:
-        raise ValueError(f"bandwidth must be positive, got {value!r}")
-    return rate
-
-
-def measure_link(
-    device: torch.device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3
-) -> tuple[Link, list[dict[str, float]]]:
-    """Pinned device-to-host and host-to-device bandwidth on ``device``.
-
-    Each size is copied in each direction alone and in both directions at once; the link is
-    the slower of the two readings per direction at the largest size that fits, since the
-    simulator runs the two channels at once.
-    """
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    usable = [size for size in sizes if 4 * size <= free_bytes] or [min(sizes)]
-    readings = []
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    for size in usable:
-        hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        devices = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
-        d2h = [(hosts[0], devices[0])]
-        h2d = [(devices[1], hosts[1])]
-        alone_d2h = _median_copy_times(device, streams, d2h, repeats)[0]
-        alone_h2d = _median_copy_times(device, streams, h2d, repeats)[0]
-        both_d2h, both_h2d = _median_copy_times(device, streams, d2h + h2d, repeats)
-        readings.append(
-            {
-                "bytes": size,
-                "d2h_alone_bytes_per_s": size / alone_d2h,
-                "h2d_alone_bytes_per_s": size / alone_h2d,
-                "d2h_both_bytes_per_s": size / both_d2h,
-                "h2d_both_bytes_per_s": size / both_h2d,
-            }
-        )
-    last = readings[-1]
-    link = Link(
-        min(last["d2h_alone_bytes_per_s"], last["d2h_both_bytes_per_s"]),
-        min(last["h2d_alone_bytes_per_s"], last["h2d_both_bytes_per_s"]),
-    )
-    logger.info(
-        "link on %s: device-to-host %s/s, host-to-device %s/s",
-        device,
-        format_bytes(link.d2h_bytes_per_s),
-        format_bytes(link.h2d_bytes_per_s),
-    )
-    return link, readings
-
-
-def _median_copy_times(
-    device: torch.device,
-    streams: tuple[torch.cuda.Stream, torch.cuda.Stream],
-    copies: list[tuple[torch.Tensor, torch.Tensor]],
-    repeats: int,
-) -> list[float]:
-    """Median seconds from a common start to the end of each copy, each on its own stream."""
-    times: list[list[float]] = [[] for _ in copies]
-    for attempt in range(repeats + 1):
-        torch.cuda.synchronize(device)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(device))
-        ends = []
-        for (destination, source), stream in zip(copies, streams, strict=False):
-            stream.wait_event(start)
-            with torch.cuda.stream(stream):
-                destination.copy_(source, non_blocking=True)
-            ends.append(stream.record_event(torch.cuda.Event(enable_timing=True)))
-        torch.cuda.synchronize(device)
-        if attempt > 0:  # the first round warms up
-            for k, end in enumerate(ends):
-                times[k].append(start.elapsed_time(end) / 1000)
-    return [statistics.median(t) for t in times]
-
-
 def _profile_all(
     stages: Sequence[tuple[str, nn.Module]],
     example_input: Any,
@@ -278,129 +171,123 @@ def _profile_all(
     repeats: int,
     sizes_only: bool = False,
 ) -> list[_Measured]:
-    """Profile each stage on the output of the one before, starting from the example input."""
+    """Profile each stage on the output of the one before, starting from the example input.
+
+    Storages of the example input that a stage passes on (targets, masks) are the input a_0's,
+    resident for the whole step and counted once there, never in a stage's sizes.
+    """
     tensors, structure = flatten(example_input)
-    flags = [t.requires_grad for t in tensors]
+    flags = [t.requires_grad and is_differentiable(t) for t in tensors]
     excluded = parameter_storages([module for _, module in stages])
+    shared = set(unique_storages(tensors))
     value = unflatten([t.detach() for t in tensors], structure)
     results = []
-    upstream_trainable = any(flags)
     for name, module in stages:
-        measured, output = _profile_stage(
-            name, module, value, flags, excluded, warmup, repeats, sizes_only
-        )
+        stage = _StageProfile(name, module, value, flags, excluded | shared)
+        measured, output = stage.measure(warmup, repeats, sizes_only)
         results.append(measured)
-        upstream_trainable = upstream_trainable or any(p.requires_grad for p in module.parameters())
         out_tensors, out_structure = flatten(output)
-        flags = [is_differentiable(t) and upstream_trainable for t in out_tensors]
+        # The grad-enabled forward knows which outputs carry a gradient, as plain autograd.
+        flags = [t.requires_grad and is_differentiable(t) for t in out_tensors]
         value = unflatten([t.detach() for t in out_tensors], out_structure)
     return results
 
 
-def _profile_stage(
-    name: str,
-    module: nn.Module,
-    value: Any,
-    flags: list[bool],
-    excluded: set[int],
-    warmup: int,
-    repeats: int,
-    sizes_only: bool,
-) -> tuple[_Measured, Any]:
-    tensors, structure = flatten(value)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    cuda = device.type == "cuda"
-    parameters = [p for p in module.parameters() if p.requires_grad]
+class _StageProfile:
+    """One stage run as the executor runs it: the same boundary, hooks and gradient flow."""
 
-    diff = [k for k, flag in enumerate(flags) if flag]
-    anchor = torch.empty(0, device=device, requires_grad=True)
+    def __init__(
+        self, name: str, module: nn.Module, value: Any, flags: list[bool], excluded: set[int]
+    ):
+        self.name = name
+        self.module = module
+        self.tensors, self.structure = flatten(value)
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self.excluded = excluded
+        self.diff = [k for k, flag in enumerate(flags) if flag]
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
 
-    def prepared() -> tuple[Any, GradSlot]:
-        # The same boundary as the executor's, so autograd saves the same tensors.
+    def forward(self, grad: bool) -> tuple[Any, GradSlot, SavedTensorPacker]:
+        """One forward; with ``grad``, through the executor's boundary and pack hooks."""
         slot = GradSlot()
-        return unflatten(enter_stage(tensors, diff, slot, anchor), structure), slot
+        packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
+        versions = [t._version for t in self.tensors]
+        with ExitStack() as stack:
+            if grad:
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(packer.hooks())
+                inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
+            else:
+                stack.enter_context(torch.no_grad())
+                inputs = self.tensors
+            output = self.module(unflatten(inputs, self.structure))
+        check_unmodified(self.name, self.tensors, versions)
+        return output, slot, packer
 
-    def backward(output: Any, slot: GradSlot) -> list[torch.Tensor | None]:
+    def backward(self, output: Any, slot: GradSlot) -> list[torch.Tensor]:
+        """B(i) as in training: parameter gradients accumulate, δ_{i-1} lands in the slot."""
         outputs = [t for t in flatten(output)[0] if t.requires_grad]
-        if not outputs:
-            return []
-        grads = torch.autograd.grad(
-            outputs,
-            [anchor, *parameters],
-            [torch.ones_like(t) for t in outputs],
-            allow_unused=True,
-        )
-        return [*grads[1:], *(slot.grads or ())]
+        if outputs:
+            grads = [torch.ones_like(t) for t in outputs]
+            torch.autograd.backward(outputs, grads)
+        return [g for g in slot.grads or () if g is not None]
 
-    def run(stage_input: Any) -> Any:
-        versions = [t._version for t in tensors]
-        output = module(stage_input)
-        check_unmodified(name, tensors, versions)
-        return output
-
-    # Sizes, and temporaries from the allocator's statistics on CUDA.
-    stage_input, slot = prepared()
-    packer = SavedTensorPacker(tensors, excluded)
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    with torch.enable_grad(), packer.hooks():
-        output = run(stage_input)
-    out_tensors, _ = flatten(output)
-    out_storages = unique_storages(out_tensors)
-    saved = {**packer.storages, **out_storages}
-    out_bytes = sum(s.nbytes() for s in out_storages.values())
-    saved_bytes = sum(s.nbytes() for s in saved.values())
-    fwd_tmp = bwd_tmp = 0
-    if cuda:
-        torch.cuda.synchronize(device)
-        fwd_tmp = max(
-            0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
-        )
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        grads = backward(output, slot)
-        torch.cuda.synchronize(device)
-        produced = storage_bytes(g for g in grads if g is not None)
-        bwd_tmp = max(0, torch.cuda.max_memory_allocated(device) - before - produced)
-        del grads
+    def measure(self, warmup: int, repeats: int, sizes_only: bool) -> tuple[_Measured, Any]:
+        """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times."""
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        # Gradients exist, as in every training step after the first: a backward then holds
+        # only transient parameter gradients, which count as its temporaries.
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        if self.device.type == "cuda":  # first-call workspaces (autotuning) are no temporaries
+            output, slot, _ = self.forward(grad=True)
+            self.backward(output, slot)
+            del output, slot
+        with StepMemory(self.device) as forward_memory:
+            output, slot, packer = self.forward(grad=True)
+        out_storages = unique_storages(flatten(output)[0])
+        out_bytes = sum(s.nbytes() for k, s in out_storages.items() if k not in self.excluded)
+        saved = {**packer.saved_storages(), **out_storages}
+        saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
+        del saved, out_storages, packer
+        with StepMemory(self.device) as backward_memory:
+            produced = storage_bytes(self.backward(output, slot))
+        del slot
+        with StepMemory(self.device) as plain_memory:
+            plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
         # transient peak above its output can exceed the grad-enabled one; the cost model has
         # one fwd_tmp for both, so keep the larger.
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        with torch.no_grad():
-            plain_output = run(unflatten(tensors, structure))
-        torch.cuda.synchronize(device)
-        plain_peak = torch.cuda.max_memory_allocated(device) - before
-        fwd_tmp = max(fwd_tmp, plain_peak - storage_bytes(flatten(plain_output)[0]))
+        fwd_tmp = max(
+            forward_memory.step_peak_bytes - saved_bytes,
+            plain_memory.step_peak_bytes - out_bytes,
+            0,
+        )
+        # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
+        bwd_tmp = max(backward_memory.step_peak_bytes - produced, 0)
         del plain_output
-    else:
-        backward(output, slot)
-    del packer, saved, out_storages
-    if sizes_only:
-        return _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp), output
-
-    forward_times, backward_times = [], []
-    for attempt in range(warmup + repeats):
-        stage_input, slot = prepared()
-        with torch.enable_grad():
-            timed_output, forward_s = _timed(device, partial(run, stage_input))
-        _, backward_s = _timed(device, partial(backward, timed_output, slot))
-        if attempt >= warmup:
-            forward_times.append(forward_s)
-            backward_times.append(backward_s)
-        del timed_output
-    measured = _Measured(
-        statistics.median(forward_times),
-        statistics.median(backward_times),
-        out_bytes,
-        saved_bytes,
-        fwd_tmp,
-        bwd_tmp,
-    )
-    return measured, output
+        if sizes_only:
+            return _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp), output
+        forward_times, backward_times = [], []
+        for attempt in range(warmup + repeats):
+            (timed_output, timed_slot, _), forward_s = _timed(
+                self.device, partial(self.forward, True)
+            )
+            _, backward_s = _timed(self.device, partial(self.backward, timed_output, timed_slot))
+            if attempt >= warmup:
+                forward_times.append(forward_s)
+                backward_times.append(backward_s)
+            del timed_output, timed_slot
+        measured = _Measured(
+            statistics.median(forward_times),
+            statistics.median(backward_times),
+            out_bytes,
+            saved_bytes,
+            fwd_tmp,
+            bwd_tmp,
+        )
+        return measured, output
 
 
 def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
@@ -436,6 +323,8 @@ def _untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[N
     cuda_devices = cuda_device_indices(device)
     buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
     grads = [(p, p.grad) for module in modules for p in module.parameters()]
+    for parameter, _ in grads:  # profiling accumulates into gradients of its own
+        parameter.grad = None
     with torch.random.fork_rng(devices=cuda_devices):
         try:
             yield

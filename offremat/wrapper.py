@@ -38,12 +38,20 @@ logger = logging.getLogger(__name__)
 class OptimizedModule(nn.Module):
     """A model whose training step follows a plan; otherwise the model itself."""
 
-    def __init__(self, model: nn.Sequential, stages: Sequence[nn.Module], chain: Chain, plan: Plan):
+    def __init__(
+        self,
+        model: nn.Sequential,
+        stages: Sequence[nn.Module],
+        chain: Chain,
+        plan: Plan,
+        measure_memory: bool = False,
+    ):
         super().__init__()
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_executor", PlanExecutor(stages, plan, chain))
+        executor = PlanExecutor(stages, plan, chain, measure_memory=measure_memory)
+        object.__setattr__(self, "_executor", executor)
         self.training = model.training
 
     @property
@@ -65,6 +73,10 @@ class OptimizedModule(nn.Module):
     def stats(self) -> StepStats | None:
         """What the last training step measured (None before the first one)."""
         return self._executor.stats
+
+    def release_host_memory(self) -> None:
+        """Give back the host buffers kept for offloads between steps."""
+        self._executor.release_host_memory()
 
     def train(self, mode: bool = True) -> OptimizedModule:
         """Set training mode on the model and all its blocks."""
@@ -96,6 +108,7 @@ def optimize(
     stages: int | None = None,
     chain: Chain | str | Path | None = None,
     plan: Plan | str | Path | None = None,
+    measure_memory: bool = False,
     **solver_options: Any,
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step keeps, offloads or recomputes activations.
@@ -107,7 +120,9 @@ def optimize(
     ``time_limit_s``...). ``bandwidth`` (bytes/s, ``"25GB/s"`` or a (d2h, h2d) pair) replaces
     the link, so offloading plans can be made on a machine without one. A ``chain`` skips
     profiling (``stages`` groups blocks when profiling); a ``plan`` skips solving and is
-    scored at ``budget`` (default: its own). Raises
+    scored at ``budget`` (default: its own). With ``measure_memory``, every step's activation
+    peak is measured independently (``stats.measured_peak_bytes``; on CUDA this resets the
+    process-wide peak statistics, on CPU it slows the step). Raises
     :class:`solvers.budget.InfeasibleBudgetError` when no plan fits.
     """
     blocks = chain_blocks(model)
@@ -166,4 +181,4 @@ def optimize(
         format_bytes(plan.predicted_peak_bytes or 0),
         "no budget" if plan.budget_bytes is None else format_bytes(plan.budget_bytes),
     )
-    return OptimizedModule(sequential, modules, chain, plan)
+    return OptimizedModule(sequential, modules, chain, plan, measure_memory=measure_memory)

@@ -9,7 +9,6 @@ import torch
 from rich.console import Console
 
 from offremat.demo import (
-    AllocationTracker,
     render,
     run_demo,
 )
@@ -72,18 +71,6 @@ def test_demo_command_refuses_a_budget_that_is_not_a_fraction(capsys):
 
     assert main(["demo", "--budget", "1.5"]) == 2
     assert "fraction" in capsys.readouterr().err
-
-
-def test_allocation_tracker_counts_live_storages_once_and_forgets_freed_ones():
-    with AllocationTracker() as tracker:
-        first = torch.ones(1000)
-        view = first[10:20]
-        view.add_(1.0)
-        second = torch.zeros(500)
-        assert tracker.live_bytes == 6000
-        del second
-        assert tracker.live_bytes == 4000
-    assert tracker.peak_bytes == 6000
 
 
 def test_demo_command_bad_sizes_and_numbers_are_usage_errors(capsys):

@@ -54,7 +54,10 @@ def test_sizes_count_storages_once_and_leave_out_the_input_and_parameters() -> N
     assert (first.out_bytes, first.saved_bytes) == (activation, activation)
     assert (second.out_bytes, second.saved_bytes) == (activation, 2 * activation)
     assert (flatten.out_bytes, flatten.saved_bytes) == (activation, activation)
-    assert first.fwd_tmp_bytes == first.bwd_tmp_bytes == 0  # temporaries need CUDA
+    # Temporaries are measured on CPU too: the Linear's output lives until tanh has run, and
+    # the backward holds at least the weight's transient gradient.
+    assert first.fwd_tmp_bytes == activation
+    assert first.bwd_tmp_bytes >= width * width * FLOAT
 
 
 def test_tuple_outputs_count_each_storage_once() -> None:
@@ -71,8 +74,10 @@ def test_tuple_outputs_count_each_storage_once() -> None:
     hidden, targets = torch.randn(3, 4), torch.arange(3)
     chain = quick(model, (hidden, targets))
     assert chain.input_bytes == 3 * 4 * FLOAT + 3 * 8
-    # The output holds a new hidden state and the very same targets.
-    assert chain.stages[0].out_bytes == 3 * 4 * FLOAT + 3 * 8
+    # The output holds a new hidden state and the very same targets, which are the input's:
+    # counted once, in a_0, not again in every stage that passes them on.
+    assert chain.stages[0].out_bytes == 3 * 4 * FLOAT
+    assert chain.stages[1].saved_bytes == 3 * 4 * FLOAT
 
 
 def test_grouping_is_contiguous_named_and_reported(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,142 @@
+"""Measure a training step's activation memory independently of the executor.
+
+design.md defines what "within the budget" means: the device bytes that the step itself
+allocates, seen by something that sees every allocation, never the executor's own count.
+
+- CUDA: the caching allocator's statistics. ``max_memory_allocated()`` after
+  ``reset_peak_memory_stats()``, minus what was allocated when the step began. Resetting the
+  peak statistics is process-wide, which is why measuring is opt-in.
+- CPU: :class:`LiveStorageTracker`, a ``TorchDispatchMode`` that records every storage an op
+  creates while it is active and, after each op, sums the bytes of those still alive. It sees
+  resizes as well as frees, so nothing a program does to a storage can hide it.
+
+In both, storages that existed before the step (parameters, the caller's input, gradients
+already allocated) are not counted; :class:`StepMemory` adds the step's input, which the
+budget counts as a_0. Host copies made by offloads are host memory: on CUDA they are pinned
+memory outside the device allocator, and on CPU the executor's host arena is allocated outside
+any dispatch mode for the same reason.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from offremat._tensors import storage_bytes
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live bytes of the storages created while active, after each op, and their peak.
+
+    A storage is created by an op when it is among the op's outputs and none of the op's
+    inputs has it (in-place ops, ``out=`` variants and views return an input's storage).
+    Storages are held by weak reference; PyTorch keeps a storage's Python object exactly as
+    long as the storage, so a dead reference means freed memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak_bytes = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        inputs = {_key(leaf) for leaf in tree_leaves((args, kwargs)) if _has_storage(leaf)}
+        for leaf in tree_leaves(result):
+            if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()
+            key = storage._cdata
+            known = self._live.get(key)
+            # A freed storage's address can be reused at once: compare identities, not keys.
+            if key not in inputs and (known is None or known() is not storage):
+                self._live[key] = weakref.ref(storage)
+        self.ops += 1
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return result
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the recorded storages alive now."""
+        total = 0
+        for key, ref in list(self._live.items()):
+            storage = ref()
+            if storage is None:
+                del self._live[key]
+            else:
+                total += storage.nbytes()
+        return total
+
+
+def _has_storage(leaf: Any) -> bool:
+    return isinstance(leaf, (torch.Tensor, torch.UntypedStorage))
+
+
+def _key(leaf: torch.Tensor | torch.UntypedStorage) -> int:
+    storage = leaf if isinstance(leaf, torch.UntypedStorage) else leaf.untyped_storage()
+    return storage._cdata
+
+
+class StepMemory:
+    """The activation peak of the code run inside it, on ``device``, as design.md defines it.
+
+    ``with StepMemory(device, inputs=batch) as memory: ...`` then ``memory.peak_bytes`` is the
+    most bytes that the code inside allocated and held at once, plus the distinct storages of
+    ``inputs`` (a_0, which the budget counts). On CUDA, ``reserved_peak_bytes`` is the
+    allocator's reserved peak as well.
+    """
+
+    def __init__(self, device: torch.device | str, inputs: Iterable[torch.Tensor] | Any = ()):
+        self.device = torch.device(device)
+        self.input_bytes = storage_bytes(tree_leaf_tensors(inputs))
+        self._tracker: LiveStorageTracker | None = None
+        self._before = 0
+        self.step_peak_bytes = 0
+        self.reserved_peak_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's activation peak: its own allocations' peak plus its input."""
+        return self.step_peak_bytes + self.input_bytes
+
+    def __enter__(self) -> StepMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = LiveStorageTracker()
+            self._tracker.__enter__()
+        return self
+
+    def pause(self) -> None:
+        """Stop recording new storages (CPU), keeping those recorded; the peak stays."""
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+
+    def resume(self) -> None:
+        """Record again after :meth:`pause`."""
+        if self._tracker is not None:
+            self._tracker.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self.step_peak_bytes = self._tracker.peak_bytes
+            self._tracker = None
+            return
+        torch.cuda.synchronize(self.device)
+        self.step_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._before
+        self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
+
+
+def tree_leaf_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a nested structure of tuples, lists and dicts."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
