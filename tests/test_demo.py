@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from rich.console import Console
 
 from offremat.demo import (
