@@ -20,7 +20,8 @@ class NotAChainError(TypeError):
 def chain_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """The (name, block) pairs of an ``nn.Sequential``, an ``nn.ModuleList`` or a list."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        blocks = list(model.named_children())
+        # What the model runs, not named_children(), which lists a block used twice once.
+        blocks = [(name, block) for name, block in model._modules.items() if block is not None]
     elif isinstance(model, (list, tuple)):
         blocks = []
         for index, block in enumerate(model):

@@ -53,7 +53,17 @@ class TensorRef:
     in-place change made through it after an offload is still seen.
     """
 
-    __slots__ = ("dtype", "offset", "original", "record", "size", "stride", "tensor", "version")
+    __slots__ = (
+        "dtype",
+        "offset",
+        "original",
+        "rebuilt",
+        "record",
+        "size",
+        "stride",
+        "tensor",
+        "version",
+    )
 
     def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
         self.tensor: torch.Tensor | None = tensor
@@ -64,6 +74,7 @@ class TensorRef:
         self.size = tuple(tensor.size())
         self.stride = tuple(tensor.stride())
         self.record: StorageRecord | None = None
+        self.rebuilt = False
 
     def get(self) -> torch.Tensor:
         """The tensor, over the storage resident now."""
@@ -72,13 +83,16 @@ class TensorRef:
             storage = self.record.storage
             empty = torch.empty(0, dtype=self.dtype, device=storage.device)
             self.tensor = empty.set_(storage, self.offset, self.size, self.stride)
+            self.rebuilt = True
         return self.tensor
 
     def modified_version(self) -> int | None:
         """The tensor's version now if it was changed in place since recorded, else None."""
-        original = self.original()
-        if original is not None and original._version != self.version:
-            return original._version
+        # The tensor first held shares its version counter with the original (a detached
+        # alias does); a rebuilt one has a counter of its own.
+        for tensor in (self.original(), None if self.rebuilt else self.tensor):
+            if tensor is not None and tensor._version != self.version:
+                return tensor._version
         return None
 
 

@@ -42,6 +42,7 @@ from solvers.chain import Chain, Stage
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class _Measured:
     """One stage's figures, before they become a :class:`Stage`."""

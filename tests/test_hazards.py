@@ -1,0 +1,152 @@
+"""The executor's hazards: tensors it does not own, in-place changes, a block used twice, a
+step that fails. Each case compares with plain autograd: its values, and the errors it raises."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat.executor import PlanExecutor
+from offremat.profiler import profile_model
+from solvers.baselines import offload_all
+from solvers.simulator import score
+
+WIDTH = 64
+ROWS = 128  # 32 KiB activations: above the size the executor moves
+
+
+def offloading(model: nn.Sequential, x) -> offremat.OptimizedModule:
+    return offremat.optimize(model, x, budget=1.0, solver="offload-all", bandwidth=1e9)
+
+
+class Stash(nn.Module):
+    """Keeps its output as a plain attribute, as logging or caching code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x):
+        out = torch.tanh(self.linear(x))
+        self.last = out
+        return out
+
+
+def blocks(count: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(count)])
+
+
+def test_a_tensor_kept_by_a_module_is_never_emptied() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Stash(), Stash(), Stash())
+    x = torch.randn(ROWS, WIDTH)
+    om = offloading(model, x)
+    for _ in range(2):
+        om(x).sum().backward()
+        kept = model[0].last
+        assert kept.untyped_storage().nbytes() == ROWS * WIDTH * 4
+        assert torch.equal(kept, torch.tanh(model[0].linear(x)).detach())
+
+
+def test_an_activation_kept_by_a_forward_hook_is_intact() -> None:
+    model = blocks()
+    x = torch.randn(ROWS, WIDTH)
+    seen = []
+    model[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    om = offloading(model, x)
+    om(x).sum().backward()
+    expected = model[1](model[0](x))
+    assert torch.equal(seen[0].detach(), expected.detach())
+
+
+def test_numpy_backed_input_and_two_autocast_micro_batches_under_offloading() -> None:
+    model = blocks()
+    reference = copy.deepcopy(model)
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((ROWS, WIDTH), np.float32))
+    om = offloading(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            om(x).float().sum().backward()
+            reference(x).float().sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("solver", ["keep-all", "dp", "offload-all"])
+def test_in_place_changes_raise_as_plain_autograd_does(solver: str) -> None:
+    model = blocks()
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(
+        model, x, budget=1.0 if solver != "dp" else 0.85, solver=solver, bandwidth=1e9
+    )
+    # Plain autograd: tanh saved its output, the first Linear saved its input.
+    for change in (lambda out, inp: out.mul_(2), lambda out, inp: inp.add_(1)):
+        for forward in (model, om):
+            inp = x.clone()
+            out = forward(inp)
+            change(out, inp)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+            model.zero_grad()
+
+
+def test_a_block_used_twice_runs_twice() -> None:
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[shared] * 4, nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0)
+    assert om.chain.length == 6
+    loss = om(x).pow(2).mean()
+    expected = reference(x).pow(2).mean()
+    assert torch.equal(loss, expected)
+    loss.backward()
+    expected.backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+class FailingBackward(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.fail:
+            raise ValueError("backward failed")
+        return grad
+
+
+class MaybeFailing(nn.Module):
+    def forward(self, x):
+        return FailingBackward.apply(x)
+
+
+def test_a_failed_step_is_settled_and_leaks_no_host_buffer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), MaybeFailing(), nn.Linear(WIDTH, WIDTH))
+    x = torch.randn(ROWS, WIDTH)
+    FailingBackward.fail = False
+    chain = profile_model(model, x, warmup=0, repeats=1, bandwidth=1e9)
+    executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
+    executor(x).sum().backward()
+    after_one = executor.host_buffer_bytes
+    assert after_one > 0
+    FailingBackward.fail = True
+    for _ in range(3):
+        with pytest.raises(ValueError, match="backward failed"):
+            executor(x).sum().backward()
+    FailingBackward.fail = False
+    executor(x).sum().backward()
+    assert executor.host_buffer_bytes == after_one
