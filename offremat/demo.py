@@ -375,8 +375,8 @@ def render(report: DemoReport, console: Any) -> None:
         peak_note = "max_memory_allocated during the step above its start, plus the input"
     else:
         peak_note = (
-            "live storages allocated during the step, plus the input (torch's methods: an "
-            "allocation tracker, which also sees temporaries; offremat's: the executor's count)"
+            "live storages created during the step, plus the input, seen by the same "
+            "dispatch-mode tracker for every method (temporaries included)"
         )
     console.print(
         f"[dim]time: median forward + backward after a warm-up step; measured peak: {peak_note}[/]"
