@@ -53,6 +53,7 @@ class _Measured:
     saved_bytes: int
     fwd_tmp_bytes: int
     bwd_tmp_bytes: int
+    nograd_fwd_tmp_bytes: int
 
 
 def profile_model(
@@ -107,6 +108,7 @@ def profile_model(
             saved_bytes=m.saved_bytes,
             fwd_tmp_bytes=m.fwd_tmp_bytes,
             bwd_tmp_bytes=m.bwd_tmp_bytes,
+            nograd_fwd_tmp_bytes=m.nograd_fwd_tmp_bytes,
         )
         for stage_name, m in zip(names, measured, strict=True)
     )
@@ -258,18 +260,17 @@ class _StageProfile:
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
-        # transient peak above its output can exceed the grad-enabled one; the cost model has
-        # one fwd_tmp for both, so keep the larger.
-        fwd_tmp = max(
-            forward_memory.step_peak_bytes - saved_bytes,
-            plain_memory.step_peak_bytes - out_bytes,
-            0,
-        )
+        # transient peak above its output differs from the grad-enabled one above x̄_i.
+        fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0)
+        nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0)
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
         bwd_tmp = max(backward_memory.step_peak_bytes - produced, 0)
         del plain_output
         if sizes_only:
-            return _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp), output
+            return (
+                _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp),
+                output,
+            )
         forward_times, backward_times = [], []
         for attempt in range(warmup + repeats):
             (timed_output, timed_slot, _), forward_s = _timed(
@@ -287,6 +288,7 @@ class _StageProfile:
             saved_bytes,
             fwd_tmp,
             bwd_tmp,
+            nograd_fwd_tmp,
         )
         return measured, output
 

@@ -24,7 +24,10 @@ class Stage:
     """One stage of the chain: its compute times and the bytes its forward leaves behind.
 
     ``saved_bytes`` (x̄_i) counts a_i plus everything autograd saves for the backward, but not
-    the input a_{i-1}. The two temporaries are transient peaks above that.
+    the input a_{i-1}. The temporaries are transient peaks above what the op keeps:
+    ``fwd_tmp_bytes`` above x̄_i in a forward with autograd (F_all), ``bwd_tmp_bytes`` in the
+    backward, and ``nograd_fwd_tmp_bytes`` above x_i in a forward without autograd (F_ck,
+    F_none), which frees its intermediates as it goes; it defaults to ``fwd_tmp_bytes``.
     """
 
     name: str
@@ -34,6 +37,7 @@ class Stage:
     saved_bytes: int
     fwd_tmp_bytes: int = 0
     bwd_tmp_bytes: int = 0
+    nograd_fwd_tmp_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -41,7 +45,9 @@ class Stage:
         where = f"stage {self.name!r}"
         for attr in ("fwd_s", "bwd_s"):
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
-        for attr in ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
+        if self.nograd_fwd_tmp_bytes is None:
+            object.__setattr__(self, "nograd_fwd_tmp_bytes", self.fwd_tmp_bytes)
+        for attr in _BYTE_FIELDS:
             object.__setattr__(
                 self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
             )
@@ -142,6 +148,11 @@ class Chain:
                     "saved_bytes": s.saved_bytes,
                     "fwd_tmp_bytes": s.fwd_tmp_bytes,
                     "bwd_tmp_bytes": s.bwd_tmp_bytes,
+                    **(
+                        {}
+                        if s.nograd_fwd_tmp_bytes == s.fwd_tmp_bytes
+                        else {"nograd_fwd_tmp_bytes": s.nograd_fwd_tmp_bytes}
+                    ),
                 }
                 for s in self.stages
             ],
@@ -230,7 +241,15 @@ _STAGE_FIELDS = {
     "saved_bytes",
     "fwd_tmp_bytes",
     "bwd_tmp_bytes",
+    "nograd_fwd_tmp_bytes",
 }
+_BYTE_FIELDS = (
+    "out_bytes",
+    "saved_bytes",
+    "fwd_tmp_bytes",
+    "bwd_tmp_bytes",
+    "nograd_fwd_tmp_bytes",
+)
 
 
 def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:

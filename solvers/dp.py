@@ -16,6 +16,13 @@ activation sizes and no temporaries) the optimum is rotor's; where one binds, ro
 exceeds its budget on rotor's own memory model (``tests/test_dp.py`` shows such a chain), so we
 check both.
 
+Design note, two forward temporaries: a forward with autograd (F_all) and one without (F_ck,
+F_none) have different transient peaks (the chain's ``fwd_tmp_bytes`` and
+``nograd_fwd_tmp_bytes``). The room for the forwards without autograd, x_t + max(x_s +
+ntmp_s, x_{j-1} + x_j + ntmp_j), therefore bounds the second option only: the first option
+runs F_all(s), whose need x_t + x̄_s + ftmp_s is checked above, and its sub-problem checks its
+own forwards. With one temporary for both, as design.md has it, the two readings agree.
+
 Sizes are rounded up to multiples of budget/slots, as rotor does; the plan is therefore
 feasible in exact bytes as well. Rounding can hide that plain autograd fits: when it does in
 exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it directly.
@@ -46,7 +53,8 @@ class _Sizes:
 
     activation: np.ndarray  # x_0..x_L
     saved: np.ndarray  # x̄_i
-    fwd_tmp: np.ndarray
+    fwd_tmp: np.ndarray  # F_all's
+    nograd_fwd_tmp: np.ndarray  # F_ck's and F_none's
     bwd_tmp: np.ndarray
 
     @classmethod
@@ -59,6 +67,7 @@ class _Sizes:
             activation=rounded([chain.input_bytes] + [s.out_bytes for s in stages]),
             saved=rounded([0] + [s.saved_bytes for s in stages]),
             fwd_tmp=rounded([0] + [s.fwd_tmp_bytes for s in stages]),
+            nograd_fwd_tmp=rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages]),
             bwd_tmp=rounded([0] + [s.bwd_tmp_bytes for s in stages]),
         )
 
@@ -69,7 +78,7 @@ class _Sizes:
 
     def forward_room(self, s: int, t: int) -> int:
         """The memory the no-grad forwards of s..t-1 need with δ_t resident (s < t)."""
-        x, ft = self.activation, self.fwd_tmp
+        x, ft = self.activation, self.nograd_fwd_tmp
         room = x[s] + ft[s]
         for j in range(s + 1, t):
             room = max(room, x[j - 1] + x[j] + ft[j])
@@ -128,10 +137,11 @@ class _Table:
                 inner = self._shifted(self.time[s + 1, t], sizes.saved[s])
                 best = self.forward[s] + self.backward[s] + inner
                 best[m < sizes.forward_all_need(s, t)] = np.inf
-                better = split_time[s] < best
-                best = np.where(better, split_time[s], best)
+                split = np.where(m < sizes.forward_room(s, t), np.inf, split_time[s])
+                better = split < best
+                best = np.where(better, split, best)
                 choice = np.where(better, split_choice[s], _FORWARD_ALL)
-                infeasible = (m < sizes.forward_room(s, t)) | np.isinf(best)
+                infeasible = np.isinf(best)
                 self.time[s, t] = np.where(infeasible, np.inf, best)
                 self.choice[s, t] = np.where(infeasible, _INFEASIBLE, choice)
             if s > 1:
@@ -220,7 +230,7 @@ def memory_need(chain: Chain, unit: float = 1.0) -> int:
                 max(int(sizes.activation[j - 1]) + need[j, t], need[s, j - 1])
                 for j in range(s + 1, t + 1)
             )
-            need[s, t] = max(sizes.forward_room(s, t), min(first, second))
+            need[s, t] = min(first, max(sizes.forward_room(s, t), second))
     return int(sizes.activation[0] + need[1, length])
 
 

@@ -330,6 +330,9 @@ class JointModel:
         self.x = [chain.activation_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.saved = [0.0] + [s.saved_bytes / self.memory_unit for s in chain.stages]
         self.fwd_tmp = [0.0] + [s.fwd_tmp_bytes / self.memory_unit for s in chain.stages]
+        self.nograd_fwd_tmp = [0.0] + [
+            s.nograd_fwd_tmp_bytes / self.memory_unit for s in chain.stages
+        ]
         self.bwd_tmp = [0.0] + [s.bwd_tmp_bytes / self.memory_unit for s in chain.stages]
         self.fwd = [0.0] + [s.fwd_s / self.time_unit for s in chain.stages]
         self.bwd = [0.0] + [s.bwd_s / self.time_unit for s in chain.stages]
@@ -393,14 +396,17 @@ class JointModel:
             return 1.0 if name == KEEP_SAVED else 0.0
         return self.fate[i].get(name, 0.0)
 
-    def _product_bytes(self, i: int) -> pulp.LpAffineExpression:
-        """Bytes of what F(i) leaves in the first pass: x̄_i or a_i."""
+    def _product_bytes(self, i: int, temporary: bool = False) -> pulp.LpAffineExpression:
+        """Bytes of what F(i) leaves in the first pass: x̄_i or a_i (with its temporary)."""
         fate = self._fate
         as_saved = fate(i, KEEP_SAVED) + fate(i, OFFLOAD_SAVED)
         as_activation = (
             fate(i, KEEP_ACTIVATION) + fate(i, OFFLOAD_ACTIVATION) + fate(i, DROP_ACTIVATION)
         )
-        return self.saved[i] * as_saved + self.x[i] * as_activation
+        saved, activation = self.saved[i], self.x[i]
+        if temporary:
+            saved, activation = saved + self.fwd_tmp[i], activation + self.nograd_fwd_tmp[i]
+        return saved * as_saved + activation * as_activation
 
     def _kept_bytes(self, i: int) -> pulp.LpAffineExpression:
         return self.saved[i] * self._fate(i, KEEP_SAVED) + self.x[i] * self._fate(
@@ -752,7 +758,7 @@ class JointModel:
             terms = [x[0] + x[length], kept_prefix, self.unreleased[("F", q)]]
             if q >= 2:
                 terms.append(self._product_bytes(q - 1))
-            terms.append(self._product_bytes(q) + self.fwd_tmp[q])
+            terms.append(self._product_bytes(q, temporary=True))
             self._add(pulp.lpSum(terms) <= self.budget, f"memory_F{q}")
         for k in range(length, 0, -1):
             state = self.resident[k]
@@ -799,7 +805,7 @@ class JointModel:
             for i in range(1, k + 1) if k < length else ():
                 own = (saved[i] + self.fwd_tmp[i]) * rec[(SAVED, i)]
                 if (ACTIVATION, i) in rec:
-                    own += (x[i] + self.fwd_tmp[i]) * rec[(ACTIVATION, i)]
+                    own += (x[i] + self.nograd_fwd_tmp[i]) * rec[(ACTIVATION, i)]
                 terms = [base, seen_by_recompute, kept_prefix[max(i - 2, 0)], own]
                 if i >= 2:
                     terms.append(produced(i - 1))
@@ -958,5 +964,9 @@ def necessary_budget_bytes(chain: Chain) -> int:
             need, x[0] + x[k] + stage.saved_bytes + a_previous + x[k - 1] + stage.bwd_tmp_bytes
         )
         output = stage.saved_bytes if k == length else x[k]
-        need = max(need, x[0] + x[length] + a_previous + output + stage.fwd_tmp_bytes)
+        # Whichever forward the plan runs first: F_all for the last stage, else the cheaper.
+        temporary = stage.fwd_tmp_bytes
+        if k < length:
+            temporary = min(temporary, stage.nograd_fwd_tmp_bytes)
+        need = max(need, x[0] + x[length] + a_previous + output + temporary)
     return need

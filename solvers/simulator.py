@@ -174,7 +174,8 @@ def simulate(
             elif op.kind == F_ALL:
                 persistent, transient = chain.saved_bytes(i), chain.stage(i).fwd_tmp_bytes
             else:
-                persistent, transient = chain.activation_bytes(i), chain.stage(i).fwd_tmp_bytes
+                persistent = chain.activation_bytes(i)
+                transient = chain.stage(i).nograd_fwd_tmp_bytes
             memory.settle(last_compute_start)
             start = memory.admit(ready, persistent + transient, budget)
             duration = chain.stage(i).bwd_s if op.kind == BACKWARD else chain.stage(i).fwd_s

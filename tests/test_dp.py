@@ -36,6 +36,8 @@ def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bo
                 saved_bytes=out + rng.randint(0, 8),
                 fwd_tmp_bytes=rng.randint(0, 3) if tmp else 0,
                 bwd_tmp_bytes=rng.randint(0, 4) if tmp else 0,
+                # Derived, not drawn, so the chains of each seed stay those of earlier runs.
+                nograd_fwd_tmp_bytes=(out + i) % 4 if tmp else 0,
             )
         )
     return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages))
@@ -79,7 +81,7 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
             fits_saved = used + stage.saved_bytes + stage.fwd_tmp_bytes <= budget
             if ("saved", i) not in state and fits_saved:
                 moves.append((stage.fwd_s, state | {("saved", i)}))
-            if ("a", i) not in state and used + x[i] + stage.fwd_tmp_bytes <= budget:
+            if ("a", i) not in state and used + x[i] + stage.nograd_fwd_tmp_bytes <= budget:
                 moves.append((stage.fwd_s, state | {("a", i)}))  # F_ck
                 moves.append((stage.fwd_s, (state - {("a", i - 1)}) | {("a", i)}))  # F_none
         stage = chain.stage(grad)
@@ -112,6 +114,9 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
     def ftmp(i: int) -> int:
         return chain.stage(i).fwd_tmp_bytes
 
+    def ntmp(i: int) -> int:  # a forward without autograd (F_ck, F_none)
+        return chain.stage(i).nograd_fwd_tmp_bytes
+
     def btmp(i: int) -> int:
         return chain.stage(i).bwd_tmp_bytes
 
@@ -121,16 +126,16 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
             need = max(x[s] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
             stage = chain.stage(s)
             return stage.fwd_s + stage.bwd_s if m >= need else INF
-        room = x[t] + max([x[s] + ftmp(s)] + [x[j - 1] + x[j] + ftmp(j) for j in range(s + 1, t)])
-        if m < room:
-            return INF
+        # The room for the forwards without autograd bounds the second option (solvers/dp.py's
+        # design note; with one temporary for both kinds, as in design.md, it bounds both alike).
+        room = x[t] + max([x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)])
         stage = chain.stage(s)
         first = INF
         own_need = max(x[t] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
         if m >= saved(s) and (rotor_literal or m >= own_need):
             first = stage.fwd_s + opt(m - saved(s), s + 1, t) + stage.bwd_s
         second = INF
-        for j in range(s + 1, t + 1):
+        for j in range(s + 1, t + 1) if m >= room else ():
             if m >= x[j - 1]:
                 forwards = sum(chain.stage(k).fwd_s for k in range(s, j))
                 second = min(second, forwards + opt(m - x[j - 1], j, t) + opt(m, s, j - 1))
