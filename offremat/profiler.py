@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import chain_blocks, group_evenly, group_name, stage_module
+from offremat._blocks import NotAChainError, chain_blocks, group_evenly, group_name, stage_module
 from offremat._link import measure_link, parse_bandwidth
 from offremat._stage import (
     GradSlot,
@@ -307,6 +307,43 @@ def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
     began = time.perf_counter()
     result = work()
     return result, time.perf_counter() - began
+
+
+def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:
+    """Refuse a chain whose output on ``example_input`` is not the model's own.
+
+    Both run without autograd from the same RNG state, and leave the model as it was. A model
+    whose ``forward`` does more than run its blocks in order (an ``nn.Sequential`` subclass with
+    its own ``forward``, say) would otherwise train silently as another model.
+    """
+    parameters = [p for stage in stages for p in stage.parameters()]
+    device = parameters[0].device if parameters else flatten(example_input)[0][0].device
+    outputs = []
+    with _untouched([model], device), torch.no_grad():
+        state = torch.random.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(i) for i in cuda_device_indices(device)]
+        for run in ("model", "chain"):
+            torch.random.set_rng_state(state)
+            for index, cuda_state in zip(cuda_device_indices(device), cuda_states, strict=True):
+                torch.cuda.set_rng_state(cuda_state, index)
+            value = example_input
+            if run == "model":
+                value = model(value)
+            else:
+                for stage in stages:
+                    value = stage(value)
+            outputs.append(flatten(value))
+    (model_tensors, model_structure), (chain_tensors, chain_structure) = outputs
+    same = model_structure == chain_structure and all(
+        torch.equal(a, b) for a, b in zip(model_tensors, chain_tensors, strict=True)
+    )
+    if not same:
+        raise NotAChainError(
+            f"the chain of {type(model).__name__}'s blocks, run in order, does not give the "
+            f"model's own output on the example input: its forward does more than run its "
+            f"children one after the other. Pass the blocks that forward runs, in order, as an "
+            f"nn.Sequential or a list (offremat.optimize([block0, block1, ...], ...))"
+        )
 
 
 def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:

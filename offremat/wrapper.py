@@ -25,7 +25,13 @@ from torch import nn
 from offremat._blocks import chain_blocks
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
-from offremat.profiler import check_device, parse_bandwidth, profile_model, stage_modules
+from offremat.profiler import (
+    check_chain_output,
+    check_device,
+    parse_bandwidth,
+    profile_model,
+    stage_modules,
+)
 from solvers.budget import format_bytes, parse_budget
 from solvers.chain import Chain
 from solvers.plan import Plan
@@ -120,9 +126,10 @@ def optimize(
     ``time_limit_s``...). ``bandwidth`` (bytes/s, ``"25GB/s"`` or a (d2h, h2d) pair) replaces
     the link, so offloading plans can be made on a machine without one. A ``chain`` skips
     profiling (``stages`` groups blocks when profiling); a ``plan`` skips solving and is
-    scored at ``budget`` (default: its own). With ``measure_memory``, every step's activation
-    peak is measured independently (``stats.measured_peak_bytes``; on CUDA this resets the
-    process-wide peak statistics, on CPU it slows the step). Raises
+    scored at ``budget`` (default: its own). The chain's output on ``example_input`` must be
+    the model's own (:func:`offremat.profiler.check_chain_output`). With ``measure_memory``,
+    every step's activation peak is measured independently (``stats.measured_peak_bytes``; on
+    CUDA this resets the process-wide peak statistics, on CPU it slows the step). Raises
     :class:`solvers.budget.InfeasibleBudgetError` when no plan fits.
     """
     blocks = chain_blocks(model)
@@ -144,6 +151,8 @@ def optimize(
         if bandwidth is not None:
             chain = chain.with_link(parse_bandwidth(bandwidth))
     modules = stage_modules(sequential, chain)
+    if isinstance(model, nn.Module):
+        check_chain_output(model, modules, example_input)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is None:

@@ -150,3 +150,47 @@ def test_a_failed_step_is_settled_and_leaks_no_host_buffer() -> None:
     FailingBackward.fail = False
     executor(x).sum().backward()
     assert executor.host_buffer_bytes == after_one
+
+
+class DoublingSequential(nn.Sequential):
+    """A Sequential whose forward does more than run its children in order."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_chain_that_is_not_the_model_is_refused() -> None:
+    torch.manual_seed(0)
+    model = DoublingSequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    with pytest.raises(offremat.NotAChainError, match="does not give the model's own output"):
+        offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=1.0)
+
+
+def test_the_output_check_leaves_dropout_rng_and_batchnorm_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Dropout(0.5), nn.Linear(WIDTH, 1)
+    )
+    x = torch.randn(ROWS, WIDTH)
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    offremat.optimize(model, x, budget=1.0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+
+
+@pytest.mark.parametrize("solver", ["checkpoint-every-stage", "dp"])
+def test_no_autocast_weight_cast_outlives_the_step(solver: str) -> None:
+    # Autocast's weight cache would keep each stage's bf16 weight copies until the region ends;
+    # nothing counts them. Inside one region, nothing the step made may still be alive.
+    from offremat.measure import LiveStorageTracker
+
+    model = blocks(6)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.9 if solver == "dp" else 1.0, solver=solver)
+    for parameter in model.parameters():  # gradients are not the step's to free
+        parameter.grad = torch.zeros_like(parameter)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with LiveStorageTracker() as tracker:
+            om(x).float().sum().backward()
+        assert tracker.live_bytes == 0
