@@ -241,12 +241,15 @@ class Residency:
         ``newly_away`` is False for a tensor whose host copy is already counted (offloaded
         before, prefetched, and offloaded again).
         """
+        copies = []
         for record in records:
             record.resident_holders -= 1
             if newly_away:
                 record.away_holders += 1
             if record.host is None and record.on_device and record.movable:
-                self._copy_to_host(record, produced)
+                copies.append(record)
+        if copies:
+            self._copy_to_host(copies, produced)
 
     def release(self, records: Iterable[StorageRecord]) -> None:
         """Let go of the device bytes of an offloaded plan tensor that nothing resident uses."""
@@ -319,13 +322,18 @@ class Residency:
         self.pool.give_back(self.host_buffers)
         self.host_buffers = []
 
-    def _copy_to_host(self, record: StorageRecord, produced: torch.cuda.Event | None) -> None:
-        assert record.storage is not None
-        buffer = self.pool.take(record.nbytes)
-        self.host_buffers.append(buffer)
-        record.host = buffer[: record.nbytes]
+    def _copy_to_host(
+        self, records: list[StorageRecord], produced: torch.cuda.Event | None
+    ) -> None:
+        """Copy the storages of one offload, on the device-to-host stream, under one event."""
+        for record in records:
+            buffer = self.pool.take(record.nbytes)
+            self.host_buffers.append(buffer)
+            record.host = buffer[: record.nbytes]
         if self.streams is None:
-            record.host.copy_(byte_view(record.storage))
+            for record in records:
+                assert record.host is not None and record.storage is not None
+                record.host.copy_(byte_view(record.storage))
             return
         stream = self.streams.d2h
         if produced is not None:
@@ -333,8 +341,12 @@ class Residency:
         if self.pool.last_use is not None:
             stream.wait_event(self.pool.last_use)
         with torch.cuda.stream(stream):
-            record.host.copy_(byte_view(record.storage), non_blocking=True)
-        record.host_ready = stream.record_event()
+            for record in records:
+                assert record.host is not None and record.storage is not None
+                record.host.copy_(byte_view(record.storage), non_blocking=True)
+        ready = stream.record_event()
+        for record in records:
+            record.host_ready = ready
 
     def _settle(self, record: StorageRecord) -> None:
         # Before the allocator may hand this memory to compute-stream work, the compute stream

@@ -296,12 +296,15 @@ class _StageProfile:
 def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
     """Run ``work``; its result and its duration in seconds on ``device``."""
     if device.type == "cuda":
+        # On the model's device and its current stream, not the current device's.
+        stream = torch.cuda.current_stream(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(device)
-        start.record()
-        result = work()
-        end.record()
+        start.record(stream)
+        with torch.cuda.device(device):
+            result = work()
+        end.record(stream)
         end.synchronize()
         return result, start.elapsed_time(end) / 1000
     began = time.perf_counter()
