@@ -53,6 +53,8 @@ DEMO_BATCH_SIZE = 8
 # milp can plan offloads, which the CPU executor then runs as synchronous copies.
 CPU_STAND_IN_BANDWIDTH = 1.2e10
 LEARNING_RATE = 0.05
+CUDA_LOSS_TOLERANCE = 1e-4
+"""Relative loss difference allowed after the first step on CUDA without deterministic mode."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,37 @@ class DemoReport:
         """Whether every method that trained saw exactly the same losses."""
         curves = {r.measured.losses for r in self.results if r.measured is not None}
         return len(curves) == 1
+
+    @property
+    def largest_loss_difference(self) -> float:
+        """The largest relative difference of any method's loss from keep-all's, any step."""
+        reference = self.result("keep-all").measured
+        assert reference is not None
+        return max(
+            (
+                abs(loss - expected) / max(abs(expected), 1e-12)
+                for row in self.results
+                if row.measured is not None
+                for loss, expected in zip(row.measured.losses, reference.losses, strict=True)
+            ),
+            default=0.0,
+        )
+
+    @property
+    def losses_agree(self) -> bool:
+        """What a plan that only moves activations must give: the same training.
+
+        Bit for bit on CPU and under ``torch.use_deterministic_algorithms(True)``. Otherwise
+        CUDA kernels that accumulate with atomics (memory-efficient attention's backward)
+        differ from run to run: the first step's loss must be identical (the forward is
+        deterministic) and later ones within :data:`CUDA_LOSS_TOLERANCE` of keep-all's.
+        """
+        if self.losses_identical:
+            return True
+        if self.device.startswith("cpu") or self.info.get("deterministic", False):
+            return False
+        firsts = {r.measured.losses[0] for r in self.results if r.measured is not None}
+        return len(firsts) == 1 and self.largest_loss_difference <= CUDA_LOSS_TOLERANCE
 
     def result(self, method: str) -> MethodResult:
         """The row of ``method``."""
@@ -309,7 +342,10 @@ def run_demo(
         link_note=link_note,
         results=tuple(results),
         elapsed_s=time.perf_counter() - started,
-        info={"milp": {k: plans["milp"].info.get(k) for k in ("solver_status", "gap")}},
+        info={
+            "milp": {k: plans["milp"].info.get(k) for k in ("solver_status", "gap")},
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+        },
     )
 
 
@@ -391,6 +427,12 @@ def render(report: DemoReport, console: Any) -> None:
     console.print(losses)
     if report.losses_identical:
         console.print(f"[green]losses identical bit for bit across {len(ran)} methods[/]")
+    elif report.losses_agree:
+        console.print(
+            f"[green]step 1 identical across {len(ran)} methods; later steps within "
+            f"{report.largest_loss_difference:.1e} (relative) of keep-all's: CUDA's "
+            f"non-deterministic kernels (--deterministic compares bit for bit)[/]"
+        )
     else:
         console.print("[red bold]losses differ between methods[/]")
     console.print(f"demo took {report.elapsed_s:.1f} s")
