@@ -54,6 +54,7 @@ class _Measured:
     fwd_tmp_bytes: int
     bwd_tmp_bytes: int
     nograd_fwd_tmp_bytes: int
+    grad_bytes: int
 
 
 def profile_model(
@@ -109,6 +110,7 @@ def profile_model(
             fwd_tmp_bytes=m.fwd_tmp_bytes,
             bwd_tmp_bytes=m.bwd_tmp_bytes,
             nograd_fwd_tmp_bytes=m.nograd_fwd_tmp_bytes,
+            grad_bytes=m.grad_bytes,
         )
         for stage_name, m in zip(names, measured, strict=True)
     )
@@ -135,6 +137,7 @@ def profile_model(
     return Chain(
         name=name or type(model).__name__,
         input_bytes=storage_bytes(input_tensors),
+        input_grad_bytes=gradient_bytes(input_tensors),
         stages=chain_stages,
         link=link,
         metadata=metadata,
@@ -249,7 +252,9 @@ class _StageProfile:
             del output, slot
         with StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
-        out_storages = unique_storages(flatten(output)[0])
+        out_tensors = flatten(output)[0]
+        grad_bytes = gradient_bytes(out_tensors)
+        out_storages = unique_storages(out_tensors)
         out_bytes = sum(s.nbytes() for k, s in out_storages.items() if k not in self.excluded)
         saved = {**packer.saved_storages(), **out_storages}
         saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
@@ -268,7 +273,9 @@ class _StageProfile:
         del plain_output
         if sizes_only:
             return (
-                _Measured(0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp),
+                _Measured(
+                    0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp, grad_bytes
+                ),
                 output,
             )
         forward_times, backward_times = [], []
@@ -289,8 +296,16 @@ class _StageProfile:
             fwd_tmp,
             bwd_tmp,
             nograd_fwd_tmp,
+            grad_bytes,
         )
         return measured, output
+
+
+def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient."""
+    return sum(
+        t.numel() * t.element_size() for t in tensors if t.requires_grad and is_differentiable(t)
+    )
 
 
 def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:

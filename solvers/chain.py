@@ -28,6 +28,9 @@ class Stage:
     ``fwd_tmp_bytes`` above x̄_i in a forward with autograd (F_all), ``bwd_tmp_bytes`` in the
     backward, and ``nograd_fwd_tmp_bytes`` above x_i in a forward without autograd (F_ck,
     F_none), which frees its intermediates as it goes; it defaults to ``fwd_tmp_bytes``.
+    ``grad_bytes`` is the size of δ_i, the gradient of a_i: one tensor per tensor of a_i that
+    carries a gradient (not integer masks, not what needs none; two outputs sharing a storage
+    get two gradients); it defaults to ``out_bytes``.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Stage:
     fwd_tmp_bytes: int = 0
     bwd_tmp_bytes: int = 0
     nograd_fwd_tmp_bytes: int | None = None
+    grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -47,6 +51,8 @@ class Stage:
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
         if self.nograd_fwd_tmp_bytes is None:
             object.__setattr__(self, "nograd_fwd_tmp_bytes", self.fwd_tmp_bytes)
+        if self.grad_bytes is None:
+            object.__setattr__(self, "grad_bytes", self.out_bytes)
         for attr in _BYTE_FIELDS:
             object.__setattr__(
                 self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
@@ -83,10 +89,18 @@ class Chain:
     stages: tuple[Stage, ...]
     link: Link | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    input_grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "input_bytes", _check_bytes(self.input_bytes, "chain: field 'input_bytes'")
+        )
+        if self.input_grad_bytes is None:
+            object.__setattr__(self, "input_grad_bytes", self.input_bytes)
+        object.__setattr__(
+            self,
+            "input_grad_bytes",
+            _check_bytes(self.input_grad_bytes, "chain: field 'input_grad_bytes'"),
         )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
@@ -117,8 +131,12 @@ class Chain:
         return self.stages[i - 1]
 
     def activation_bytes(self, i: int) -> int:
-        """x_i, the size of activation a_i (and of its gradient δ_i); x_0 is the input."""
+        """x_i, the size of activation a_i; x_0 is the input."""
         return self.input_bytes if i == 0 else self.stage(i).out_bytes
+
+    def grad_bytes(self, i: int) -> int:
+        """g_i, the size of δ_i, the gradient of a_i; δ_0 is the input's."""
+        return self.input_grad_bytes if i == 0 else self.stage(i).grad_bytes
 
     def saved_bytes(self, i: int) -> int:
         """x̄_i, what a grad-enabled forward of stage i keeps until its backward."""
@@ -153,6 +171,7 @@ class Chain:
                         if s.nograd_fwd_tmp_bytes == s.fwd_tmp_bytes
                         else {"nograd_fwd_tmp_bytes": s.nograd_fwd_tmp_bytes}
                     ),
+                    **({} if s.grad_bytes == s.out_bytes else {"grad_bytes": s.grad_bytes}),
                 }
                 for s in self.stages
             ],
@@ -162,6 +181,8 @@ class Chain:
                 "d2h_bytes_per_s": self.link.d2h_bytes_per_s,
                 "h2d_bytes_per_s": self.link.h2d_bytes_per_s,
             }
+        if self.input_grad_bytes != self.input_bytes:
+            data["input_grad_bytes"] = self.input_grad_bytes
         if self.metadata:
             data["metadata"] = self.metadata
         return data
@@ -205,6 +226,7 @@ class Chain:
         return cls(
             name=str(data["name"]),
             input_bytes=data["input_bytes"],
+            input_grad_bytes=data.get("input_grad_bytes"),
             stages=tuple(stages),
             link=link,
             metadata=dict(metadata),

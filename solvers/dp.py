@@ -52,6 +52,7 @@ class _Sizes:
     except for ``activation`` where it is the input a_0."""
 
     activation: np.ndarray  # x_0..x_L
+    grad: np.ndarray  # g_0..g_L, the sizes of δ_0..δ_L
     saved: np.ndarray  # x̄_i
     fwd_tmp: np.ndarray  # F_all's
     nograd_fwd_tmp: np.ndarray  # F_ck's and F_none's
@@ -65,6 +66,7 @@ class _Sizes:
         stages = chain.stages
         return cls(
             activation=rounded([chain.input_bytes] + [s.out_bytes for s in stages]),
+            grad=rounded([chain.input_grad_bytes] + [s.grad_bytes for s in stages]),
             saved=rounded([0] + [s.saved_bytes for s in stages]),
             fwd_tmp=rounded([0] + [s.fwd_tmp_bytes for s in stages]),
             nograd_fwd_tmp=rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages]),
@@ -73,8 +75,8 @@ class _Sizes:
 
     def single_stage_need(self, i: int) -> int:
         """The memory opt(m, i, i) needs besides a_{i-1}."""
-        x, xb = self.activation, self.saved
-        return int(max(x[i] + xb[i] + self.fwd_tmp[i], x[i - 1] + x[i] + xb[i] + self.bwd_tmp[i]))
+        g, xb = self.grad, self.saved
+        return int(max(g[i] + xb[i] + self.fwd_tmp[i], g[i - 1] + g[i] + xb[i] + self.bwd_tmp[i]))
 
     def forward_room(self, s: int, t: int) -> int:
         """The memory the no-grad forwards of s..t-1 need with δ_t resident (s < t)."""
@@ -82,12 +84,12 @@ class _Sizes:
         room = x[s] + ft[s]
         for j in range(s + 1, t):
             room = max(room, x[j - 1] + x[j] + ft[j])
-        return int(x[t] + room)
+        return int(self.grad[t] + room)
 
     def forward_all_need(self, s: int, t: int) -> int:
         """The memory that the F_all(s) and B(s) of the first option need themselves."""
-        x, xb = self.activation, self.saved
-        return int(max(x[t] + xb[s] + self.fwd_tmp[s], x[s - 1] + x[s] + xb[s] + self.bwd_tmp[s]))
+        g, xb = self.grad, self.saved
+        return int(max(g[t] + xb[s] + self.fwd_tmp[s], g[s - 1] + g[s] + xb[s] + self.bwd_tmp[s]))
 
 
 class _Table:

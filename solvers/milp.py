@@ -259,7 +259,11 @@ def _offloaded_prefix_plan(
             )
         for split in round_splits:
             suffix = Chain(
-                chain.name, chain.activation_bytes(split), chain.stages[split:], chain.link
+                chain.name,
+                chain.activation_bytes(split),
+                chain.stages[split:],
+                chain.link,
+                input_grad_bytes=chain.grad_bytes(split),
             )
             for reserve in range(_PREFIX_RESERVES):
                 if time.monotonic() > stop:

@@ -328,6 +328,7 @@ class JointModel:
         self._all_binaries: list[pulp.LpVariable] = []
         self._places: dict[str, tuple[int, int | None]] = {}
         self.x = [chain.activation_bytes(j) / self.memory_unit for j in range(length + 1)]
+        self.grad = [chain.grad_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.saved = [0.0] + [s.saved_bytes / self.memory_unit for s in chain.stages]
         self.fwd_tmp = [0.0] + [s.fwd_tmp_bytes / self.memory_unit for s in chain.stages]
         self.nograd_fwd_tmp = [0.0] + [
@@ -746,7 +747,7 @@ class JointModel:
 
     def _memory(self) -> None:
         """Resident bytes at every admission point of the simulator stay within the budget."""
-        length, x, saved = self.length, self.x, self.saved
+        length, x, saved, grad = self.length, self.x, self.saved, self.grad
         # First pass: a_0, δ_L, the kept outputs of stages <= q-2, unreleased offloads, the
         # input a_{q-1} (whatever its fate) and F(q)'s own output and temporary.
         kept_prefix = pulp.LpAffineExpression()
@@ -755,7 +756,7 @@ class JointModel:
                 running = self._continuous(f"kept_first_pass_{q - 2}", 0)
                 self._add(running == kept_prefix + self._kept_bytes(q - 2), f"kept_fp_{q - 2}")
                 kept_prefix = pulp.LpAffineExpression(running)
-            terms = [x[0] + x[length], kept_prefix, self.unreleased[("F", q)]]
+            terms = [x[0] + grad[length], kept_prefix, self.unreleased[("F", q)]]
             if q >= 2:
                 terms.append(self._product_bytes(q - 1))
             terms.append(self._product_bytes(q, temporary=True))
@@ -783,7 +784,7 @@ class JointModel:
                 for t, steps in self.issue.items()
                 if k in steps
             )
-            base = x[k] + x[0] + resident_bytes + flying
+            base = grad[k] + x[0] + resident_bytes + flying
             # Releases seen by step k's recomputation: those before the previous backward.
             seen_by_recompute = self.unreleased[("B", k + 1)] if k < length else None
 
@@ -815,7 +816,7 @@ class JointModel:
                 if k >= 2:
                     terms.append(produced(k - 1))
                 terms.append(saved[k] * rec[(SAVED, k)])
-            terms.append(x[k - 1] + self.bwd_tmp[k])
+            terms.append(grad[k - 1] + self.bwd_tmp[k])
             self._add(pulp.lpSum(terms) <= self.budget, f"memory_B{k}")
 
     # ------------------------------------------------------------------ helpers
@@ -956,17 +957,18 @@ def necessary_budget_bytes(chain: Chain) -> int:
     """
     length = chain.length
     x = [chain.activation_bytes(j) for j in range(length + 1)]
+    g = [chain.grad_bytes(j) for j in range(length + 1)]
     need = 0
     for k in range(1, length + 1):
         stage = chain.stage(k)
         a_previous = x[k - 1] if k >= 2 else 0
         need = max(
-            need, x[0] + x[k] + stage.saved_bytes + a_previous + x[k - 1] + stage.bwd_tmp_bytes
+            need, x[0] + g[k] + stage.saved_bytes + a_previous + g[k - 1] + stage.bwd_tmp_bytes
         )
         output = stage.saved_bytes if k == length else x[k]
         # Whichever forward the plan runs first: F_all for the last stage, else the cheaper.
         temporary = stage.fwd_tmp_bytes
         if k < length:
             temporary = min(temporary, stage.nograd_fwd_tmp_bytes)
-        need = max(need, x[0] + x[length] + a_previous + output + temporary)
+        need = max(need, x[0] + g[length] + a_previous + output + temporary)
     return need

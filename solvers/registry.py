@@ -158,9 +158,9 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     length = chain.length
     last = chain.stage(length)
     room = budget_bytes - (
-        chain.activation_bytes(length)
+        chain.grad_bytes(length)
         + last.saved_bytes
-        + chain.activation_bytes(length - 1)
+        + chain.grad_bytes(length - 1)
         + last.bwd_tmp_bytes
     )
     if room < 0:

@@ -135,7 +135,7 @@ def simulate(
         return chain.activation_bytes(i)
 
     memory = _Memory()
-    memory.add(0.0, chain.activation_bytes(0) + chain.activation_bytes(chain.length))
+    memory.add(0.0, chain.activation_bytes(0) + chain.grad_bytes(chain.length))
     timeline: list[Interval] = []
     compute_free = 0.0
     last_compute_start = 0.0
@@ -170,7 +170,7 @@ def simulate(
             inputs = reads(op)
             ready = max([compute_free] + [gpu_ready_at[t] for t in inputs])
             if op.kind == BACKWARD:
-                persistent, transient = chain.activation_bytes(i - 1), chain.stage(i).bwd_tmp_bytes
+                persistent, transient = chain.grad_bytes(i - 1), chain.stage(i).bwd_tmp_bytes
             elif op.kind == F_ALL:
                 persistent, transient = chain.saved_bytes(i), chain.stage(i).fwd_tmp_bytes
             else:
@@ -193,7 +193,7 @@ def simulate(
                     release((ACTIVATION, i - 1), end, instant)
             else:
                 release((SAVED, i), end, instant)
-                memory.add(end, -chain.activation_bytes(i), instant)  # δ_i
+                memory.add(end, -chain.grad_bytes(i), instant)  # δ_i
                 if (ACTIVATION, i - 1) in gpu_ready_at:
                     release((ACTIVATION, i - 1), end, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))

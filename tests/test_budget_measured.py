@@ -11,6 +11,7 @@ on a GPU. A fixed plan that does not fit a budget is refused with the least budg
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -72,7 +73,27 @@ def resnet():
     return build_resnet(config), resnet_batch(config, 8)
 
 
-MODELS = {"gpt": gpt, "resnet": resnet, "residual-mlp": residual_mlp}
+class MeanSquare(nn.Module):
+    def forward(self, hidden):
+        return hidden.pow(2).mean()
+
+
+def random_chain(seed: int):
+    """One of test_executor's random small chains (dropout, BatchNorm, frozen blocks, tuple
+    outputs with an integer mask), wide enough that activations dwarf fixed bytes."""
+    from test_executor import random_model
+
+    blocks, width = random_model(seed)
+    generator = torch.Generator().manual_seed(seed)
+    return nn.Sequential(*blocks, MeanSquare()), torch.randn(2048, width, generator=generator)
+
+
+MODELS = {
+    "gpt": gpt,
+    "resnet": resnet,
+    "residual-mlp": residual_mlp,
+    **{f"random-{seed}": functools.partial(random_chain, seed) for seed in range(3)},
+}
 
 
 def step(module: nn.Module, parameters: list[nn.Parameter], batch) -> tuple[int, list]:

@@ -38,6 +38,7 @@ def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bo
                 bwd_tmp_bytes=rng.randint(0, 4) if tmp else 0,
                 # Derived, not drawn, so the chains of each seed stay those of earlier runs.
                 nograd_fwd_tmp_bytes=(out + i) % 4 if tmp else 0,
+                grad_bytes=out - i % 2 if tmp else out,  # an integer mask carries none
             )
         )
     return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages))
@@ -50,12 +51,16 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
     peak fits. This is written from design.md alone, independently of the simulator.
     """
     x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
+    g = [chain.grad_bytes(i) for i in range(chain.length + 1)]  # δ_i
     length = chain.length
 
     def resident_bytes(state: frozenset) -> int:
         total = 0
         for kind, i in state:
-            total += chain.saved_bytes(i) if kind == "saved" else x[i]
+            if kind == "saved":
+                total += chain.saved_bytes(i)
+            else:
+                total += x[i] if kind == "a" else g[i]
         return total
 
     def has_input(state: frozenset, i: int) -> bool:
@@ -88,7 +93,7 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
         if (
             ("saved", grad) in state
             and has_input(state, grad)
-            and used + x[grad - 1] + stage.bwd_tmp_bytes <= budget
+            and used + g[grad - 1] + stage.bwd_tmp_bytes <= budget
         ):
             after = state - {("saved", grad), ("grad", grad), ("a", grad - 1)}
             moves.append((stage.bwd_s, after | {("grad", grad - 1)}))
@@ -107,6 +112,7 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
     are left out, which is rotor's recurrence exactly.
     """
     x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
+    g = [chain.grad_bytes(i) for i in range(chain.length + 1)]  # δ_i
 
     def saved(i: int) -> int:
         return chain.saved_bytes(i)
@@ -123,15 +129,15 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
     @functools.cache
     def opt(m: int, s: int, t: int) -> float:
         if s == t:
-            need = max(x[s] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
+            need = max(g[s] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
             stage = chain.stage(s)
             return stage.fwd_s + stage.bwd_s if m >= need else INF
         # The room for the forwards without autograd bounds the second option (solvers/dp.py's
         # design note; with one temporary for both kinds, as in design.md, it bounds both alike).
-        room = x[t] + max([x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)])
+        room = g[t] + max([x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)])
         stage = chain.stage(s)
         first = INF
-        own_need = max(x[t] + saved(s) + ftmp(s), x[s - 1] + x[s] + saved(s) + btmp(s))
+        own_need = max(g[t] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
         if m >= saved(s) and (rotor_literal or m >= own_need):
             first = stage.fwd_s + opt(m - saved(s), s + 1, t) + stage.bwd_s
         second = INF

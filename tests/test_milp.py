@@ -36,6 +36,7 @@ def random_chain(rng: random.Random, length: int, link: bool = True) -> Chain:
                 fwd_tmp_bytes=rng.randint(0, 3),
                 bwd_tmp_bytes=rng.randint(0, 4),
                 nograd_fwd_tmp_bytes=(out + i) % 4,  # derived: the drawn chains stay as they were
+                grad_bytes=out - i % 2,
             )
         )
     bandwidths = (1.0, 2.0, 4.0)
