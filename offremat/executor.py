@@ -7,11 +7,11 @@ recomputing (Herrmann, Beaumont et al. 2019) activations exactly as the plan say
 
 Design notes.
 
-- Stages and their gradients: see :mod:`offremat._stage` (boundary, saved sets, RNG,
-  BatchNorm, autocast). Each B(i) calls ``torch.autograd.backward`` on stage i's graph, so
-  parameter gradients accumulate into ``.grad`` as plain autograd's do; like the reentrant
-  checkpoint, this supports ``loss.backward()`` but not ``torch.autograd.grad`` with respect
-  to parameters.
+- One step's state and operations: :mod:`offremat._step`. Stages and their gradients: see
+  :mod:`offremat._stage` (boundary, saved sets, RNG, BatchNorm, autocast). Each B(i) calls
+  ``torch.autograd.backward`` on stage i's graph, so parameter gradients accumulate into
+  ``.grad`` as plain autograd's do; like the reentrant checkpoint, this supports
+  ``loss.backward()`` but not ``torch.autograd.grad`` with respect to parameters.
 - Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
   :mod:`offremat._schedule` (what the host issues around each compute op, and where the
   simulator's memory admission becomes a wait on an offload's event).
@@ -31,53 +31,26 @@ Design notes.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._memory import CudaStreams, HostBufferPool, Residency, StorageRecord, TensorRef
-from offremat._schedule import COMPUTE, ISSUE, RELEASE, HostAction, host_schedule
+from offremat._memory import CudaStreams, HostBufferPool
+from offremat._schedule import COMPUTE, host_schedule
 from offremat._stage import (
-    AutocastState,
-    GradSlot,
-    RngState,
-    SavedTensorPacker,
-    check_unmodified,
-    check_versions,
-    cuda_device_indices,
-    enter_stage,
-    frozen_running_stats,
     has_trainable_parameters,
-    norm_layers,
-    parameter_storages,
-    replayed_rng,
 )
+from offremat._step import StepStats, _Step, _Timing
 from offremat._tensors import (
-    Structure,
     flatten,
     is_differentiable,
-    storage_key,
     unflatten,
 )
-from offremat.measure import StepMemory
-from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import (
-    ACTIVATION,
     BACKWARD,
-    F_ALL,
-    F_NONE,
-    FREE,
-    OFFLOAD,
-    PREFETCH,
-    SAVED,
-    Op,
     Plan,
     PlanError,
     validate,
@@ -85,30 +58,6 @@ from solvers.plan import (
 from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the executor measured during one training step.
-
-    - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
-      defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
-      unless the executor measures (``measure_memory=True``).
-    - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
-      executor itself held at once, counted the way the simulator counts; it does not see
-      temporaries or what other code holds. Never use it as the measurement.
-    - ``reserved_peak_bytes``: on CUDA when measuring, the allocator's reserved peak.
-    - ``step_time_s``: ``forward_time_s`` + ``backward_time_s``, the plan's forward and backward
-      halves (the caller's loss in between is not counted), timed with CUDA events on a GPU.
-    """
-
-    measured_peak_bytes: int | None
-    bookkept_peak_bytes: int
-    reserved_peak_bytes: int | None
-    step_time_s: float
-    forward_time_s: float
-    backward_time_s: float
-    device: str
 
 
 class PlanExecutor:
@@ -229,377 +178,3 @@ class _PlanFunction(torch.autograd.Function):
             )
         ctx.step = None
         return (None, None, *step.run_backward(grads))
-
-
-class _PlanTensor:
-    """One of the plan's tensors (a_i, x̄_i or δ_i): references to its tensors, storages held.
-
-    For x̄_i, ``edges`` are the gradient edges of stage i's outputs (the roots of B(i)),
-    ``packer`` holds what autograd saved and ``slot`` receives δ_{i-1}.
-    """
-
-    __slots__ = ("diff", "edges", "packer", "records", "refs", "slot", "structure")
-
-    def __init__(
-        self,
-        refs: list[TensorRef | None],
-        structure: Structure | None,
-        records: tuple[StorageRecord, ...],
-    ):
-        self.refs = refs
-        self.structure = structure
-        self.records = records
-        self.edges: list[GradientEdge | None] = []
-        self.packer: SavedTensorPacker | None = None
-        self.slot: GradSlot | None = None
-        self.diff: list[int] = []
-
-    @property
-    def tensors(self) -> list[torch.Tensor | None]:
-        """The tensors, over the storages resident now."""
-        return [None if ref is None else ref.get() for ref in self.refs]
-
-
-@dataclass
-class _Timing:
-    """Clock readings and memory figures of one step, resolved into :class:`StepStats`."""
-
-    device: torch.device
-    bookkept_peak_bytes: int
-    marks: list[Any]
-    memory: StepMemory | None
-
-    def resolve(self) -> StepStats:
-        if self.device.type == "cuda":
-            self.marks[-1].synchronize()
-            forward = self.marks[0].elapsed_time(self.marks[1]) / 1000
-            backward = self.marks[2].elapsed_time(self.marks[3]) / 1000
-        else:
-            forward = self.marks[1] - self.marks[0]
-            backward = self.marks[3] - self.marks[2]
-        memory = self.memory
-        return StepStats(
-            measured_peak_bytes=None if memory is None else memory.peak_bytes,
-            bookkept_peak_bytes=self.bookkept_peak_bytes,
-            reserved_peak_bytes=None if memory is None else memory.reserved_peak_bytes,
-            step_time_s=forward + backward,
-            forward_time_s=forward,
-            backward_time_s=backward,
-            device=str(self.device),
-        )
-
-
-class _Step:
-    """The state of one training step, from the forward to the end of the backward."""
-
-    def __init__(
-        self,
-        executor: PlanExecutor,
-        tensors: list[torch.Tensor],
-        structure: Structure,
-        device: torch.device,
-        trainable: list[bool],
-    ):
-        self.executor = executor
-        self.ops = executor.plan.ops
-        self.length = executor.chain.length
-        self.names = executor.chain.stage_names
-        self.device = device
-        pool, self.streams = executor._resources(device)
-        self.excluded = parameter_storages(executor.stages)
-        self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
-        self.anchor = executor._anchor(device)
-        self.norms = [norm_layers(stage) for stage in executor.stages]
-        self.cuda_devices = cuda_device_indices(device)
-        self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
-        self.trainable = trainable
-        self.input_requires_grad = [t.requires_grad for t in tensors]
-        # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
-        self.flags: dict[int, list[bool]] = {
-            0: [t.requires_grad and is_differentiable(t) for t in tensors]
-        }
-        # A plan tensor can have a version on the device and another whose bytes are on the
-        # host (the same one after a prefetch, a different one after a recomputation).
-        self.on_device: dict[tuple[str, int], _PlanTensor] = {}
-        self.on_host: dict[tuple[str, int], _PlanTensor] = {}
-        self.offloaded_by: dict[int, _PlanTensor] = {}
-        self.grads: dict[int, _PlanTensor] = {}
-        self.rng: dict[int, RngState] = {}
-        self.produced: dict[tuple[str, int], Any] = {}
-        self.in_backward = False
-        self.peak = 0
-        self.output_structure: Structure | None = None
-        self.outputs: list[torch.Tensor] | None = None
-        self.marks: list[Any] = []
-        self.memory = StepMemory(device, tensors) if executor.measure_memory else None
-        # The caller's input: resident for the whole step, never moved.
-        refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
-        source = _PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
-        self.on_device[(ACTIVATION, 0)] = source
-
-    # The two halves of the plan.
-
-    def run_forward(self) -> tuple[torch.Tensor, ...]:
-        if self.memory is not None:
-            self.memory.__enter__()
-        self._mark()
-        self.peak = self.residency.live_bytes
-        try:
-            with self._out_of_memory_advice():
-                self._run(self.executor.forward_actions)
-        except BaseException:
-            self._close()
-            raise
-        finally:
-            if self.memory is not None:
-                self.memory.pause()
-        self._mark()
-        assert self.outputs is not None
-        outputs, self.outputs = self.outputs, None
-        return tuple(output.detach() for output in outputs)
-
-    def run_backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        if self.streams is not None:
-            self.streams.compute = torch.cuda.current_stream(self.device)
-        if self.memory is not None:
-            self.memory.resume()
-        try:
-            self._mark()
-            self.in_backward = True
-            refs = [None if g is None else TensorRef(g) for g in grads]
-            held = self.residency.hold(r for r in refs if r is not None)
-            self.grads[self.length] = _PlanTensor(refs, None, held)
-            with self._out_of_memory_advice():
-                self._run(self.executor.backward_actions)
-            first_grads = self.grads.pop(0).tensors
-        finally:
-            self._close()
-        self._mark()
-        if self.memory is not None:
-            self.memory.__exit__(None, None, None)
-        self.executor._last = _Timing(self.device, self.peak, self.marks, self.memory)
-        wanted = self.input_requires_grad
-        return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
-
-    def _close(self) -> None:
-        """Settle copies and give back host buffers; drop every tensor of the step."""
-        self.residency.close()
-        self.on_device.clear()
-        self.on_host.clear()
-        self.offloaded_by.clear()
-        self.grads.clear()
-
-    def _run(self, actions: Sequence[HostAction]) -> None:
-        for action in actions:
-            op = self.ops[action.position]
-            if action.kind == RELEASE:
-                self._release(action.position, op)
-            elif action.kind == ISSUE:
-                self._memory_op(action.position, op)
-            elif op.kind == BACKWARD:
-                self._backward(op.index)
-            else:
-                self._forward(op)
-
-    # Memory operations.
-
-    def _release(self, position: int, op: Op) -> None:
-        """Free the device bytes that the offload at ``position`` copied, unless needed again."""
-        offloaded = self.offloaded_by.pop(position)
-        still_away = self.on_host.get(op.tensor) is offloaded
-        if still_away and self.on_device.get(op.tensor) is not offloaded:
-            self.residency.release(offloaded.records)
-
-    def _memory_op(self, position: int, op: Op) -> None:
-        key = op.tensor
-        if op.kind == OFFLOAD:
-            tensor = self.on_device.pop(key)
-            previous = self.on_host.get(key)
-            self.residency.offload(
-                tensor.records, self.produced.get(key), newly_away=previous is not tensor
-            )
-            if previous is not None and previous is not tensor:
-                self.residency.drop(previous.records, resident=False)
-            self.on_host[key] = tensor
-            self.offloaded_by[position] = tensor
-        elif op.kind == PREFETCH:
-            tensor = self.on_host[key]
-            self.residency.prefetch(tensor.records)
-            self.on_device[key] = tensor
-            self.produced.pop(key, None)
-            self.peak = max(self.peak, self.residency.live_bytes)
-        elif op.kind == FREE:
-            self._drop_resident(key)
-
-    def _drop(self, key: tuple[str, int]) -> None:
-        """Nothing reads ``key`` again: its host copy goes first, then its device bytes."""
-        away = self.on_host.pop(key, None)
-        if away is not None:
-            self.residency.drop(away.records, resident=False)
-        resident = self.on_device.pop(key, None)
-        if resident is not None:
-            self.residency.drop(resident.records, resident=True)
-
-    def _source(self, index: int) -> _PlanTensor:
-        """The resident a_index: by itself, or as the output of x̄_index."""
-        for key in ((ACTIVATION, index), (SAVED, index)):
-            if key in self.on_device:
-                return self.on_device[key]
-        raise RuntimeError(f"a{index} is not resident; the plan was validated, so this is a bug")
-
-    # Compute operations.
-
-    def _forward(self, op: Op) -> None:
-        i = op.index
-        name = self.names[i - 1]
-        stage = self.executor.stages[i - 1]
-        source = self._source(i - 1)
-        self.residency.use(source.records)
-        # A checkpoint changed in place since it was made would recompute another activation.
-        check_versions(name, source.refs)
-        inputs = source.tensors
-        first = i not in self.flags
-        rng = RngState.capture(self.cuda_devices) if first else self.rng.get(i)
-        versions = [tensor._version for tensor in inputs]
-        packer = slot = None
-        diff: list[int] = []
-        excluded = self.excluded
-        with ExitStack() as stack:
-            if not first:
-                if rng is not None:
-                    stack.enter_context(replayed_rng(rng))
-                copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                excluded = excluded | {storage_key(copy) for copy in copies}
-            for state in self.autocast:
-                state.enter(stack)
-            if op.kind == F_ALL:
-                stack.enter_context(torch.enable_grad())
-                diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                packer = SavedTensorPacker(name, inputs, excluded)
-                slot = GradSlot()
-                inputs = enter_stage(inputs, diff, slot, self.anchor)
-                stack.enter_context(packer.hooks())
-            else:
-                stack.enter_context(torch.no_grad())
-            result = stage(unflatten(inputs, source.structure))
-        check_unmodified(name, source.tensors, versions)
-        tensors, structure = flatten(result)
-        del result
-        if first:
-            self.flags[i] = self._gradient_flags(i, op, inputs, tensors)
-            if rng is not None and not rng.unchanged():
-                self.rng[i] = rng
-            del rng
-        del inputs
-        is_output = i == self.length and self.outputs is None and not self.in_backward
-        if is_output:
-            self.outputs, self.output_structure = tensors, structure
-        refs: list[TensorRef | None] = [TensorRef(t.detach(), original=t) for t in tensors]
-        held = [r for r in refs if r is not None]
-        if packer is not None:
-            held += packer.refs
-        produced = _PlanTensor(refs, structure, self.residency.hold(held, movable=not is_output))
-        if op.kind == F_ALL:
-            produced.edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
-        if packer is not None:
-            packer.inputs = []  # B(i) binds whichever copy of a_{i-1} is resident then
-        produced.packer, produced.slot, produced.diff = packer, slot, diff
-        del tensors
-        key = (SAVED if op.kind == F_ALL else ACTIVATION, i)
-        self.on_device[key] = produced
-        if self.streams is not None:
-            self.produced[key] = self.streams.compute.record_event()
-        self.peak = max(self.peak, self.residency.live_bytes)
-        if op.kind == F_NONE:
-            self._drop_resident((ACTIVATION, i - 1))
-
-    def _gradient_flags(
-        self, i: int, op: Op, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
-    ) -> list[bool]:
-        """Which of a_i's tensors carry a gradient in plain autograd.
-
-        A grad-enabled forward knows it from autograd. A forward without autograd assumes so
-        for every floating output of a stage with a trainable parameter or a gradient-carrying
-        input, except what it passes on unchanged from an input without one (a target, a mask).
-        """
-        if op.kind == F_ALL:
-            return [t.requires_grad and is_differentiable(t) for t in outputs]
-        upstream = self.trainable[i - 1] or any(self.flags[i - 1])
-        constant = {
-            storage_key(t) for t, flag in zip(inputs, self.flags[i - 1], strict=True) if not flag
-        }
-        return [
-            upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
-        ]
-
-    def _drop_resident(self, key: tuple[str, int]) -> None:
-        tensor = self.on_device.pop(key, None)
-        if tensor is not None:
-            self.residency.drop(tensor.records, resident=True)
-
-    def _backward(self, i: int) -> None:
-        saved = self.on_device[(SAVED, i)]
-        grad = self.grads[i]
-        source = self._source(i - 1)
-        self.residency.use(saved.records)
-        self.residency.use(source.records)
-        assert saved.packer is not None and saved.slot is not None
-        saved.packer.inputs = source.tensors
-        pairs = [
-            (edge, g)
-            for edge, g in zip(saved.edges, grad.tensors, strict=True)
-            if g is not None and edge is not None
-        ]
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        grads: list[torch.Tensor | None] = [None] * len(source.refs)
-        for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
-            grads[k] = g
-        saved.slot.grads = None
-        refs = [None if g is None else TensorRef(g) for g in grads]
-        del grads, pairs
-        held = self.residency.hold(r for r in refs if r is not None)
-        self.grads[i - 1] = _PlanTensor(refs, None, held)
-        self.peak = max(self.peak, self.residency.live_bytes)
-        gone = self.grads.pop(i)
-        self.residency.drop(gone.records)
-        # Nothing reads x̄_i, or a_{i-1} by itself, after B(i).
-        for key in ((SAVED, i), (ACTIVATION, i - 1)):
-            self._drop(key)
-
-    def _mark(self) -> None:
-        if self.streams is not None:
-            self.marks.append(
-                self.streams.compute.record_event(torch.cuda.Event(enable_timing=True))
-            )
-        else:
-            self.marks.append(time.perf_counter())
-
-    def _out_of_memory_advice(self) -> _OutOfMemoryAdvice:
-        return _OutOfMemoryAdvice(self.executor.plan)
-
-
-class _OutOfMemoryAdvice:
-    """Re-raise a device out-of-memory error with the plan's figures and what to do."""
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
-        if isinstance(error, torch.OutOfMemoryError):
-            plan = self.plan
-            peak = plan.predicted_peak_bytes
-            budget = plan.budget_bytes
-            raise torch.OutOfMemoryError(
-                f"out of device memory while running the {plan.solver} plan "
-                f"(predicted activation peak {format_bytes(peak) if peak is not None else '?'}, "
-                f"budget {format_bytes(budget) if budget is not None else 'none'}). The chain no "
-                f"longer matches the model (another batch or sequence size?) or the rest of the "
-                f"memory (weights, gradients, optimizer state) leaves less than the budget: "
-                f"profile again with the input you train on (offremat.optimize(model, x, ...)) "
-                f"and lower the budget. Original error: {error}"
-            ) from error
-        return False

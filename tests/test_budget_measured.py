@@ -163,7 +163,7 @@ def test_each_op_holds_what_the_simulator_says(
     is within 10% of the prediction. Single ops may hold less than simulated, by what the cost
     model counts conservatively: δ_L from the step's start, and δ_0 at B(1) even when the
     input needs no gradient."""
-    from offremat import executor as executor_module
+    from offremat import _step as step_module
     from offremat.measure import LiveStorageTracker
 
     model, batch = MODELS[name]()
@@ -177,7 +177,7 @@ def test_each_op_holds_what_the_simulator_says(
     tracker = LiveStorageTracker()
     input_bytes = chain.input_bytes
     measured: dict[int, int] = {}
-    run = executor_module._Step._run
+    run = step_module._Step._run
 
     def run_one_by_one(step, actions):
         for action in actions:
@@ -186,7 +186,7 @@ def test_each_op_holds_what_the_simulator_says(
             if action.kind == "compute":
                 measured[action.position] = tracker.peak_bytes + input_bytes
 
-    monkeypatch.setattr(executor_module._Step, "_run", run_one_by_one)
+    monkeypatch.setattr(step_module._Step, "_run", run_one_by_one)
     torch.manual_seed(1)
     with tracker:
         executor(batch).backward()
