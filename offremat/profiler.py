@@ -138,6 +138,8 @@ def profile_model(
         name=name or type(model).__name__,
         input_bytes=storage_bytes(input_tensors),
         input_grad_bytes=gradient_bytes(input_tensors),
+        # The caller's output and the gradient it seeds stay alive to the end of the backward.
+        held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes,
         stages=chain_stages,
         link=link,
         metadata=metadata,
@@ -230,11 +232,17 @@ class _StageProfile:
         check_unmodified(self.name, self.tensors, versions)
         return output, slot, packer
 
-    def backward(self, output: Any, slot: GradSlot) -> list[torch.Tensor]:
-        """B(i) as in training: parameter gradients accumulate, δ_{i-1} lands in the slot."""
+    @staticmethod
+    def incoming(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that carry a gradient, and a δ_i for them (resident before B(i))."""
         outputs = [t for t in flatten(output)[0] if t.requires_grad]
+        return outputs, [torch.ones_like(t) for t in outputs]
+
+    def backward(
+        self, outputs: list[torch.Tensor], grads: list[torch.Tensor], slot: GradSlot
+    ) -> list[torch.Tensor]:
+        """B(i) as in training: parameter gradients accumulate, δ_{i-1} lands in the slot."""
         if outputs:
-            grads = [torch.ones_like(t) for t in outputs]
             torch.autograd.backward(outputs, grads)
         return [g for g in slot.grads or () if g is not None]
 
@@ -248,7 +256,7 @@ class _StageProfile:
                 parameter.grad = torch.zeros_like(parameter)
         if self.device.type == "cuda":  # first-call workspaces (autotuning) are no temporaries
             output, slot, _ = self.forward(grad=True)
-            self.backward(output, slot)
+            self.backward(*self.incoming(output), slot)
             del output, slot
         with StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
@@ -259,9 +267,10 @@ class _StageProfile:
         saved = {**packer.saved_storages(), **out_storages}
         saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
         del saved, out_storages, packer
+        incoming = self.incoming(output)
         with StepMemory(self.device) as backward_memory:
-            produced = storage_bytes(self.backward(output, slot))
-        del slot
+            produced = storage_bytes(self.backward(*incoming, slot))
+        del slot, incoming
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
@@ -283,11 +292,12 @@ class _StageProfile:
             (timed_output, timed_slot, _), forward_s = _timed(
                 self.device, partial(self.forward, True)
             )
-            _, backward_s = _timed(self.device, partial(self.backward, timed_output, timed_slot))
+            incoming = self.incoming(timed_output)
+            _, backward_s = _timed(self.device, partial(self.backward, *incoming, timed_slot))
             if attempt >= warmup:
                 forward_times.append(forward_s)
                 backward_times.append(backward_s)
-            del timed_output, timed_slot
+            del timed_output, timed_slot, incoming
         measured = _Measured(
             statistics.median(forward_times),
             statistics.median(backward_times),

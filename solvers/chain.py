@@ -82,7 +82,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Chain:
-    """A model's training step seen as a chain of stages (the problem every solver takes)."""
+    """A model's training step seen as a chain of stages (the problem every solver takes).
+
+    ``held_bytes`` is what the caller keeps from B(L) to the end of the step: its output a_L
+    (the loss it calls ``backward`` on) and the gradient autograd seeded it with. Before B(L)
+    those bytes are a_L inside x̄_L and δ_L; after it, nothing in the plan holds them.
+    """
 
     name: str
     input_bytes: int
@@ -90,6 +95,7 @@ class Chain:
     link: Link | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     input_grad_bytes: int | None = None
+    held_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -101,6 +107,9 @@ class Chain:
             self,
             "input_grad_bytes",
             _check_bytes(self.input_grad_bytes, "chain: field 'input_grad_bytes'"),
+        )
+        object.__setattr__(
+            self, "held_bytes", _check_bytes(self.held_bytes, "chain: field 'held_bytes'")
         )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
@@ -183,6 +192,8 @@ class Chain:
             }
         if self.input_grad_bytes != self.input_bytes:
             data["input_grad_bytes"] = self.input_grad_bytes
+        if self.held_bytes:
+            data["held_bytes"] = self.held_bytes
         if self.metadata:
             data["metadata"] = self.metadata
         return data
@@ -227,6 +238,7 @@ class Chain:
             name=str(data["name"]),
             input_bytes=data["input_bytes"],
             input_grad_bytes=data.get("input_grad_bytes"),
+            held_bytes=data.get("held_bytes", 0),
             stages=tuple(stages),
             link=link,
             metadata=dict(metadata),

@@ -16,6 +16,10 @@ activation sizes and no temporaries) the optimum is rotor's; where one binds, ro
 exceeds its budget on rotor's own memory model (``tests/test_dp.py`` shows such a chain), so we
 check both.
 
+Design note, what the caller holds: from B(L) to the end of the step the caller keeps its
+output and the gradient it seeded (the chain's ``held_bytes``), so every sub-problem
+opt(., s, t) with t < L, which runs after B(L), needs those bytes too.
+
 Design note, two forward temporaries: a forward with autograd (F_all) and one without (F_ck,
 F_none) have different transient peaks (the chain's ``fwd_tmp_bytes`` and
 ``nograd_fwd_tmp_bytes``). The room for the forwards without autograd, x_t + max(x_s +
@@ -57,6 +61,7 @@ class _Sizes:
     fwd_tmp: np.ndarray  # F_all's
     nograd_fwd_tmp: np.ndarray  # F_ck's and F_none's
     bwd_tmp: np.ndarray
+    held: int  # what the caller holds after B(L)
 
     @classmethod
     def of(cls, chain: Chain, unit: float = 1.0) -> _Sizes:
@@ -71,12 +76,18 @@ class _Sizes:
             fwd_tmp=rounded([0] + [s.fwd_tmp_bytes for s in stages]),
             nograd_fwd_tmp=rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages]),
             bwd_tmp=rounded([0] + [s.bwd_tmp_bytes for s in stages]),
+            held=math.ceil(chain.held_bytes / unit),
         )
+
+    def held_after(self, t: int) -> int:
+        """What the caller holds during opt(., s, t): after B(L), so when t < L."""
+        return self.held if t < len(self.activation) - 1 else 0
 
     def single_stage_need(self, i: int) -> int:
         """The memory opt(m, i, i) needs besides a_{i-1}."""
         g, xb = self.grad, self.saved
-        return int(max(g[i] + xb[i] + self.fwd_tmp[i], g[i - 1] + g[i] + xb[i] + self.bwd_tmp[i]))
+        need = max(g[i] + xb[i] + self.fwd_tmp[i], g[i - 1] + g[i] + xb[i] + self.bwd_tmp[i])
+        return int(need + self.held_after(i))
 
     def forward_room(self, s: int, t: int) -> int:
         """The memory the no-grad forwards of s..t-1 need with δ_t resident (s < t)."""
@@ -84,12 +95,15 @@ class _Sizes:
         room = x[s] + ft[s]
         for j in range(s + 1, t):
             room = max(room, x[j - 1] + x[j] + ft[j])
-        return int(self.grad[t] + room)
+        return int(self.grad[t] + room + self.held_after(t))
 
     def forward_all_need(self, s: int, t: int) -> int:
         """The memory that the F_all(s) and B(s) of the first option need themselves."""
         g, xb = self.grad, self.saved
-        return int(max(g[t] + xb[s] + self.fwd_tmp[s], g[s - 1] + g[s] + xb[s] + self.bwd_tmp[s]))
+        # F_all(s) runs before the sub-problem's backwards, B(s) after them (so after B(L)).
+        forward = g[t] + xb[s] + self.fwd_tmp[s] + self.held_after(t)
+        backward = g[s - 1] + g[s] + xb[s] + self.bwd_tmp[s] + self.held_after(s)
+        return int(max(forward, backward))
 
 
 class _Table:

@@ -264,6 +264,7 @@ def _offloaded_prefix_plan(
                 chain.stages[split:],
                 chain.link,
                 input_grad_bytes=chain.grad_bytes(split),
+                held_bytes=chain.held_bytes,
             )
             for reserve in range(_PREFIX_RESERVES):
                 if time.monotonic() > stop:

@@ -329,6 +329,7 @@ class JointModel:
         self._places: dict[str, tuple[int, int | None]] = {}
         self.x = [chain.activation_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.grad = [chain.grad_bytes(j) / self.memory_unit for j in range(length + 1)]
+        self.held = chain.held_bytes / self.memory_unit
         self.saved = [0.0] + [s.saved_bytes / self.memory_unit for s in chain.stages]
         self.fwd_tmp = [0.0] + [s.fwd_tmp_bytes / self.memory_unit for s in chain.stages]
         self.nograd_fwd_tmp = [0.0] + [
@@ -784,7 +785,9 @@ class JointModel:
                 for t, steps in self.issue.items()
                 if k in steps
             )
-            base = grad[k] + x[0] + resident_bytes + flying
+            # From B(L) on, the caller holds its output and the gradient it seeded.
+            held = self.held if k < length else 0
+            base = grad[k] + x[0] + held + resident_bytes + flying
             # Releases seen by step k's recomputation: those before the previous backward.
             seen_by_recompute = self.unreleased[("B", k + 1)] if k < length else None
 
@@ -963,7 +966,14 @@ def necessary_budget_bytes(chain: Chain) -> int:
         stage = chain.stage(k)
         a_previous = x[k - 1] if k >= 2 else 0
         need = max(
-            need, x[0] + g[k] + stage.saved_bytes + a_previous + g[k - 1] + stage.bwd_tmp_bytes
+            need,
+            x[0]
+            + (chain.held_bytes if k < length else 0)
+            + g[k]
+            + stage.saved_bytes
+            + a_previous
+            + g[k - 1]
+            + stage.bwd_tmp_bytes,
         )
         output = stage.saved_bytes if k == length else x[k]
         # Whichever forward the plan runs first: F_all for the last stage, else the cheaper.

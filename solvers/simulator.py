@@ -194,6 +194,8 @@ def simulate(
             else:
                 release((SAVED, i), end, instant)
                 memory.add(end, -chain.grad_bytes(i), instant)  # δ_i
+                if i == chain.length:  # what the caller holds from here to the step's end
+                    memory.add(end, chain.held_bytes, instant)
                 if (ACTIVATION, i - 1) in gpu_ready_at:
                     release((ACTIVATION, i - 1), end, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))

@@ -41,7 +41,9 @@ def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bo
                 grad_bytes=out - i % 2 if tmp else out,  # an integer mask carries none
             )
         )
-    return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages))
+    # Derived, not drawn: the caller's loss and its seed gradient, held after B(L).
+    held = (stages[-1].out_bytes + length) % 3 if tmp else 0
+    return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages), held_bytes=held)
 
 
 def exhaustive_optimum(chain: Chain, budget: int) -> float:
@@ -55,7 +57,8 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
     length = chain.length
 
     def resident_bytes(state: frozenset) -> int:
-        total = 0
+        # From B(L) to the end the caller holds its output and the gradient it seeded.
+        total = chain.held_bytes if ("grad", length) not in state else 0
         for kind, i in state:
             if kind == "saved":
                 total += chain.saved_bytes(i)
@@ -114,6 +117,9 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
     x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
     g = [chain.grad_bytes(i) for i in range(chain.length + 1)]  # δ_i
 
+    def held(t: int) -> int:  # what the caller holds after B(L)
+        return chain.held_bytes if t < chain.length else 0
+
     def saved(i: int) -> int:
         return chain.saved_bytes(i)
 
@@ -129,15 +135,19 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
     @functools.cache
     def opt(m: int, s: int, t: int) -> float:
         if s == t:
-            need = max(g[s] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
+            need = held(s) + max(g[s] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
             stage = chain.stage(s)
             return stage.fwd_s + stage.bwd_s if m >= need else INF
         # The room for the forwards without autograd bounds the second option (solvers/dp.py's
         # design note; with one temporary for both kinds, as in design.md, it bounds both alike).
-        room = g[t] + max([x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)])
+        forwards = [x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)]
+        room = held(t) + g[t] + max(forwards)
         stage = chain.stage(s)
         first = INF
-        own_need = max(g[t] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
+        own_need = max(
+            held(t) + g[t] + saved(s) + ftmp(s),  # F_all(s), before the sub-problem
+            held(s) + g[s - 1] + g[s] + saved(s) + btmp(s),  # B(s), after it
+        )
         if m >= saved(s) and (rotor_literal or m >= own_need):
             first = stage.fwd_s + opt(m - saved(s), s + 1, t) + stage.bwd_s
         second = INF

@@ -84,7 +84,7 @@ def test_in_place_changes_raise_as_plain_autograd_does(solver: str) -> None:
     model = blocks()
     x = torch.randn(ROWS, WIDTH)
     om = offremat.optimize(
-        model, x, budget=1.0 if solver != "dp" else 0.85, solver=solver, bandwidth=1e9
+        model, x, budget=1.0 if solver != "dp" else 0.95, solver=solver, bandwidth=1e9
     )
     # Plain autograd: tanh saved its output, the first Linear saved its input.
     for change in (lambda out, inp: out.mul_(2), lambda out, inp: inp.add_(1)):

@@ -45,6 +45,7 @@ def random_chain(rng: random.Random, length: int, link: bool = True) -> Chain:
         rng.randint(1, 6),
         tuple(stages),
         Link(rng.choice(bandwidths), rng.choice(bandwidths)) if link else None,
+        held_bytes=(stages[-1].out_bytes + length) % 3,  # derived: the drawn chains stay
     )
 
 

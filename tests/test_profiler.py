@@ -206,3 +206,17 @@ def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
     assert main(["profile", f"{source}:missing", *common]) == 2
     assert main(["profile", "no-such-model", *common]) == 2
     assert main(["profile", "gpt-tiny", "--stages", "0", *common]) == 2
+
+
+def test_a_doubling_stage_has_no_backward_temporary() -> None:
+    # Its backward makes δ_{i-1} = 2·δ_i and nothing else: the incoming δ_i (already resident)
+    # and the outgoing δ_{i-1} (counted by the plan) are not temporaries.
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(64, 64), Double(), nn.Linear(64, 64))
+    chain = quick(model, torch.randn(256, 64))
+    double = chain.stage(2)
+    assert double.bwd_tmp_bytes == 0
+    assert double.saved_bytes == double.out_bytes == double.grad_bytes == 256 * 64 * FLOAT
