@@ -208,9 +208,11 @@ class Plan:
         budget = data.get("budget_bytes")
         if isinstance(budget, float) and budget.is_integer():
             budget = int(budget)
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
+        ):
             raise ValueError(
-                f"plan: field 'budget_bytes' must be an integer or null, got {budget!r}"
+                f"plan: field 'budget_bytes' must be a positive integer or null, got {budget!r}"
             )
         return cls(
             ops=ops,

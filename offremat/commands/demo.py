@@ -87,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--budget is a fraction of the keep-all peak in (0, 1), got {args.budget}"
         )
+    if args.device:
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise UsageError(
+                f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N"
+            ) from None
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
     sizes = {
