@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from offremat.commands import EXIT_USAGE, UsageError, demo, plot, profile, solve, sweep
+from offremat.commands import EXIT_OK, EXIT_USAGE, UsageError, demo, plot, profile, solve, sweep
 
 # Adding a subcommand: a module in offremat/commands/ and one entry here.
 COMMANDS = (solve, plot, profile, sweep, demo)
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"offremat {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`| head`): what it did not read is not an error. Point stdout
+        # at devnull so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -38,3 +38,38 @@ def test_demo_with_an_unknown_device_is_a_usage_error(capsys) -> None:
 
     assert main(["demo", "--device", "nope"]) == 2
     assert "--device 'nope' is not a device" in capsys.readouterr().err
+
+
+def test_json_never_prints_infinity() -> None:
+    from offremat.commands import json_text
+
+    text = json_text({"gap": float("inf"), "bound": [1.0, float("nan")], "n": 3})
+    assert json.loads(text) == {"gap": None, "bound": [1.0, None], "n": 3}
+
+
+def test_json_piped_into_a_reader_that_left_ends_quietly() -> None:
+    # `offremat solve ... --json | head -1`: the reader is gone before the output is written.
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "offremat.cli", "solve", "transformer", "--budget", "0.5"]
+    process = subprocess.Popen(
+        [*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()
+    _, errors = process.communicate(timeout=120)
+    assert process.returncode == 0, errors
+    assert "Traceback" not in errors and "BrokenPipe" not in errors
+
+
+def test_names_are_printed_as_they_are_never_as_markup_or_emoji(tmp_path, capsys) -> None:
+    from offremat.cli import main
+    from solvers.chain import Chain, Stage
+
+    odd = "[bold]adapters.py:llama:[/bold]"
+    chain = Chain(odd, 64, (Stage(":llama:", 1.0, 1.0, 64, 128), Stage("[red]b", 1.0, 1.0, 4, 8)))
+    path = tmp_path / "chain.json"
+    chain.save(path)
+    assert main(["solve", str(path), "--budget", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert odd in out and ":llama:" in out and "[red]b" in out

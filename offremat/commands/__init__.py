@@ -9,9 +9,11 @@ Exit statuses: 0 done, 2 usage error (raise :class:`UsageError`), 3 no plan fits
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from offremat import examples
 from solvers.budget import parse_budget
@@ -27,6 +29,21 @@ BUDGET_HELP = (
     "GPU memory budget: bytes (6442450944), a size (6GiB, 512MB) or a fraction in (0, 1] of "
     "the keep-all peak (0.3)"
 )
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text; a non-finite number becomes null, since JSON has no Infinity."""
+    return json.dumps(_finite(value), indent=2, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 class UsageError(Exception):

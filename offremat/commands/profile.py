@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from offremat.commands import EXIT_OK, UsageError, integer_at_least
 from solvers.budget import format_bytes
@@ -172,7 +173,8 @@ def _import(name: str) -> Any:
 def _print_chain(chain: Chain, path: str) -> None:
     console = Console(highlight=False)
     grouping = chain.metadata.get("grouping", {})
-    table = Table(title=f"{chain.name}: {chain.length} stages on {chain.metadata.get('device')}")
+    device = chain.metadata.get("device")
+    table = Table(title=Text(f"{chain.name}: {chain.length} stages on {device}"))
     for column, justify in (
         ("#", "right"),
         ("stage", "left"),
@@ -186,7 +188,7 @@ def _print_chain(chain: Chain, path: str) -> None:
     for index, stage in enumerate(chain.stages, start=1):
         table.add_row(
             str(index),
-            stage.name,
+            Text(stage.name),
             str(len(grouping.get(stage.name, [stage.name]))),
             f"{stage.fwd_s * 1e3:.3f} ms",
             f"{stage.bwd_s * 1e3:.3f} ms",

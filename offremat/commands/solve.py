@@ -4,7 +4,6 @@ time and peak from the simulator."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -12,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from offremat.commands import (
     BUDGET_HELP,
@@ -21,6 +21,7 @@ from offremat.commands import (
     chain_help,
     draw_plan,
     integer_at_least,
+    json_text,
     load_chain,
     positive_number,
     resolve_budget,
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         draw_plan(chain, plan, args.plot)
         logger.info("drew the plan in %s", args.plot)
     if args.json:
-        print(json.dumps(plan_summary(chain, plan), indent=2))
+        print(json_text(plan_summary(chain, plan)))
     else:
         _print_table(chain, plan)
     return EXIT_OK
@@ -154,7 +155,7 @@ def _overhead(chain: Chain, time_s: float) -> float:
 def _report_infeasible(args: argparse.Namespace, chain: Chain, error: InfeasibleBudgetError) -> int:
     if args.json:
         print(
-            json.dumps(
+            json_text(
                 {
                     "feasible": False,
                     "solver": args.solver,
@@ -162,8 +163,7 @@ def _report_infeasible(args: argparse.Namespace, chain: Chain, error: Infeasible
                     "budget_bytes": error.budget_bytes,
                     "min_budget_bytes": error.min_budget_bytes,
                     "message": str(error),
-                },
-                indent=2,
+                }
             )
         )
     else:
@@ -183,7 +183,8 @@ def _print_table(chain: Chain, plan: Plan) -> None:
     assert plan.predicted_time_s is not None and plan.predicted_peak_bytes is not None
     assert plan.budget_bytes is not None
     console = Console(highlight=False)
-    table = Table(title=f"{chain.name}: {plan.solver} plan, {chain.length} stages")
+    # User text (chain and stage names) goes in as Text: never parsed as markup or emoji.
+    table = Table(title=Text(f"{chain.name}: {plan.solver} plan, {chain.length} stages"))
     table.add_column("#", justify="right")
     table.add_column("stage")
     table.add_column("decision")
@@ -196,7 +197,7 @@ def _print_table(chain: Chain, plan: Plan) -> None:
         style = _DECISION_STYLE.get(decision, "")
         table.add_row(
             str(index),
-            stage.name,
+            Text(stage.name),
             f"[{style}]{decision}[/]" if style else decision,
             _format_seconds(stage.fwd_s),
             _format_seconds(stage.bwd_s),

@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from offremat.commands import (
     EXIT_OK,
@@ -118,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
     budgets = budget_range(chain, args.points, DEFAULT_SLOTS if args.slots is None else args.slots)
     console = Console(stderr=True, highlight=False)
     console.print(
-        f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
-        f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])}, methods {', '.join(methods)}"
+        Text(
+            f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
+            f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])}, "
+            f"methods {', '.join(methods)}"
+        )
     )
     if chain.link is None:
         console.print("no host link: offload-all has no plan and milp only recomputes")
