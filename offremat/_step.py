@@ -10,6 +10,7 @@ the step measured (:class:`StepStats`).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -60,7 +61,11 @@ class StepStats:
 
     - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
       defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
-      unless the executor measures (``measure_memory=True``).
+      unless the executor measures (``measure_memory=True``). On CUDA the allocator counts
+      everything from the forward's start to the backward's end, the caller's loss included;
+      on CPU the tracker watches the plan's forward and backward halves only, since a
+      dispatch mode left on between them would run under the caller's code. Wrap the whole
+      step in ``StepMemory`` to see the same on both.
     - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
       executor itself held at once, counted the way the simulator counts; it does not see
       temporaries or what other code holds. Never use it as the measurement.
@@ -155,6 +160,8 @@ class _Step:
         pool, self.streams = executor._resources(device)
         self.excluded = parameter_storages(executor.stages)
         self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
+        # A forward whose output is dropped never gets its backward: close then, on collection.
+        self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)
         self.norms = [norm_layers(stage) for stage in executor.stages]
         self.cuda_devices = cuda_device_indices(device)
@@ -230,7 +237,7 @@ class _Step:
 
     def _close(self) -> None:
         """Settle copies and give back host buffers; drop every tensor of the step."""
-        self.residency.close()
+        self._closer()  # closes the residency once, whoever calls first
         self.on_device.clear()
         self.on_host.clear()
         self.offloaded_by.clear()

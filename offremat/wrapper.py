@@ -35,7 +35,7 @@ from offremat.profiler import (
 from solvers.budget import format_bytes, parse_budget
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.registry import keep_all_peak, solve
+from solvers.registry import check_count, keep_all_peak, solve
 from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ def optimize(
     CUDA this resets the process-wide peak statistics, on CPU it slows the step). Raises
     :class:`solvers.budget.InfeasibleBudgetError` when no plan fits.
     """
+    if stages is not None:
+        check_count("stages", stages)
     blocks = chain_blocks(model)
     sequential = model if isinstance(model, nn.Sequential) else nn.Sequential(OrderedDict(blocks))
     tensors, _ = flatten(example_input)

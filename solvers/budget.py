@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 
@@ -34,13 +35,23 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = None) -> int:
-    """Bytes from an int, a size string (``6GiB``, ``512MB``), or a fraction in (0, 1].
+SMALLEST_BYTE_COUNT = 16
+"""A bare number from here up is bytes; 1 or less is a fraction; anything between is refused."""
 
-    A fraction is taken of ``keep_all_peak_bytes``, the peak of plain autograd.
+
+def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = None) -> int:
+    """Bytes from a byte count, a size string (``6GiB``, ``512MB``), or a fraction in (0, 1].
+
+    The rule a person can predict: a number in (0, 1] (``1``, ``1.0``, ``0.3``) is a fraction
+    of ``keep_all_peak_bytes``, the peak of plain autograd; a byte count is a whole number of
+    at least :data:`SMALLEST_BYTE_COUNT` or takes a unit (``12B``). Anything else is refused.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"budget {value!r} is not a size")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(
+            f"budget {value!r} is not a size: give bytes (6442450944), a size with a unit "
+            "(6GiB) or a fraction of the keep-all peak in (0, 1] (0.25)"
+        )
+    written = value
     if isinstance(value, str):
         match = _SIZE.match(value)
         if not match or match.group(2).lower() not in _UNITS:
@@ -50,21 +61,34 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
             )
         text, unit = match.group(1), match.group(2).lower()
         if unit:
-            return _positive(int(float(text) * _UNITS[unit]), value)
+            return _positive(int(_finite(float(text) * _UNITS[unit], written)), written)
         value = int(text) if text.isdigit() else float(text)
-    if isinstance(value, float) and value <= 1:
-        if value <= 0:
-            raise ValueError(
-                f"budget fraction {value} is outside (0, 1]: give a fraction of the keep-all "
-                "peak above 0, or a size"
-            )
+    value = _finite(value, written)
+    if value <= 0:
+        raise ValueError(
+            f"budget {written!r} is outside (0, 1] and a budget must be positive: give a "
+            "fraction of the keep-all peak above 0, or a size"
+        )
+    if value <= 1:
         if keep_all_peak_bytes is None:
             raise ValueError(
-                f"budget {value} is a fraction of the keep-all peak, which is not known here: "
-                "give a size in bytes instead"
+                f"budget {written!r} is a fraction of the keep-all peak, which is not known "
+                "here: give a size in bytes instead"
             )
-        return _positive(int(value * keep_all_peak_bytes), value)
-    return _positive(int(value), value)
+        return _positive(int(value * keep_all_peak_bytes), written)
+    if value < SMALLEST_BYTE_COUNT or value != int(value):
+        raise ValueError(
+            f"budget {written!r} is neither a fraction of the keep-all peak in (0, 1] nor a byte "
+            f"count (a whole number of at least {SMALLEST_BYTE_COUNT}): write 0.5 for half the "
+            f"keep-all peak, or a size with a unit such as 12B or 6GiB"
+        )
+    return _positive(int(value), written)
+
+
+def _finite(value: int | float, written: int | float | str) -> int | float:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"budget {written!r} is not a finite size")
+    return value
 
 
 def _positive(budget_bytes: int, written: int | float | str) -> int:

@@ -35,6 +35,13 @@ SOLVER_OPTIONS: dict[str, frozenset[str]] = {
 _OPTIMIZERS = {"dp": ("solvers.dp", "solve_dp"), "milp": ("solvers.milp", "solve_milp")}
 
 
+def check_count(name: str, value: Any) -> int:
+    """``value`` if it is a positive integer (a count of slots, stages...); else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -> Plan:
     """The plan ``solver`` picks for ``chain`` within ``budget_bytes``, scored by the simulator.
 
@@ -49,6 +56,8 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     given = {name: value for name, value in options.items() if value is not None}
+    if "slots" in given:
+        check_count("slots", given["slots"])
     unknown = sorted(set(given) - SOLVER_OPTIONS[solver])
     if unknown:
         accepted = ", ".join(sorted(SOLVER_OPTIONS[solver])) or "none"
@@ -138,7 +147,7 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     backward B(L) starts, and every backward once after, so the compute stream spends at least
     Σf before that instant and Σb after it. When B(L) runs, the GPU holds δ_L, x̄_L, the
     δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
-    kept; so at most C = budget - (x_L + x̄_L + x_{L-1} + btmp_L) bytes of them are kept, and
+    kept; so at most C = budget - (g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept, and
     E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
     recomputed by an extra F_all(i) after B(L) starts (≥ f_i more compute), or offloaded
     before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the

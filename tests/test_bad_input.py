@@ -73,3 +73,47 @@ def test_names_are_printed_as_they_are_never_as_markup_or_emoji(tmp_path, capsys
     assert main(["solve", str(path), "--budget", "1.0"]) == 0
     out = capsys.readouterr().out
     assert odd in out and ":llama:" in out and "[red]b" in out
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ([1], "is not a size"),
+        (float("inf"), "not a finite size"),
+        (float("nan"), "not a finite size"),
+        ("1e400", "not a finite size"),
+        (1.5, "neither a fraction"),
+        ("1.5", "neither a fraction"),
+        (15, "neither a fraction"),
+        (2.5e9 + 0.5, "neither a fraction"),
+    ],
+)
+def test_a_budget_that_is_neither_a_fraction_nor_a_size_is_refused(written, message) -> None:
+    from solvers.budget import parse_budget
+
+    with pytest.raises(ValueError, match=message):
+        parse_budget(written, 1000)
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [(1, 1000), (1.0, 1000), ("1", 1000), (0.25, 250), (16, 16), ("12B", 12), ("2KiB", 2048)],
+)
+def test_the_budget_rule_a_person_can_predict(written, expected) -> None:
+    from solvers.budget import parse_budget
+
+    assert parse_budget(written, 1000) == expected
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("stages", 2.5), ("slots", 2.5), ("slots", "10"), ("slots", 0)]
+)
+def test_optimize_refuses_counts_that_are_not_positive_integers(option, value) -> None:
+    import torch
+    from torch import nn
+
+    import offremat
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match=f"{option} must be a positive integer"):
+        offremat.optimize(model, torch.randn(64, 8), budget=0.9, **{option: value})

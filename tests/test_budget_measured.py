@@ -161,8 +161,7 @@ def test_each_op_holds_what_the_simulator_says(
     tracker, never exceed the simulator's resident bytes plus that op's temporaries by more
     than 5% of the plan's peak (what autograd's engine holds briefly), and the step as a whole
     is within 10% of the prediction. Single ops may hold less than simulated, by what the cost
-    model counts conservatively: δ_L from the step's start, and δ_0 at B(1) even when the
-    input needs no gradient."""
+    model counts conservatively: δ_L from the step's start."""
     from offremat import _step as step_module
     from offremat.measure import LiveStorageTracker
 

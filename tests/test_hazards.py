@@ -194,3 +194,20 @@ def test_no_autocast_weight_cast_outlives_the_step(solver: str) -> None:
         with LiveStorageTracker() as tracker:
             om(x).float().sum().backward()
         assert tracker.live_bytes == 0
+
+
+def test_a_forward_without_backward_gives_its_host_buffers_back() -> None:
+    import gc
+
+    model = blocks()
+    x = torch.randn(ROWS, WIDTH)
+    om = offloading(model, x)
+    om(x).sum().backward()
+    after_one = om._executor.host_buffer_bytes
+    assert after_one > 0
+    for _ in range(3):
+        output = om(x)  # a skipped batch: the loss is never computed
+        del output
+        gc.collect()
+        om(x).sum().backward()
+    assert om._executor.host_buffer_bytes == after_one

@@ -26,8 +26,9 @@ EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 
 BUDGET_HELP = (
-    "GPU memory budget: bytes (6442450944), a size (6GiB, 512MB) or a fraction in (0, 1] of "
-    "the keep-all peak (0.3)"
+    "GPU memory budget: a fraction in (0, 1] of the keep-all peak (0.3; 1 and 1.0 both mean "
+    "the whole peak), a size with a unit (6GiB, 512MB, 12B) or a whole number of bytes of at "
+    "least 16 (6442450944); anything else is refused"
 )
 
 
