@@ -7,54 +7,18 @@ and one host-to-device channel running beside compute; these are their bandwidth
 from __future__ import annotations
 
 import logging
-import re
 import statistics
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from solvers.budget import format_bytes, parse_budget
+from solvers.budget import format_bytes
 from solvers.chain import Link
 
 logger = logging.getLogger(__name__)
 
 LINK_SIZES = (2**23, 2**26, 2**28)
 """Bytes per copy when measuring the link: 8 MiB, 64 MiB, 256 MiB."""
-
-
-def parse_bandwidth(value: Any) -> Link:
-    """A link from bytes per second: a number, ``"25GB/s"``, a (d2h, h2d) pair or a Link."""
-    if isinstance(value, Link):
-        return value
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2:
-            raise ValueError(f"bandwidth pair {value!r} must be (device-to-host, host-to-device)")
-        return Link(_bytes_per_second(value[0]), _bytes_per_second(value[1]))
-    rate = _bytes_per_second(value)
-    return Link(rate, rate)
-
-
-def _bytes_per_second(value: Any) -> float:
-    if isinstance(value, str):
-        text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip())
-        try:
-            rate = float(text)
-        except ValueError:
-            try:
-                rate = float(parse_budget(text))
-            except ValueError:
-                raise ValueError(
-                    f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
-                    "size per second (25GB/s, 12GiB/s)"
-                ) from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    else:
-        raise ValueError(f"bandwidth {value!r} is not a rate in bytes per second")
-    if not rate > 0:
-        raise ValueError(f"bandwidth must be positive, got {value!r}")
-    return rate
 
 
 def measure_link(

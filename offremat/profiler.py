@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError, chain_blocks, group_evenly, group_name, stage_module
-from offremat._link import measure_link, parse_bandwidth
+from offremat._link import measure_link
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
@@ -38,6 +38,7 @@ from offremat._stage import (
 )
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
 from offremat.measure import StepMemory
+from solvers.budget import parse_bandwidth
 from solvers.chain import Chain, Stage
 
 logger = logging.getLogger(__name__)

@@ -119,8 +119,9 @@ def offload_all(chain: Chain) -> Plan:
     """
     if chain.link is None:
         raise ValueError(
-            f"chain {chain.name!r} has no link, so nothing can be offloaded: add a 'link' with "
-            "d2h_bytes_per_s and h2d_bytes_per_s to the chain, or pick a recompute solver"
+            f"chain {chain.name!r} has no link, so nothing can be offloaded: give one "
+            "(--bandwidth 25GB/s, or bandwidth= in the API; or a 'link' with d2h_bytes_per_s "
+            "and h2d_bytes_per_s in the chain), or pick a recompute solver"
         )
     length = chain.length
     offloaded = range(1, length - 1)

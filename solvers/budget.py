@@ -1,9 +1,13 @@
-"""Budgets: parsing the ways a user writes one, and the error for one that is too small."""
+"""Budgets and link rates: parsing the ways a user writes them, and the error for a budget that
+is too small. One parser each, for every command and the API."""
 
 from __future__ import annotations
 
 import math
 import re
+from typing import Any
+
+from solvers.chain import Link
 
 
 class InfeasibleBudgetError(ValueError):
@@ -109,3 +113,44 @@ def format_bytes(count: float) -> str:
     """A size in binary units, for people: 1.50 GiB."""
     scale, unit = byte_unit(count)
     return f"{int(count)} B" if scale == 1 else f"{count / scale:.2f} {unit}"
+
+
+SLOWEST_LINK_BYTES_PER_S = 1.0
+"""Below one byte per second a copy of any activation takes longer than a solver can count."""
+
+
+def parse_bandwidth(value: Any) -> Link:
+    """A link from bytes per second: a number, ``"25GB/s"``, a (d2h, h2d) pair or a Link."""
+    if isinstance(value, Link):
+        return value
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"bandwidth pair {value!r} must be (device-to-host, host-to-device)")
+        return Link(_bytes_per_second(value[0]), _bytes_per_second(value[1]))
+    rate = _bytes_per_second(value)
+    return Link(rate, rate)
+
+
+def _bytes_per_second(value: Any) -> float:
+    if isinstance(value, str):
+        text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip())
+        try:
+            rate = float(text)
+        except ValueError:
+            try:
+                rate = float(parse_budget(text))
+            except ValueError:
+                raise ValueError(
+                    f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
+                    "size per second (25GB/s, 12GiB/s)"
+                ) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    else:
+        raise ValueError(f"bandwidth {value!r} is not a rate in bytes per second")
+    if not math.isfinite(rate) or rate < SLOWEST_LINK_BYTES_PER_S:
+        raise ValueError(
+            f"bandwidth {value!r} is not a usable rate: give a finite number of bytes per "
+            f"second of at least {SLOWEST_LINK_BYTES_PER_S:g} (25GB/s, 2.5e10)"
+        )
+    return rate

@@ -120,7 +120,8 @@ def solve_milp(
     _require_backend(backend)
     if offload and chain.link is None:
         logger.warning(
-            "chain %r has no link, so nothing can be offloaded: solving with recomputation only",
+            "chain %r has no link, so nothing can be offloaded: solving with recomputation "
+            "only (give a link: --bandwidth 25GB/s, or bandwidth= in the API)",
             chain.name,
         )
         offload = False

@@ -117,3 +117,24 @@ def test_optimize_refuses_counts_that_are_not_positive_integers(option, value) -
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     with pytest.raises(ValueError, match=f"{option} must be a positive integer"):
         offremat.optimize(model, torch.randn(64, 8), budget=0.9, **{option: value})
+
+
+@pytest.mark.parametrize("command", ["sweep", "solve"])
+def test_every_command_reads_a_bandwidth_the_same_way(command, tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    argv = [command, "transformer", "--bandwidth", "12GB/s"]
+    if command == "solve":
+        argv += ["--budget", "0.5", "--solver", "offload-all", "--json"]
+    else:
+        argv += ["--out", str(tmp_path / "sweep"), "--points", "2", "--methods", "dp"]
+    assert main(argv) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["1e-300", "inf", "fast", "0"])
+def test_a_rate_that_cannot_be_a_link_is_a_usage_error(rate, capsys) -> None:
+    from offremat.cli import main
+
+    argv = ["solve", "transformer", "--budget", "0.5", "--bandwidth", rate]
+    assert main(argv) == 2
+    assert "--bandwidth" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from offremat import examples
-from solvers.budget import parse_budget
+from solvers.budget import parse_bandwidth, parse_budget
 from solvers.chain import Chain, ChainFormatError
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak
@@ -45,6 +45,17 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(item) for item in value]
     return value
+
+
+BANDWIDTH_HELP = "host link for both directions: 25GB/s, 12GiB/s or bytes per second (2.5e10)"
+
+
+def bandwidth_rate(text: str) -> float:
+    """An argparse ``type``: a link rate in bytes per second, parsed as the API parses it."""
+    try:
+        return parse_bandwidth(text).d2h_bytes_per_s
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class UsageError(Exception):

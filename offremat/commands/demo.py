@@ -10,7 +10,14 @@ from typing import Any
 
 from rich.console import Console
 
-from offremat.commands import EXIT_OK, UsageError, integer_at_least, positive_number
+from offremat.commands import (
+    BANDWIDTH_HELP,
+    EXIT_OK,
+    UsageError,
+    bandwidth_rate,
+    integer_at_least,
+    positive_number,
+)
 
 EXIT_LOSSES_DIFFER = 1
 
@@ -47,10 +54,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--bandwidth",
-        type=positive_number,
-        metavar="BYTES_PER_S",
-        help="host link for planning, both directions (default: measured on CUDA, 12 GB/s "
-        "stand-in on CPU)",
+        type=bandwidth_rate,
+        metavar="RATE",
+        help=f"{BANDWIDTH_HELP}, for planning (default: measured on CUDA, a 12 GB/s stand-in "
+        "on CPU)",
     )
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--seed", type=int, default=0, help="weights, batches and dropout seed")

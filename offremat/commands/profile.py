@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offremat.commands import EXIT_OK, UsageError, integer_at_least
+from offremat.commands import BANDWIDTH_HELP, EXIT_OK, UsageError, bandwidth_rate, integer_at_least
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 
@@ -66,9 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--bandwidth",
+        type=bandwidth_rate,
         metavar="RATE",
-        help="host link for both directions, e.g. 25GB/s or 2.5e10, instead of measuring it "
-        "(a CPU has no link otherwise)",
+        help=f"{BANDWIDTH_HELP}, instead of measuring it (a CPU has no link otherwise)",
     )
     parser.add_argument(
         "--warmup", type=integer_at_least(0), default=2, metavar="N", help="warm-up runs (2)"
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     from offremat._blocks import NotAChainError
     from offremat._tensors import flatten, unflatten
-    from offremat.profiler import parse_bandwidth, profile_model
+    from offremat.profiler import profile_model
 
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -94,12 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {args.device!r}: {error}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device")
-    bandwidth = None
-    if args.bandwidth is not None:
-        try:
-            bandwidth = parse_bandwidth(args.bandwidth)
-        except ValueError as error:
-            raise UsageError(str(error)) from None
+    bandwidth = args.bandwidth
     model, example = _build(args.model, args.batch)
     tensors, structure = flatten(example)
     example = unflatten([t.to(device) for t in tensors], structure)

@@ -14,10 +14,12 @@ from rich.table import Table
 from rich.text import Text
 
 from offremat.commands import (
+    BANDWIDTH_HELP,
     BUDGET_HELP,
     EXIT_INFEASIBLE,
     EXIT_OK,
     UsageError,
+    bandwidth_rate,
     chain_help,
     draw_plan,
     integer_at_least,
@@ -27,7 +29,7 @@ from offremat.commands import (
     resolve_budget,
 )
 from solvers.budget import InfeasibleBudgetError, format_bytes
-from solvers.chain import Chain
+from solvers.chain import Chain, Link
 from solvers.plan import Plan
 from solvers.registry import SOLVER_OPTIONS, SOLVERS, lower_bound_s, solve
 
@@ -62,6 +64,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=integer_at_least(1),
         metavar="N",
         help="dp/milp memory discretization (default 500)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=bandwidth_rate,
+        metavar="RATE",
+        help=f"{BANDWIDTH_HELP}, replacing the chain's (offloading needs one)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan (offremat.plan/1)")
@@ -100,6 +108,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Solve, then print the plan (table or JSON) and write --out / --plot."""
     chain = load_chain(args.chain)
+    if args.bandwidth is not None:
+        chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     budget = resolve_budget(args.budget, chain)
     try:
         plan = solve(chain, budget, args.solver, **_options(args))

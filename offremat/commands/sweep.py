@@ -13,8 +13,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from offremat.commands import (
+    BANDWIDTH_HELP,
     EXIT_OK,
     UsageError,
+    bandwidth_rate,
     chain_help,
     integer_at_least,
     load_chain,
@@ -78,10 +80,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--bandwidth",
-        type=positive_number,
-        metavar="BYTES_PER_S",
-        help="host link in bytes/s for both directions, replacing the chain's (needed for "
-        "offloading on a chain without a link, e.g. one profiled on CPU)",
+        type=bandwidth_rate,
+        metavar="RATE",
+        help=f"{BANDWIDTH_HELP}, replacing the chain's (needed for offloading on a chain "
+        "without a link, e.g. one profiled on CPU)",
     )
     parser.add_argument(
         "--batch",
