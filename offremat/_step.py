@@ -181,6 +181,7 @@ class _Step:
         self.rng: dict[int, RngState] = {}
         self.produced: dict[tuple[str, int], Any] = {}
         self.in_backward = False
+        self.accumulate = True
         self.peak = 0
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
@@ -212,7 +213,18 @@ class _Step:
         outputs, self.outputs = self.outputs, None
         return tuple(output.detach() for output in outputs)
 
-    def run_backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    def abandon(self) -> None:
+        """The backward will not run: settle copies and give back everything now."""
+        if self.memory is not None:
+            self.memory.resume()
+            self.memory.__exit__(None, None, None)
+        self._close()
+
+    def run_backward(
+        self, grads: tuple[torch.Tensor | None, ...], accumulate: bool = True
+    ) -> list[torch.Tensor | None]:
+        """The plan's backward half; with ``accumulate`` False, parameters' .grad is left alone."""
+        self.accumulate = accumulate
         if self.streams is not None:
             self.streams.compute = torch.cuda.current_stream(self.device)
         if self.memory is not None:
@@ -404,8 +416,14 @@ class _Step:
             for edge, g in zip(saved.edges, grad.tensors, strict=True)
             if g is not None and edge is not None
         ]
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        if pairs and (self.accumulate or saved.diff):
+            # Without accumulation only the path to the stage's inputs runs: through
+            # StageInput, whose input is the anchor.
+            torch.autograd.backward(
+                [e for e, _ in pairs],
+                [g for _, g in pairs],
+                inputs=None if self.accumulate else [self.anchor],
+            )
         grads: list[torch.Tensor | None] = [None] * len(source.refs)
         for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
             grads[k] = g

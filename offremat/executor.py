@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from offremat._memory import CudaStreams, HostBufferPool
 from offremat._schedule import COMPUTE, host_schedule
@@ -126,7 +127,8 @@ class PlanExecutor:
                 value = stage(value)
             return value
         step = _Step(self, tensors, structure, device, trainable)
-        outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
+        probe = _parameter_probe(self.stages)
+        outputs = _PlanFunction.apply(step, self._anchor(device), probe, *tensors)
         return unflatten(outputs, step.output_structure)
 
     def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -156,13 +158,43 @@ class PlanExecutor:
         return self._pools[device], streams
 
 
+def _parameter_probe(stages: Sequence[nn.Module]) -> torch.Tensor | None:
+    """A zero-element tensor whose graph reaches every trainable parameter of ``stages``.
+
+    It costs no memory; it lets the backward ask the engine whether the caller wants
+    parameter gradients (see :class:`_PlanFunction`).
+    """
+    parameters = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    if not parameters:
+        return None
+    return torch.cat([p.as_strided((0,), (1,)).float() for p in parameters])
+
+
 class _PlanFunction(torch.autograd.Function):
-    """The chain as one autograd function: forward and backward follow the plan."""
+    """The chain as one autograd function: forward and backward follow the plan.
+
+    Design note, what the caller asked for. ``loss.backward()`` runs every node of the graph,
+    so B(i) accumulates parameter gradients into ``.grad`` as plain autograd does.
+    ``torch.autograd.grad(loss, x)`` and ``backward(inputs=[x])`` run only the nodes on the way
+    to ``x``: the engine then does not run the anchor's node, and B(i) computes the gradients
+    of the stage inputs alone, leaving ``.grad`` untouched. Gradients with respect to
+    parameters through ``torch.autograd.grad`` cannot be returned (each B(i) runs its own
+    backward), so the probe's node, which the engine runs exactly when parameters are asked
+    for, makes that an error, as is ``create_graph=True``.
+    """
 
     @staticmethod
-    def forward(ctx: Any, step: _Step, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        step: _Step,
+        anchor: torch.Tensor,
+        probe: torch.Tensor | None,
+        *tensors: torch.Tensor,
+    ) -> Any:
         outputs = step.run_forward()
         ctx.step = step
+        ctx.anchor_node = get_gradient_edge(anchor).node
+        ctx.probe_node = None if probe is None else probe.grad_fn
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outputs if not is_differentiable(o)])
         return outputs
@@ -177,4 +209,21 @@ class _PlanFunction(torch.autograd.Function):
                 "forward again"
             )
         ctx.step = None
-        return (None, None, *step.run_backward(grads))
+        runs = torch._C._will_engine_execute_node
+        accumulate = runs(ctx.anchor_node)
+        if torch.is_grad_enabled():
+            step.abandon()
+            raise RuntimeError(
+                "create_graph=True (higher-order gradients, gradient penalties) is not "
+                "supported through an offremat-optimized model: its plan frees activations "
+                "as the backward goes. Compute the penalty on a model run without offremat"
+            )
+        if not accumulate and ctx.probe_node is not None and runs(ctx.probe_node):
+            step.abandon()
+            raise RuntimeError(
+                "torch.autograd.grad with respect to parameters is not supported through an "
+                "offremat-optimized model: each stage's backward accumulates into .grad. Call "
+                "loss.backward() and read each parameter's .grad; gradients with respect to "
+                "the model's input work with torch.autograd.grad"
+            )
+        return (None, None, None, *step.run_backward(grads, accumulate))

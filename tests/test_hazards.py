@@ -211,3 +211,40 @@ def test_a_forward_without_backward_gives_its_host_buffers_back() -> None:
         gc.collect()
         om(x).sum().backward()
     assert om._executor.host_buffer_bytes == after_one
+
+
+def input_gradient_setup(solver: str):
+    model = blocks()
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(
+        model, x, budget=1.0 if solver != "dp" else 0.95, solver=solver, bandwidth=1e9
+    )
+    return model, reference, om, x
+
+
+@pytest.mark.parametrize("solver", ["keep-all", "dp", "offload-all"])
+def test_gradients_with_respect_to_the_input_leave_parameter_grads_alone(solver: str) -> None:
+    model, reference, om, x = input_gradient_setup(solver)
+    x = x.requires_grad_()
+    (mine,) = torch.autograd.grad(om(x).pow(2).mean(), x)
+    (theirs,) = torch.autograd.grad(reference(x).pow(2).mean(), x)
+    assert torch.equal(mine, theirs)
+    assert all(p.grad is None for p in model.parameters())
+    # A following backward is plain autograd's (adversarial training does exactly this).
+    om(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_gradients_with_respect_to_parameters_or_of_gradients_are_refused() -> None:
+    model, _, om, x = input_gradient_setup("dp")
+    parameters = list(model.parameters())
+    for allow_unused in (False, True):
+        with pytest.raises(RuntimeError, match="with respect to parameters is not supported"):
+            torch.autograd.grad(om(x).sum(), parameters, allow_unused=allow_unused)
+    x = x.requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(om(x).sum(), x, create_graph=True)
+    assert all(p.grad is None for p in parameters)
