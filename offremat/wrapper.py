@@ -58,7 +58,6 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_model", model)
         executor = PlanExecutor(stages, plan, chain, measure_memory=measure_memory)
         object.__setattr__(self, "_executor", executor)
-        self.training = model.training
 
     @property
     def model(self) -> nn.Sequential:
@@ -84,11 +83,17 @@ class OptimizedModule(nn.Module):
         """Give back the host buffers kept for offloads between steps."""
         self._executor.release_host_memory()
 
-    def train(self, mode: bool = True) -> OptimizedModule:
-        """Set training mode on the model and all its blocks."""
-        super().train(mode)
-        self._model.training = mode
-        return self
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The model's own training flag: one flag, whichever of the two was switched."""
+        model = self.__dict__.get("_model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_model")
+        if model is not None:  # nn.Module.__init__ sets it before the model is bound
+            model.training = mode
 
     def forward(self, value: Any) -> Any:
         """The model's output; with a gradient wanted, the step follows :attr:`plan`."""

@@ -248,3 +248,18 @@ def test_gradients_with_respect_to_parameters_or_of_gradients_are_refused() -> N
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(om(x).sum(), x, create_graph=True)
     assert all(p.grad is None for p in parameters)
+
+
+def test_the_wrapper_and_the_model_share_one_training_flag() -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5), nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0)
+    om.eval()
+    model.train()  # switched back on the inner model
+    assert om.training
+    om(x).sum().backward()
+    assert om.stats is not None  # the step followed the plan
+    model.eval()
+    assert not om.training
+    om.train()
+    assert model.training and model[1].training
