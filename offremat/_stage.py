@@ -238,36 +238,63 @@ def cuda_device_indices(device: torch.device) -> list[int]:
 
 @dataclass(frozen=True)
 class RngState:
-    """The CPU generator's state and those of the CUDA devices a stage runs on."""
+    """The states of the generators a stage may draw from.
+
+    The CPU generator, those of the CUDA devices the stage runs on, and every
+    ``torch.Generator`` its modules keep as an attribute (a module that draws noise from a
+    generator of its own would otherwise recompute other numbers).
+    """
 
     cpu: torch.Tensor
     cuda: tuple[tuple[int, torch.Tensor], ...]
+    owned: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
     @classmethod
-    def capture(cls, cuda_devices: Sequence[int]) -> RngState:
-        """The current global states."""
+    def capture(
+        cls, cuda_devices: Sequence[int], generators: Sequence[torch.Generator] = ()
+    ) -> RngState:
+        """The current states."""
         return cls(
             torch.get_rng_state(),
             tuple((index, torch.cuda.get_rng_state(index)) for index in cuda_devices),
+            tuple((generator, generator.get_state()) for generator in generators),
         )
 
     def unchanged(self) -> bool:
-        """Whether the global states are still these: nothing drew random numbers since."""
-        return torch.equal(torch.get_rng_state(), self.cpu) and all(
-            torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
+        """Whether the states are still these: nothing drew random numbers since."""
+        return (
+            torch.equal(torch.get_rng_state(), self.cpu)
+            and all(
+                torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
+            )
+            and all(torch.equal(g.get_state(), state) for g, state in self.owned)
         )
 
     def restore(self) -> None:
-        """Make these the global states."""
+        """Make these the generators' states."""
         torch.set_rng_state(self.cpu)
         for index, state in self.cuda:
             torch.cuda.set_rng_state(state, index)
+        for generator, state in self.owned:
+            generator.set_state(state)
+
+
+def module_generators(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that ``module`` and its submodules keep as attributes."""
+    found: dict[int, torch.Generator] = {}
+    for submodule in module.modules():
+        for value in vars(submodule).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 @contextmanager
 def replayed_rng(state: RngState) -> Iterator[None]:
     """Run with the generators as they were in ``state``, then restore the current states."""
-    current = RngState.capture([index for index, _ in state.cuda])
+    current = RngState.capture(
+        [index for index, _ in state.cuda], [generator for generator, _ in state.owned]
+    )
     state.restore()
     try:
         yield

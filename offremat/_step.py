@@ -31,6 +31,7 @@ from offremat._stage import (
     cuda_device_indices,
     enter_stage,
     frozen_running_stats,
+    module_generators,
     norm_layers,
     parameter_storages,
     replayed_rng,
@@ -165,6 +166,7 @@ class _Step:
         self.anchor = executor._anchor(device)
         self.norms = [norm_layers(stage) for stage in executor.stages]
         self.cuda_devices = cuda_device_indices(device)
+        self.generators = [module_generators(stage) for stage in executor.stages]
         self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
         self.trainable = trainable
         self.input_requires_grad = [t.requires_grad for t in tensors]
@@ -325,7 +327,10 @@ class _Step:
         check_versions(name, source.refs)
         inputs = source.tensors
         first = i not in self.flags
-        rng = RngState.capture(self.cuda_devices) if first else self.rng.get(i)
+        if first:
+            rng = RngState.capture(self.cuda_devices, self.generators[i - 1])
+        else:
+            rng = self.rng.get(i)
         versions = [tensor._version for tensor in inputs]
         packer = slot = None
         diff: list[int] = []

@@ -30,10 +30,12 @@ from offremat._blocks import NotAChainError, chain_blocks, group_evenly, group_n
 from offremat._link import measure_link
 from offremat._stage import (
     GradSlot,
+    RngState,
     SavedTensorPacker,
     check_unmodified,
     cuda_device_indices,
     enter_stage,
+    module_generators,
     parameter_storages,
 )
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
@@ -349,12 +351,9 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     device = parameters[0].device if parameters else flatten(example_input)[0][0].device
     outputs = []
     with _untouched([model], device), torch.no_grad():
-        state = torch.random.get_rng_state()
-        cuda_states = [torch.cuda.get_rng_state(i) for i in cuda_device_indices(device)]
+        state = RngState.capture(cuda_device_indices(device), module_generators(model))
         for run in ("model", "chain"):
-            torch.random.set_rng_state(state)
-            for index, cuda_state in zip(cuda_device_indices(device), cuda_states, strict=True):
-                torch.cuda.set_rng_state(cuda_state, index)
+            state.restore()
             value = example_input
             if run == "model":
                 value = model(value)
@@ -388,8 +387,10 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 
 @contextmanager
 def _untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
-    """Restore RNG states, buffers and parameter gradients after profiling."""
+    """Restore RNG states (the modules' own generators too), buffers and parameter gradients."""
     cuda_devices = cuda_device_indices(device)
+    generators = [g for module in modules for g in module_generators(module)]
+    generator_states = [(g, g.get_state()) for g in generators]
     buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
     grads = [(p, p.grad) for module in modules for p in module.parameters()]
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
@@ -403,3 +404,5 @@ def _untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[N
                     buffer.copy_(copy)
             for parameter, grad in grads:
                 parameter.grad = grad
+            for generator, state in generator_states:
+                generator.set_state(state)
