@@ -88,8 +88,40 @@ def random_chain(seed: int):
     return nn.Sequential(*blocks, MeanSquare()), torch.randn(2048, width, generator=generator)
 
 
+class Twice(nn.Module):
+    """Returns the same tensor twice: its two gradients are two storages."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        return h, h
+
+
+class Join(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, pair):
+        a, b = pair
+        return torch.tanh(self.linear(a) * b)
+
+
+def twice():
+    torch.manual_seed(0)
+    width = 64
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh())]
+    for _ in range(3):
+        blocks += [Twice(width), Join(width)]
+    return nn.Sequential(*blocks, MeanSquare()), torch.randn(512, width)
+
+
 MODELS = {
     "gpt": gpt,
+    "twice": twice,
     "resnet": resnet,
     "residual-mlp": residual_mlp,
     **{f"random-{seed}": functools.partial(random_chain, seed) for seed in range(3)},
