@@ -41,7 +41,6 @@ from offremat.demo import (
     best_checkpoint_sequential,
     checkpoint_sequential_forward,
     decision_counts,
-    executor_peak,
     optimized_forward,
     plain_forward,
     save_on_cpu_forward,
@@ -145,7 +144,7 @@ def benchmark(
                 logger.warning("%s at %.0f%%: %s", name, fraction * 100, error)
                 continue
             forward = optimized_forward(batches[0], chain, plan)
-            measured = train(build, forward, batches, 0, executor_peak=executor_peak)
+            measured = train(build, forward, batches, 0)
             record(name, fraction, budget, decision_counts(plan), plan, measured)
         plan = best_checkpoint_sequential(chain, budget)
         if plan is None:

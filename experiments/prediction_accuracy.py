@@ -10,8 +10,9 @@ checkpoint-every-stage and the dp at each budget fraction of the keep-all peak; 
 offload-all and the milp, which need the measured host link (on CPU they would time CPU
 memcpy, not a link, so they are left out). Every plan runs through ``offremat.optimize`` for
 ``--steps`` training steps; the measured step time is the median forward plus backward after a
-warm-up step, the measured peak is ``max_memory_allocated`` above the step's start on CUDA and
-the executor's count of live activation storages on CPU (see ``offremat.demo``). Writes
+warm-up step; the measured peak is independent of the executor (``offremat.measure``):
+``max_memory_allocated`` above the step's start on CUDA, a dispatch-mode tracker of the live
+storages the step creates on CPU, plus the input (see ``offremat.demo.train``). Writes
 ``prediction_accuracy.csv`` and ``prediction_accuracy.png`` (measured against predicted).
 """
 
@@ -30,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-from offremat.demo import executor_peak, optimized_forward, train
+from offremat.demo import optimized_forward, train
 from offremat.models import model_spec
 from offremat.plots import METHOD_STYLE
 from offremat.sweep import profile_named_model
@@ -86,7 +87,6 @@ def measure_model(name: str, args: argparse.Namespace, device: str) -> list[dict
             optimized_forward(batches[0], chain, plan),
             batches,
             seed=0,
-            executor_peak=executor_peak,
         )
         rows.append(_row(name, device, label, plan, measured.step_time_s, measured.peak_bytes))
         logger.info(
