@@ -175,11 +175,6 @@ def optimize(
                 "plan= is given, so nothing is solved and the solver options %s are ignored",
                 ", ".join(sorted(solver_options)),
             )
-        if plan.stage_names != chain.stage_names:
-            raise ValueError(
-                f"the plan is for stages {list(plan.stage_names)} but the chain has "
-                f"{list(chain.stage_names)}: make the plan from this chain"
-            )
         budget_bytes = (
             plan.budget_bytes if budget is None else parse_budget(budget, keep_all_peak(chain))
         )

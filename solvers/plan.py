@@ -236,7 +236,16 @@ class Plan:
 
 
 def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
-    """Every rule of ``offremat.plan/1`` that the plan breaks on this chain (empty: valid)."""
+    """Every rule of ``offremat.plan/1`` that the plan breaks on this chain (empty: valid).
+
+    A plan belongs to the chain whose stages it names, in order: any other chain is refused
+    here, the one check that every caller (simulator, executor, CLI, API) goes through.
+    """
+    if isinstance(plan, Plan) and plan.stage_names != chain.stage_names:
+        return [
+            f"the plan is for stages {list(plan.stage_names)} but the chain has "
+            f"{list(chain.stage_names)}: make the plan from this chain"
+        ]
     ops = plan.ops if isinstance(plan, Plan) else tuple(plan)
     problems: list[str] = []
     length = chain.length

@@ -122,7 +122,7 @@ def simulate(
     ``ValueError`` if it copies on a chain without a link.
     """
     ops = plan.ops if isinstance(plan, Plan) else tuple(plan)
-    problems = validate(ops, chain)
+    problems = validate(plan if isinstance(plan, Plan) else ops, chain)
     if problems:
         raise PlanError(problems)
     if chain.link is None and any(op.kind in (OFFLOAD, PREFETCH) for op in ops):

@@ -138,3 +138,24 @@ def test_a_rate_that_cannot_be_a_link_is_a_usage_error(rate, capsys) -> None:
     argv = ["solve", "transformer", "--budget", "0.5", "--bandwidth", rate]
     assert main(argv) == 2
     assert "--bandwidth" in capsys.readouterr().err
+
+
+def test_a_plan_for_another_chain_of_the_same_length_is_refused_everywhere(tmp_path, capsys):
+    from offremat.cli import main
+    from solvers.baselines import keep_all
+    from solvers.chain import Chain, Stage
+    from solvers.simulator import simulate
+
+    def chain(names):
+        return Chain("c", 64, tuple(Stage(n, 1.0, 1.0, 64, 128) for n in names))
+
+    ours, renamed, reversed_ = chain(["a", "b", "c"]), chain(["x", "y", "z"]), chain("cba")
+    plan = keep_all(ours)
+    plan.save(tmp_path / "plan.json")
+    for other in (renamed, reversed_):
+        with pytest.raises(ValueError, match="make the plan from this chain"):
+            simulate(plan, other)
+        other.save(tmp_path / "other.json")
+        argv = ["plot", str(tmp_path / "other.json"), str(tmp_path / "plan.json")]
+        assert main([*argv, "--out", str(tmp_path / "p.png")]) == 2
+        assert "make the plan from this chain" in capsys.readouterr().err

@@ -138,7 +138,7 @@ def test_plot_command_draws_a_saved_plan_and_refuses_one_for_another_chain(tmp_p
     other = tmp_path / "other.json"
     _chain(5).save(other)
     assert main(["plot", str(other), str(plan_path), "--out", str(png)]) == 2
-    assert "plan is for 4 stages" in capsys.readouterr().err
+    assert "make the plan from this chain" in capsys.readouterr().err
     assert main(["plot", str(chain_path), str(tmp_path / "missing.json")]) == 2
     assert "offremat solve" in capsys.readouterr().err
     assert main(["plot", str(chain_path), str(tmp_path)]) == 2

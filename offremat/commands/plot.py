@@ -51,11 +51,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.plan}: {error}") from None
     except OSError as error:
         raise UsageError(f"cannot read plan file {args.plan}: {error}") from None
-    if plan.length != chain.length:
-        raise UsageError(
-            f"the plan is for {plan.length} stages but {args.chain} has {chain.length}: "
-            "give the chain the plan was solved for"
-        )
     budget = resolve_budget(args.budget, chain) if args.budget else None
     try:
         draw_plan(chain, plan, args.out, budget_bytes=budget)
