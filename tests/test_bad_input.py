@@ -159,3 +159,22 @@ def test_a_plan_for_another_chain_of_the_same_length_is_refused_everywhere(tmp_p
         argv = ["plot", str(tmp_path / "other.json"), str(tmp_path / "plan.json")]
         assert main([*argv, "--out", str(tmp_path / "p.png")]) == 2
         assert "make the plan from this chain" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["plan", "plan.txt", "folder.png"])
+def test_a_plot_goes_where_asked_or_is_refused(name, tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    (tmp_path / "folder.png").mkdir()
+    target = tmp_path / name
+    argv = ["solve", "transformer", "--budget", "0.5", "--plot", str(target)]
+    assert main(argv) == 2
+    assert ".png" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png"]  # nothing written
+
+
+def test_an_unwritable_plan_file_is_a_usage_error(capsys) -> None:
+    from offremat.cli import main
+
+    assert main(["solve", "transformer", "--budget", "0.5", "--out", "/dev/full"]) == 2
+    assert "cannot write" in capsys.readouterr().err
