@@ -277,6 +277,9 @@ _STAGE_FIELDS = {
     "bwd_tmp_bytes",
     "nograd_fwd_tmp_bytes",
 }
+LARGEST_BYTES = 2**60
+"""One exbibyte: no memory a chain describes is larger, and sizes stay exact integers."""
+
 _BYTE_FIELDS = (
     "out_bytes",
     "saved_bytes",
@@ -309,4 +312,9 @@ def _check_bytes(value: Any, where: str) -> int:
         raise ChainFormatError(f"{where} must be an integer number of bytes, got {value!r}")
     if value < 0:
         raise ChainFormatError(f"{where} must be non-negative, got {value}")
+    if value > LARGEST_BYTES:
+        raise ChainFormatError(
+            f"{where} is {value} bytes, more than any device holds (at most {LARGEST_BYTES}): "
+            "give sizes in bytes"
+        )
     return value

@@ -199,6 +199,27 @@ class _Table:
         return result
 
 
+TABLE_BYTES_LIMIT = 8 * 2**30
+"""The most memory the DP's tables may take; more is refused up front with what to do."""
+
+
+def table_bytes(length: int, slots: int) -> int:
+    """The memory of the DP's tables: opt (float64) and the choice (int32) per (s, t, m)."""
+    return (length + 2) * (length + 1) * (slots + 1) * (8 + 4)
+
+
+def check_table_size(chain: Chain, slots: int) -> None:
+    """Refuse a DP whose tables would not fit in memory, naming what fits."""
+    need = table_bytes(chain.length, slots)
+    if need > TABLE_BYTES_LIMIT:
+        most = TABLE_BYTES_LIMIT // table_bytes(chain.length, 0) - 1
+        raise ValueError(
+            f"the dp for {chain.length} stages at {slots} slots needs about "
+            f"{need / 2**30:.1f} GiB of tables (limit {TABLE_BYTES_LIMIT / 2**30:.0f} GiB): "
+            f"use at most {most} slots, or group blocks into fewer stages (--stages)"
+        )
+
+
 def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Plan:
     """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
 
@@ -206,6 +227,7 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    check_table_size(chain, slots)
     if budget_bytes <= 0:  # no memory unit to round sizes to
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
     plain = keep_all(chain)

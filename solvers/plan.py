@@ -222,7 +222,7 @@ class Plan:
             predicted_time_s=data.get("predicted_time_s"),
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
             chain_name=str(data.get("chain", "")),
-            info=dict(data.get("info") or {}),
+            info=_info(data.get("info")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -233,6 +233,14 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """Read a plan from JSON."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _info(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"plan: field 'info' must be a JSON object, got {raw!r}")
+    return dict(raw)
 
 
 def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:

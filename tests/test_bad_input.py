@@ -178,3 +178,53 @@ def test_an_unwritable_plan_file_is_a_usage_error(capsys) -> None:
 
     assert main(["solve", "transformer", "--budget", "0.5", "--out", "/dev/full"]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def _example_with(tmp_path, change) -> str:
+    from offremat import examples
+
+    data = json.loads(examples.path("transformer").read_text())
+    change(data)
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_sizes_beyond_any_memory_are_a_format_error(tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    def huge(data):
+        data["stages"][0]["out_bytes"] = data["stages"][0]["saved_bytes"] = 1e30
+
+    assert main(["solve", _example_with(tmp_path, huge), "--budget", "0.5"]) == 2
+    assert "more than any device holds" in capsys.readouterr().err
+
+
+def test_a_chain_of_zero_sizes_has_nothing_to_sweep(tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    def zero(data):
+        data["input_bytes"] = 0
+        for stage in data["stages"]:
+            for key in ("out_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
+                stage[key] = 0
+
+    path = _example_with(tmp_path, zero)
+    assert main(["sweep", path, "--out", str(tmp_path / "out"), "--points", "2"]) == 2
+    assert "every size in the chain is 0 bytes" in capsys.readouterr().err
+
+
+def test_slots_beyond_memory_are_refused_with_what_fits(capsys) -> None:
+    from offremat.cli import main
+
+    argv = ["solve", "transformer", "--budget", "0.5", "--slots", "10000000000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "GiB of tables" in err and "use at most" in err
+
+
+def test_a_plan_whose_info_is_not_an_object_names_the_field() -> None:
+    data = json.loads(plan_text(5000))
+    for info in ([1, 2], "text"):
+        with pytest.raises(ValueError, match="field 'info' must be a JSON object"):
+            Plan.from_dict({**data, "info": info})

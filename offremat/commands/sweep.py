@@ -33,6 +33,7 @@ from offremat.sweep import (
 from solvers.budget import format_bytes
 from solvers.chain import Chain, Link
 from solvers.dp import DEFAULT_SLOTS
+from solvers.registry import keep_all_peak
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         "milp": {"time_limit_s": args.milp_time_limit, "slots": args.slots},
         "dp": {"slots": args.slots},
     }
+    if keep_all_peak(chain) == 0:
+        raise UsageError(
+            f"{chain.name}: every size in the chain is 0 bytes, so there is no budget to sweep"
+        )
     budgets = budget_range(chain, args.points, DEFAULT_SLOTS if args.slots is None else args.slots)
     console = Console(stderr=True, highlight=False)
     console.print(
