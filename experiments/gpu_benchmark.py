@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import logging
 import shlex
 import sys
@@ -129,6 +130,7 @@ def benchmark(
             }
         )
         logger.info("%s", rows[-1])
+        _empty_caches()
 
     keep = solve(chain, top, "keep-all")
     record("keep-all", 1.0, top, "", keep, train(build, plain_forward, batches, 0))
@@ -208,6 +210,17 @@ def main() -> int:
     )
     print(f"wrote {out / 'gpu_benchmark.csv'} and {out / 'results.md'}")
     return 0
+
+
+def _empty_caches() -> None:
+    """Between methods: give back cached device memory and pinned host memory, so that no
+    method starts with another's buffers (the executor's arena dies with its module)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch._C, "_accelerator_emptyHostCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
 
 
 def _error(predicted: float | None, measured: float) -> float | None:

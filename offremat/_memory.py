@@ -25,15 +25,14 @@ Design notes.
   and the copy waits on an event recorded right after the allocation. A storage read by a copy
   is let go only after the compute stream has waited on the copy's event (a deferred free), so
   the allocator can reuse it at once for compute-stream work.
-- Host buffers come from a pool that lives as long as the executor and is released on demand.
-  It remembers the event of the last step's last prefetch: a later step's copies into its
-  buffers wait for it, whatever stream that step runs on.
+- Host copies live in one arena per executor, sized from the plan and released on demand
+  (:class:`HostArena`). It remembers the event of the last step's end: a later step's copies
+  into it wait for that event, whatever stream that step runs on.
 - CPU: the same bookkeeping with synchronous copies into separate host buffers.
 """
 
 from __future__ import annotations
 
-import bisect
 import weakref
 from collections.abc import Iterable
 
@@ -96,38 +95,69 @@ class TensorRef:
         return None
 
 
-class HostBufferPool:
-    """Host byte buffers, pinned for CUDA, reused from one step to the next."""
+class HostArena:
+    """One host buffer per executor, pinned for CUDA, that every host copy of a step lives in.
 
-    def __init__(self, pinned: bool):
+    Copies are carved from it one after the other and the whole arena is reused by the next
+    step (:meth:`reset`), so pinned memory is allocated once, at the size the plan needs,
+    instead of one power-of-two buffer per tensor size. ``capacity`` starts at the plan's
+    offloaded bytes; a step that needs more takes the rest from overflow buffers, and the
+    arena grows to what that step used for the next one.
+    """
+
+    ALIGNMENT = 64
+
+    def __init__(self, pinned: bool, capacity: int = 0):
         self.pinned = pinned
-        self._free: list[tuple[int, int, torch.Tensor]] = []
-        self.allocated_bytes = 0
+        self.capacity = capacity
+        self._buffer: torch.Tensor | None = None
+        self._offset = 0
+        self._overflow: list[torch.Tensor] = []
+        self._used = 0
         self.last_use: torch.cuda.Event | None = None
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes held now: the arena and this step's overflow buffers."""
+        held = 0 if self._buffer is None else self._buffer.numel()
+        return held + sum(buffer.numel() for buffer in self._overflow)
+
     def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes``, from the pool when one is large enough."""
-        index = bisect.bisect_left(self._free, (nbytes, -1))
-        if index < len(self._free):
-            return self._free.pop(index)[2]
-        self.allocated_bytes += nbytes
+        """``nbytes`` of host memory for one copy, valid until :meth:`reset`."""
+        size = -(-nbytes // self.ALIGNMENT) * self.ALIGNMENT
+        self._used += size
+        if self._buffer is None and self.capacity > 0:
+            self._buffer = self._allocate(self.capacity)
+        if self._buffer is not None and self._offset + size <= self.capacity:
+            view = self._buffer[self._offset : self._offset + nbytes]
+            self._offset += size
+            return view
+        self._overflow.append(self._allocate(nbytes))
+        return self._overflow[-1]
+
+    def reset(self) -> None:
+        """The step is over: its copies are no longer read. Grow to what it used, if more."""
+        if self._used > self.capacity:
+            self.capacity = self._used
+            self._buffer = None
+        self._overflow.clear()
+        self._offset = 0
+        self._used = 0
+
+    def release(self) -> None:
+        """Give the arena back (pinned memory returns to torch's host cache); the next step
+        allocates it again."""
+        if self.last_use is not None:
+            self.last_use.synchronize()
+            self.last_use = None
+        self._buffer = None
+        self._overflow.clear()
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
         # Host memory, not the device's: on CPU, where both are the same RAM, it is allocated
         # outside any dispatch mode so that the step's measurement leaves it out (design.md).
         with _disable_current_modes():
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-
-    def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
-        """Return buffers for later steps to reuse."""
-        for buffer in buffers:
-            bisect.insort(self._free, (buffer.numel(), id(buffer), buffer))
-
-    def release(self) -> None:
-        """Drop every free buffer (pinned memory goes back to torch's host cache)."""
-        if self.last_use is not None:
-            self.last_use.synchronize()
-            self.last_use = None
-        self._free.clear()
-        self.allocated_bytes = 0
 
 
 class StorageRecord:
@@ -170,7 +200,7 @@ class Residency:
     def __init__(
         self,
         device: torch.device,
-        pool: HostBufferPool,
+        pool: HostArena,
         streams: CudaStreams | None,
         fixed: set[int] | frozenset[int] = frozenset(),
     ) -> None:
@@ -183,7 +213,6 @@ class Residency:
         self.records: dict[int, StorageRecord] = {}
         self.away: dict[int, StorageRecord] = {}
         self.live_bytes = 0
-        self.host_buffers: list[torch.Tensor] = []
         self.last_h2d: torch.cuda.Event | None = None
 
     def hold(self, refs: Iterable[TensorRef], movable: bool = True) -> tuple[StorageRecord, ...]:
@@ -319,17 +348,14 @@ class Residency:
         self.records.clear()
         self.away.clear()
         self.live_bytes = 0
-        self.pool.give_back(self.host_buffers)
-        self.host_buffers = []
+        self.pool.reset()
 
     def _copy_to_host(
         self, records: list[StorageRecord], produced: torch.cuda.Event | None
     ) -> None:
         """Copy the storages of one offload, on the device-to-host stream, under one event."""
         for record in records:
-            buffer = self.pool.take(record.nbytes)
-            self.host_buffers.append(buffer)
-            record.host = buffer[: record.nbytes]
+            record.host = self.pool.take(record.nbytes)
         if self.streams is None:
             for record in records:
                 assert record.host is not None and record.storage is not None

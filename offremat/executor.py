@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from offremat._memory import CudaStreams, HostBufferPool
+from offremat._memory import CudaStreams, HostArena
 from offremat._schedule import COMPUTE, host_schedule
 from offremat._stage import (
     has_trainable_parameters,
@@ -52,6 +52,8 @@ from offremat._tensors import (
 from solvers.chain import Chain
 from solvers.plan import (
     BACKWARD,
+    OFFLOAD,
+    SAVED,
     Plan,
     PlanError,
     validate,
@@ -84,6 +86,12 @@ class PlanExecutor:
         self.chain = chain
         self.measure_memory = measure_memory
         self.simulation = simulate(plan, chain, plan.budget_bytes)
+        # The host arena's first size: every copy the plan makes (a step then keeps them all).
+        self.host_bytes = sum(
+            chain.saved_bytes(op.index) if op.target == SAVED else chain.activation_bytes(op.index)
+            for op in plan.ops
+            if op.kind == OFFLOAD
+        )
         actions = host_schedule(plan.ops, self.simulation)
         # The backward half starts with what the host does on the way to B(L).
         first_backward = next(
@@ -94,7 +102,7 @@ class PlanExecutor:
         self.forward_actions = tuple(a for a in actions if a.turn < first_backward)
         self.backward_actions = tuple(a for a in actions if a.turn >= first_backward)
         self._streams: dict[torch.device, CudaStreams] = {}
-        self._pools: dict[torch.device, HostBufferPool] = {}
+        self._pools: dict[torch.device, HostArena] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._last: _Timing | None = None
 
@@ -146,10 +154,10 @@ class PlanExecutor:
             self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
         return self._anchors[device]
 
-    def _resources(self, device: torch.device) -> tuple[HostBufferPool, CudaStreams | None]:
+    def _resources(self, device: torch.device) -> tuple[HostArena, CudaStreams | None]:
         if device not in self._pools:
             cuda = device.type == "cuda"
-            self._pools[device] = HostBufferPool(pinned=cuda)
+            self._pools[device] = HostArena(pinned=cuda, capacity=self.host_bytes)
             if cuda:
                 self._streams[device] = CudaStreams(device)
         streams = self._streams.get(device)

@@ -480,3 +480,30 @@ def test_two_steps_in_flight_share_one_backward() -> None:
     (executor(first).sum() + executor(second).pow(2).sum()).backward()
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)
+
+
+def test_the_host_arena_is_one_buffer_sized_from_the_plan_and_grows_once() -> None:
+    from offremat._memory import HostArena
+
+    arena = HostArena(pinned=False, capacity=1000)
+    first, second = arena.take(300), arena.take(600)
+    assert first.untyped_storage()._cdata == second.untyped_storage()._cdata  # one buffer
+    assert arena.allocated_bytes == 1000
+    arena.take(500)  # more than the plan said: an overflow buffer for this step
+    assert arena.allocated_bytes == 1500
+    arena.reset()  # the next step gets one arena as large as this step used
+    assert arena.capacity == 320 + 640 + 512
+    arena.take(10)
+    assert arena.allocated_bytes == arena.capacity
+    arena.release()
+    assert arena.allocated_bytes == 0
+
+
+def test_an_offloading_executor_holds_one_arena_of_the_plan_s_size() -> None:
+    model = wide_mlp(32, 4)
+    x = torch.randn(64, 32)
+    chain = profile_model(model, x, warmup=0, repeats=1, bandwidth=FAST_LINK)
+    executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
+    for _ in range(3):
+        executor(x).sum().backward()
+        assert 0 < executor.host_buffer_bytes <= executor.host_bytes + 64 * len(executor.plan.ops)
