@@ -293,3 +293,41 @@ def test_a_module_generator_is_replayed_on_recomputation(solver: str) -> None:
     for a, b in zip(model, reference, strict=True):
         if isinstance(a, OwnNoise):  # each generator moved once, as in plain autograd
             assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
+class ChangesWhatItSaved(nn.Module):
+    """exp saves its output, then the stage changes that output in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.change = True
+
+    def forward(self, x):
+        y = torch.exp(self.linear(x) * 0.01)
+        return y.mul_(2) if self.change else y * 2
+
+
+@pytest.mark.parametrize("solver", ["keep-all", "checkpoint-every-stage", "offload-all"])
+def test_a_stage_that_changes_a_tensor_it_saved_raises_as_plain_autograd(solver: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), ChangesWhatItSaved(), nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        offremat.optimize(model, x, budget=1.0)  # profiling runs the stage's backward too
+    model.zero_grad()
+    model[1].change = False  # plan for the model as it was meant, then run it as it is
+    om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
+    model[1].change = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        om(x).sum().backward()
+
+
+def test_measuring_is_opt_in() -> None:
+    model = blocks()
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0)
+    om(x).sum().backward()
+    assert om.stats.measured_peak_bytes is None and om.stats.bookkept_peak_bytes > 0
