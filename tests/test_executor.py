@@ -507,3 +507,20 @@ def test_an_offloading_executor_holds_one_arena_of_the_plan_s_size() -> None:
     for _ in range(3):
         executor(x).sum().backward()
         assert 0 < executor.host_buffer_bytes <= executor.host_bytes + 64 * len(executor.plan.ops)
+
+
+def test_tiny_and_foreign_storages_stay_resident_when_their_tensor_is_offloaded() -> None:
+    from offremat._memory import MIN_MOVED_BYTES, HostArena, Residency, TensorRef
+
+    residency = Residency(torch.device("cpu"), HostArena(pinned=False), None)
+    big = torch.ones(MIN_MOVED_BYTES // 4)
+    tiny = torch.ones(4)
+    meta = torch.ones(MIN_MOVED_BYTES, device="meta")  # another device than the step's
+    refs = [TensorRef(big), TensorRef(tiny), TensorRef(meta)]
+    records = residency.hold(refs)
+    residency.offload(records, None)
+    residency.release(records)
+    assert refs[0].tensor is None  # moved: the step let go of it
+    assert refs[1].tensor is tiny and refs[2].tensor is meta  # kept where they were
+    residency.prefetch(records)
+    assert torch.equal(refs[0].get(), big)
