@@ -122,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
             plan.save(args.out)
         except OSError as error:
             raise UsageError(f"cannot write the plan to {args.out}: {error}") from None
-        logger.info("wrote the plan to %s", args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
     if args.plot:
         draw_plan(chain, plan, args.plot)
-        logger.info("drew the plan in %s", args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json_text(plan_summary(chain, plan)))
     else:
@@ -159,7 +159,8 @@ def plan_summary(chain: Chain, plan: Plan) -> dict[str, Any]:
 
 def _overhead(chain: Chain, time_s: float) -> float:
     compute = chain.compute_time_s
-    return time_s / compute - 1 if compute > 0 else 0.0
+    # max(): a plan as fast as the floor reads +0.0%, not -0.0% from rounding.
+    return max(time_s / compute - 1, 0.0) if compute > 0 else 0.0
 
 
 def _report_infeasible(args: argparse.Namespace, chain: Chain, error: InfeasibleBudgetError) -> int:
