@@ -228,3 +228,51 @@ def test_a_plan_whose_info_is_not_an_object_names_the_field() -> None:
     for info in ([1, 2], "text"):
         with pytest.raises(ValueError, match="field 'info' must be a JSON object"):
             Plan.from_dict({**data, "info": info})
+
+
+def _user_file(tmp_path, body: str) -> str:
+    (tmp_path / "helpers.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def blocks():\n    return [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)]\n"
+    )
+    path = tmp_path / "my_models.py"
+    path.write_text(body)
+    return f"{path}:build"
+
+
+def test_profile_imports_the_user_file_s_siblings(tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    spec = _user_file(
+        tmp_path,
+        "import torch\nfrom torch import nn\nfrom helpers import blocks\n\n"
+        "def build():\n    return nn.Sequential(*blocks()), torch.randn(8, 4)\n",
+    )
+    out = str(tmp_path / "chain.json")
+    assert main(["profile", spec, "--out", out, "--warmup", "0", "--repeats", "1"]) == 0
+    import sys
+
+    assert "my_models" not in sys.modules  # never registered under a name it could shadow
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        ("def build(:\n    pass\n", "SyntaxError"),
+        ("def build():\n    raise RuntimeError('no weights here')\n", "no weights here"),
+    ],
+)
+def test_profile_reports_an_error_in_the_user_file_in_one_line(body, shown, tmp_path, capsys):
+    from offremat.cli import main
+
+    spec = _user_file(tmp_path, body)
+    assert main(["profile", spec, "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert shown in err and "-v" in err and "Traceback" not in err
+
+
+def test_profile_refuses_an_output_folder_before_profiling(tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    assert main(["profile", "gpt-small", "--out", str(tmp_path)]) == 2
+    assert "give a file path" in capsys.readouterr().err

@@ -95,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device")
     bandwidth = args.bandwidth
-    model, example = _build(args.model, args.batch)
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():  # say so before minutes of profiling
+        raise UsageError(f"--out {args.out}: give a file path in an existing folder")
+    model, example = _build(args.model, args.batch, getattr(args, "verbose", False))
     tensors, structure = flatten(example)
     example = unflatten([t.to(device) for t in tensors], structure)
     if isinstance(model, (list, tuple)):
@@ -122,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _build(spec: str, batch: int | None) -> tuple[Any, Any]:
-    """The (model, example_input) that MODEL names; see the convention in the help."""
+def _build(spec: str, batch: int | None, verbose: bool = False) -> tuple[Any, Any]:
+    """The (model, example_input) that MODEL names; see the convention in the help.
+
+    A user's file is run with its folder on the import path, as ``python FILE`` would, so it
+    can import its siblings; an error in it is reported in one line (``-v``: the traceback).
+    """
     if ":" not in spec:
         from offremat.models import model_spec
 
@@ -133,14 +140,21 @@ def _build(spec: str, batch: int | None) -> tuple[Any, Any]:
             raise UsageError(f"{error}, or give MODULE:CALLABLE") from None
         return named.build(0), named.batch(batch or named.default_batch_size, 0, "cpu")
     module_name, _, attribute = spec.rpartition(":")
-    module = _import(module_name)
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise UsageError(f"{module_name} has no callable {attribute!r}")
-    kwargs = {} if batch is None else {"batch_size": batch}
-    if kwargs and "batch_size" not in inspect.signature(factory).parameters:
-        raise UsageError(f"--batch given but {attribute}() takes no batch_size argument")
-    built = factory(**kwargs)
+    folder = str(Path(module_name).resolve().parent) if module_name.endswith(".py") else None
+    if folder is not None:
+        sys.path.insert(0, folder)
+    try:
+        module = _run_user_code(lambda: _import(module_name), module_name, verbose)
+        factory = getattr(module, attribute, None)
+        if not callable(factory):
+            raise UsageError(f"{module_name} has no callable {attribute!r}")
+        kwargs = {} if batch is None else {"batch_size": batch}
+        if kwargs and "batch_size" not in inspect.signature(factory).parameters:
+            raise UsageError(f"--batch given but {attribute}() takes no batch_size argument")
+        built = _run_user_code(lambda: factory(**kwargs), spec, verbose)
+    finally:
+        if folder is not None:
+            sys.path.remove(folder)
     if not isinstance(built, tuple) or len(built) != 2:
         raise UsageError(
             f"{spec} returned {type(built).__name__}; it must return (model, example_input)"
@@ -148,15 +162,31 @@ def _build(spec: str, batch: int | None) -> tuple[Any, Any]:
     return built
 
 
+def _run_user_code(work: Any, what: str, verbose: bool) -> Any:
+    """Run the user's code; its error becomes one line (the traceback with -v)."""
+    try:
+        return work()
+    except UsageError:
+        raise
+    except Exception as error:
+        if verbose:
+            raise
+        raise UsageError(
+            f"{what} raised {type(error).__name__}: {error} (run with -v for the traceback)"
+        ) from None
+
+
 def _import(name: str) -> Any:
     if name.endswith(".py"):
         path = Path(name)
         if not path.is_file():
             raise UsageError(f"no file {name}")
-        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        # A name of its own: registering the file as its stem could shadow a module of that
+        # name (a user's torch.py, say) for the rest of the run.
+        loaded = importlib.util.spec_from_file_location(f"offremat_user_{path.stem}", path)
         assert loaded is not None and loaded.loader is not None
         module = importlib.util.module_from_spec(loaded)
-        sys.modules[path.stem] = module
+        sys.modules[loaded.name] = module
         loaded.loader.exec_module(module)
         return module
     try:
