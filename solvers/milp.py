@@ -15,9 +15,12 @@ import contextlib
 import importlib
 import logging
 import math
+import os
 import re
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -390,13 +393,29 @@ def _require_backend(backend: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """Point file descriptor 1 at /dev/null: native code's prints would corrupt ``--json``."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 class _HighsSession:
     """The model loaded once into HiGHS and re-solved with different binaries fixed."""
 
     def __init__(self, model: JointModel, gap: float | None):
         self.model = model
         solver = pulp.HiGHS(msg=False, gapRel=gap)
-        solver.createAndConfigureSolver(model.problem)
+        with _native_stdout_silenced():  # HiGHS prints its banner from C, before msg applies
+            solver.createAndConfigureSolver(model.problem)
         solver.buildSolverModel(model.problem)
         self.highs = model.problem.solverModel
         self.highs.setOptionValue("random_seed", 0)

@@ -276,3 +276,14 @@ def test_profile_refuses_an_output_folder_before_profiling(tmp_path, capsys) -> 
 
     assert main(["profile", "gpt-small", "--out", str(tmp_path)]) == 2
     assert "give a file path" in capsys.readouterr().err
+
+
+def test_milp_json_is_pure_json_and_plain_output_says_how_the_search_ended(capfd) -> None:
+    from offremat.cli import main
+
+    argv = ["solve", "transformer", "--budget", "0.5", "--solver", "milp", "--time-limit", "3"]
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capfd.readouterr().out)  # nothing else on stdout, native code included
+    assert summary["solver_status"] is not None
+    assert main(argv) == 0
+    assert "solver           " in capfd.readouterr().out

@@ -232,3 +232,10 @@ def _print_table(chain: Chain, plan: Plan) -> None:
         f"{format_bytes(plan.budget_bytes)} budget "
         f"({plan.predicted_peak_bytes / plan.budget_bytes:.0%})"
     )
+    status = plan.info.get("solver_status")
+    if status is not None:
+        gap = plan.info.get("gap")
+        line = f"solver           {status}, gap {'unknown' if gap is None else f'{gap:.1%}'}"
+        if plan.info.get("fallback"):
+            line += f"; returned its warm start ({plan.info.get('fallback_plan')})"
+        console.print(Text(line))
