@@ -287,3 +287,18 @@ def test_milp_json_is_pure_json_and_plain_output_says_how_the_search_ended(capfd
     assert summary["solver_status"] is not None
     assert main(argv) == 0
     assert "solver           " in capfd.readouterr().out
+
+
+def test_a_milp_model_too_large_for_its_time_limit_is_not_built() -> None:
+    from solvers.chain import Chain, Link, Stage
+    from solvers.milp import estimated_build_s, solve_milp
+    from solvers.registry import keep_all_peak, solve
+
+    stages = tuple(Stage(f"s{i}", 1.0, 2.0, 1000, 4000) for i in range(120))
+    chain = Chain("long", 1000, stages, Link(1e6, 1e6))
+    assert estimated_build_s(chain.length) > 3.0
+    budget = int(0.3 * keep_all_peak(chain))
+    plan = solve_milp(chain, budget, time_limit_s=3.0)
+    assert plan.info["solver_status"] == "time limit (model not built)"
+    assert plan.feasible
+    assert plan.predicted_time_s <= solve(chain, budget, "dp").predicted_time_s
