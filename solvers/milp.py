@@ -20,6 +20,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -426,7 +427,7 @@ def _require_backend(backend: str) -> None:
             raise BackendUnavailableError(
                 f"PuLP cannot load HiGHS: install {_INSTALL_HINT['highs']}"
             )
-    elif not pulp.PULP_CBC_CMD(msg=False).available():
+    elif not _bundled_cbc(msg=False).available():
         raise BackendUnavailableError(
             f"the MILP backend 'cbc' is not available: it needs {_INSTALL_HINT['cbc']}"
         )
@@ -445,6 +446,15 @@ def _native_stdout_silenced() -> Iterator[None]:
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+def _bundled_cbc(**options: Any) -> Any:
+    """PuLP's bundled CBC. PuLP 3 warns that it goes away in PuLP 4, whose CBC needs the 190 MB
+    ``pulp[cbc]`` extra; pyproject pins PuLP below 4, where the bundled binary works, so the
+    warning says nothing to act on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(**options)
 
 
 class _HighsSession:
@@ -616,7 +626,7 @@ def _search_cbc(
             model.problem.variablesDict()[name].setInitialValue(value)
     with tempfile.TemporaryDirectory() as folder:
         log_path = Path(folder) / "cbc.log"
-        solver = pulp.PULP_CBC_CMD(
+        solver = _bundled_cbc(
             msg=False,
             timeLimit=max(1.0, deadline - time.monotonic()),
             gapRel=gap,
