@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from solvers.chain import Link
+from solvers.chain import SLOWEST_LINK_BYTES_PER_S, Link
 
 
 class InfeasibleBudgetError(ValueError):
@@ -113,10 +113,6 @@ def format_bytes(count: float) -> str:
     """A size in binary units, for people: 1.50 GiB."""
     scale, unit = byte_unit(count)
     return f"{int(count)} B" if scale == 1 else f"{count / scale:.2f} {unit}"
-
-
-SLOWEST_LINK_BYTES_PER_S = 1.0
-"""Below one byte per second a copy of any activation takes longer than a solver can count."""
 
 
 def parse_bandwidth(value: Any) -> Link:

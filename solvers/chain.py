@@ -64,6 +64,10 @@ class Stage:
             )
 
 
+SLOWEST_LINK_BYTES_PER_S = 1.0
+"""Below one byte per second a copy of any activation takes longer than a solver can count."""
+
+
 @dataclass(frozen=True)
 class Link:
     """Bandwidths of the two copy channels between GPU and pinned host memory."""
@@ -75,8 +79,11 @@ class Link:
         for attr in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
             value = getattr(self, attr)
             _check_number(value, f"link: field {attr!r}")
-            if value <= 0:
-                raise ChainFormatError(f"link: field {attr!r} must be positive, got {value}")
+            if value < SLOWEST_LINK_BYTES_PER_S:
+                raise ChainFormatError(
+                    f"link: field {attr!r} must be positive and at least "
+                    f"{SLOWEST_LINK_BYTES_PER_S:g} byte per second, got {value}"
+                )
             object.__setattr__(self, attr, float(value))
 
 

@@ -302,3 +302,14 @@ def test_a_milp_model_too_large_for_its_time_limit_is_not_built() -> None:
     assert plan.info["solver_status"] == "time limit (model not built)"
     assert plan.feasible
     assert plan.predicted_time_s <= solve(chain, budget, "dp").predicted_time_s
+
+
+def test_a_chain_file_with_a_link_too_slow_to_count_names_the_field(tmp_path, capsys) -> None:
+    from offremat.cli import main
+
+    def crawl(data):
+        data["link"] = {"d2h_bytes_per_s": 1e-300, "h2d_bytes_per_s": 1e9}
+
+    path = _example_with(tmp_path, crawl)
+    assert main(["solve", path, "--budget", "0.5", "--solver", "milp"]) == 2
+    assert "'d2h_bytes_per_s'" in capsys.readouterr().err
