@@ -105,7 +105,7 @@ def modified_error(stage: str, tensor: TensorRef | InputView, version: int) -> R
     )
 
 
-def check_versions(stage: str, refs: Iterable[TensorRef | None]) -> None:
+def check_versions(stage: str, refs: Iterable[TensorRef | InputView | None]) -> None:
     """Raise :func:`modified_error` if any of ``refs`` was changed in place since recorded."""
     for ref in refs:
         if ref is not None and (version := ref.modified_version()) is not None:
@@ -123,6 +123,13 @@ class InputView:
     dtype: torch.dtype
     version: int
     original: weakref.ref[torch.Tensor]
+
+    def modified_version(self) -> int | None:
+        """The input's version now if it was changed in place since packed, else None."""
+        original = self.original()
+        if original is not None and original._version != self.version:
+            return original._version
+        return None
 
 
 class SavedTensorPacker:
@@ -168,14 +175,11 @@ class SavedTensorPacker:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""
+        check_versions(self.stage, [packed])
         if isinstance(packed, InputView):
-            original = packed.original()
-            if original is not None and original._version != packed.version:
-                raise modified_error(self.stage, packed, original._version)
             source = self.inputs[packed.input]
             rebuilt = torch.empty(0, dtype=packed.dtype, device=source.device)
             return rebuilt.set_(source.untyped_storage(), packed.offset, packed.size, packed.stride)
-        check_versions(self.stage, [packed])
         return packed.get()
 
     def saved_storages(self) -> dict[int, torch.UntypedStorage]:

@@ -169,7 +169,6 @@ class _Step:
         self.generators = [module_generators(stage) for stage in executor.stages]
         self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
         self.trainable = trainable
-        self.input_requires_grad = [t.requires_grad for t in tensors]
         # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
         self.flags: dict[int, list[bool]] = {
             0: [t.requires_grad and is_differentiable(t) for t in tensors]
@@ -246,7 +245,7 @@ class _Step:
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
         self.executor._last = _Timing(self.device, self.peak, self.marks, self.memory)
-        wanted = self.input_requires_grad
+        wanted = self.flags[0]  # the input tensors that carry a gradient
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
 
     def _close(self) -> None:
@@ -304,9 +303,7 @@ class _Step:
         away = self.on_host.pop(key, None)
         if away is not None:
             self.residency.drop(away.records, resident=False)
-        resident = self.on_device.pop(key, None)
-        if resident is not None:
-            self.residency.drop(resident.records, resident=True)
+        self._drop_resident(key)
 
     def _source(self, index: int) -> _PlanTensor:
         """The resident a_index: by itself, or as the output of x̄_index."""
@@ -365,11 +362,10 @@ class _Step:
         is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:
             self.outputs, self.output_structure = tensors, structure
-        refs: list[TensorRef | None] = [TensorRef(t.detach(), original=t) for t in tensors]
-        held = [r for r in refs if r is not None]
-        if packer is not None:
-            held += packer.refs
-        produced = _PlanTensor(refs, structure, self.residency.hold(held, movable=not is_output))
+        refs = [TensorRef(t.detach(), original=t) for t in tensors]
+        held = refs + (packer.refs if packer is not None else [])
+        records = self.residency.hold(held, movable=not is_output)
+        produced = _PlanTensor(refs, structure, records)
         if op.kind == F_ALL:
             produced.edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
         if packer is not None:
