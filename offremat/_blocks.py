@@ -7,7 +7,6 @@ chain by construction; any other module is refused with advice on how to make it
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
@@ -18,13 +17,24 @@ class NotAChainError(TypeError):
 
 
 def chain_blocks(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """The (name, block) pairs of an ``nn.Sequential``, an ``nn.ModuleList`` or a list."""
+    """The (name, block) pairs of an ``nn.Sequential``, an ``nn.ModuleList`` or a list.
+
+    A list holds modules (named by position) or (name, module) pairs.
+    """
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         # What the model runs, not named_children(), which lists a block used twice once.
         blocks = [(name, block) for name, block in model._modules.items() if block is not None]
     elif isinstance(model, (list, tuple)):
         blocks = []
         for index, block in enumerate(model):
+            if (
+                isinstance(block, tuple)
+                and len(block) == 2
+                and isinstance(block[0], str)
+                and isinstance(block[1], nn.Module)
+            ):
+                blocks.append(block)
+                continue
             if not isinstance(block, nn.Module):
                 raise NotAChainError(
                     f"block {index} of the list is a {type(block).__name__}, not an nn.Module: "
@@ -86,4 +96,5 @@ def stage_module(blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
     """One module running ``blocks`` in order (the block itself when there is one)."""
     if len(blocks) == 1:
         return blocks[0][1]
-    return nn.Sequential(OrderedDict(blocks))
+    # Positional: block names are module paths, and a child's name cannot hold a dot.
+    return nn.Sequential(*[block for _, block in blocks])

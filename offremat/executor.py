@@ -93,14 +93,17 @@ class PlanExecutor:
             if op.kind == OFFLOAD
         )
         actions = host_schedule(plan.ops, self.simulation)
-        # The backward half starts with what the host does on the way to B(L).
+        # The backward half starts at B(L) itself: what the host does on the way to it (frees,
+        # waits for offloads, prefetches) is done before the forward returns, so the caller's
+        # code between the two halves (a head, a loss) runs beside the memory the simulator
+        # has at B(L), no more.
         first_backward = next(
-            action.turn
-            for action in actions
+            k
+            for k, action in enumerate(actions)
             if action.kind == COMPUTE and plan.ops[action.position].kind == BACKWARD
         )
-        self.forward_actions = tuple(a for a in actions if a.turn < first_backward)
-        self.backward_actions = tuple(a for a in actions if a.turn >= first_backward)
+        self.forward_actions = actions[:first_backward]
+        self.backward_actions = actions[first_backward:]
         self._streams: dict[torch.device, CudaStreams] = {}
         self._pools: dict[torch.device, HostArena] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}

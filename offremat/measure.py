@@ -116,6 +116,27 @@ class StepMemory:
             self._tracker.__enter__()
         return self
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated inside and alive now (not counting ``inputs``)."""
+        if self._tracker is not None:
+            return self._tracker.live_bytes
+        return torch.cuda.memory_allocated(self.device) - self._before
+
+    @property
+    def peak_so_far_bytes(self) -> int:
+        """The most bytes allocated inside and alive at once since entry or the last reset."""
+        if self._tracker is not None:
+            return self._tracker.peak_bytes
+        return torch.cuda.max_memory_allocated(self.device) - self._before
+
+    def reset_peak(self) -> None:
+        """Start the peak again from what is alive now (to measure one phase of the code)."""
+        if self._tracker is not None:
+            self._tracker.peak_bytes = self._tracker.live_bytes
+        else:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def pause(self) -> None:
         """Stop recording new storages (CPU), keeping those recorded; the peak stays."""
         if self._tracker is not None:

@@ -86,7 +86,7 @@ def profile_model(
         raise TypeError("the example input holds no tensor; pass what the model's forward takes")
     device = input_tensors[0].device
     check_device(modules, device)
-    with _untouched(modules, device):
+    with untouched(modules, device):
         if stages is None or stages == len(blocks):
             groups = [range(k, k + 1) for k in range(len(blocks))]
         else:
@@ -194,7 +194,8 @@ def _profile_all(
     value = unflatten([t.detach() for t in tensors], structure)
     results = []
     for name, module in stages:
-        stage = _StageProfile(name, module, value, flags, excluded | shared)
+        # Sizes only group blocks into stages; the in-place check is for the stages themselves.
+        stage = _StageProfile(name, module, value, flags, excluded | shared, not sizes_only)
         measured, output = stage.measure(warmup, repeats, sizes_only)
         results.append(measured)
         out_tensors, out_structure = flatten(output)
@@ -208,7 +209,13 @@ class _StageProfile:
     """One stage run as the executor runs it: the same boundary, hooks and gradient flow."""
 
     def __init__(
-        self, name: str, module: nn.Module, value: Any, flags: list[bool], excluded: set[int]
+        self,
+        name: str,
+        module: nn.Module,
+        value: Any,
+        flags: list[bool],
+        excluded: set[int],
+        check_inputs: bool = True,
     ):
         self.name = name
         self.module = module
@@ -217,6 +224,7 @@ class _StageProfile:
         self.excluded = excluded
         self.diff = [k for k, flag in enumerate(flags) if flag]
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.check_inputs = check_inputs
 
     def forward(self, grad: bool) -> tuple[Any, GradSlot, SavedTensorPacker]:
         """One forward; with ``grad``, through the executor's boundary and pack hooks."""
@@ -232,7 +240,8 @@ class _StageProfile:
                 stack.enter_context(torch.no_grad())
                 inputs = self.tensors
             output = self.module(unflatten(inputs, self.structure))
-        check_unmodified(self.name, self.tensors, versions)
+        if self.check_inputs:
+            check_unmodified(self.name, self.tensors, versions)
         return output, slot, packer
 
     @staticmethod
@@ -350,7 +359,7 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     parameters = [p for stage in stages for p in stage.parameters()]
     device = parameters[0].device if parameters else flatten(example_input)[0][0].device
     outputs = []
-    with _untouched([model], device), torch.no_grad():
+    with untouched([model], device), torch.no_grad():
         state = RngState.capture(cuda_device_indices(device), module_generators(model))
         for run in ("model", "chain"):
             state.restore()
@@ -386,7 +395,7 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 
 
 @contextmanager
-def _untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
     """Restore RNG states (the modules' own generators too), buffers and parameter gradients."""
     cuda_devices = cuda_device_indices(device)
     generators = [g for module in modules for g in module_generators(module)]

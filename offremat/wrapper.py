@@ -14,7 +14,6 @@ runs the model as it is.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import chain_blocks
+from offremat._blocks import NotAChainError, chain_blocks
+from offremat._discover import BlockRun
+from offremat._model_chain import (
+    ModelChain,
+    check_model_chain_output,
+    model_chain_stages,
+    profile_model_chain,
+)
+from offremat._run import RunInterception
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
 from offremat.profiler import (
@@ -46,21 +53,23 @@ class OptimizedModule(nn.Module):
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         stages: Sequence[nn.Module],
         chain: Chain,
         plan: Plan,
         measure_memory: bool = False,
+        run: BlockRun | None = None,
     ):
         super().__init__()
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_run", run)
         executor = PlanExecutor(stages, plan, chain, measure_memory=measure_memory)
         object.__setattr__(self, "_executor", executor)
 
     @property
-    def model(self) -> nn.Sequential:
+    def model(self) -> nn.Module:
         """The wrapped model, run as it is under ``eval()`` or ``no_grad``."""
         return self._model
 
@@ -76,7 +85,7 @@ class OptimizedModule(nn.Module):
 
     @property
     def stats(self) -> StepStats | None:
-        """What the last training step measured (None before the first one)."""
+        """What the last training step's chain measured (None before the first one)."""
         return self._executor.stats
 
     def release_host_memory(self) -> None:
@@ -95,14 +104,40 @@ class OptimizedModule(nn.Module):
         if model is not None:  # nn.Module.__init__ sets it before the model is bound
             model.training = mode
 
-    def forward(self, value: Any) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        # The model's own attributes and methods (config, generate, save_pretrained) too.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output; with a gradient wanted, the step follows :attr:`plan`."""
         if not self.training or not torch.is_grad_enabled():
-            return self._model(value)
-        tensors, _ = flatten(value)
-        if tensors:
-            check_device(list(self._model), tensors[0].device)
-        return self._executor(value)
+            return self._model(*args, **kwargs)
+        if self._run is None:
+            if len(args) != 1 or kwargs:
+                raise TypeError(
+                    "this model is a chain of blocks and takes one input (a tensor or a tuple), "
+                    f"got {len(args)} positional and {len(kwargs)} keyword arguments"
+                )
+            tensors, _ = flatten(args[0])
+            if tensors:
+                check_device(list(self._model), tensors[0].device)
+            return self._executor(args[0])
+        _refuse_recorded_outputs(self._model, kwargs)
+        with RunInterception(self._run, self._executor) as interception:
+            output = self._model(*args, **kwargs)
+        if not interception.ran:
+            raise NotAChainError(
+                f"{type(self._model).__name__} did not call its blocks "
+                f"({self._run.calls[0].path} ..) in this training step, so no plan ran: "
+                "optimize it with a batch of the kind it trains on"
+            )
+        return output
 
     def extra_repr(self) -> str:
         plan = self.plan
@@ -110,9 +145,24 @@ class OptimizedModule(nn.Module):
         return f"plan={plan.solver}, budget={budget}, stages={plan.length}"
 
 
+def _refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse to return every block's hidden state or attention: the chain hands one on."""
+    config = getattr(model, "config", None)
+    for flag in ("output_hidden_states", "output_attentions"):
+        wanted = kwargs.get(flag)
+        if wanted is None:
+            wanted = getattr(config, flag, False)
+        if wanted is True:
+            raise NotAChainError(
+                f"{flag}=True asks for every block's result, which an offremat training step "
+                f"does not keep; call with {flag}=False (and set model.config.{flag} = False), "
+                "or take them from a run under model.eval()"
+            )
+
+
 def optimize(
     model: nn.Module | Sequence[nn.Module],
-    example_input: Any,
+    example_batch: Any,
     budget: int | float | str | None = None,
     solver: str = "dp",
     bandwidth: Any = None,
@@ -120,46 +170,112 @@ def optimize(
     chain: Chain | str | Path | None = None,
     plan: Plan | str | Path | None = None,
     measure_memory: bool = False,
+    blocks: str | None = None,
     **solver_options: Any,
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step keeps, offloads or recomputes activations.
 
-    ``model`` is an ``nn.Sequential`` or a list of blocks; ``example_input`` is what its
-    forward takes, on the device it trains on. ``budget`` is bytes, a size (``"6GiB"``) or a
-    fraction in (0, 1] of the keep-all peak. ``solver`` is any of
-    :data:`solvers.registry.SOLVERS`, with ``solver_options`` passed on (``slots``,
+    ``model`` is any ``nn.Module`` as the user has it (a Hugging Face model, a CNN, a module
+    looping over an ``nn.ModuleList``), or an ``nn.Sequential`` or a list of blocks.
+    ``example_batch`` is what the model is called with, on the device it trains on: a tensor,
+    a tuple of positional arguments or a dict of keyword arguments. The chain is the model's
+    run of repeated blocks (:mod:`offremat._discover`), or the container ``blocks`` names
+    (``blocks="model.layers"``); an ``nn.Sequential``'s children are its chain. ``budget`` is
+    bytes, a size (``"6GiB"``) or a fraction in (0, 1] of the keep-all peak. ``solver`` is any
+    of :data:`solvers.registry.SOLVERS`, with ``solver_options`` passed on (``slots``,
     ``time_limit_s``...). ``bandwidth`` (bytes/s, ``"25GB/s"`` or a (d2h, h2d) pair) replaces
     the link, so offloading plans can be made on a machine without one. A ``chain`` skips
     profiling (``stages`` groups blocks when profiling); a ``plan`` skips solving and is
-    scored at ``budget`` (default: its own). The chain's output on ``example_input`` must be
-    the model's own (:func:`offremat.profiler.check_chain_output`). With ``measure_memory``,
-    every step's activation peak is measured independently (``stats.measured_peak_bytes``; on
-    CUDA this resets the process-wide peak statistics, on CPU it slows the step). Raises
-    :class:`solvers.budget.InfeasibleBudgetError` when no plan fits.
+    scored at ``budget`` (default: its own). The chain must give the model's own output on
+    ``example_batch``. With ``measure_memory``, every step's chain is measured independently
+    (``stats.measured_peak_bytes``; on CUDA this resets the process-wide peak statistics, on
+    CPU it slows the step). Raises :class:`solvers.budget.InfeasibleBudgetError` when no plan
+    fits.
     """
     if stages is not None:
         check_count("stages", stages)
-    blocks = chain_blocks(model)
-    sequential = model if isinstance(model, nn.Sequential) else nn.Sequential(OrderedDict(blocks))
-    tensors, _ = flatten(example_input)
+    tensors, _ = flatten(example_batch)
     if not tensors:
-        raise TypeError("the example input holds no tensor; pass what the model's forward takes")
-    check_device([module for _, module in blocks], tensors[0].device)
+        raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
     if isinstance(chain, (str, Path)):
         chain = Chain.load(chain)
+    if blocks is None and isinstance(model, (nn.Sequential, list, tuple)):
+        return _optimize_sequential(
+            model,
+            example_batch,
+            budget,
+            solver,
+            bandwidth,
+            stages,
+            chain,
+            plan,
+            measure_memory,
+            solver_options,
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model is a {type(model).__name__}; pass an nn.Module")
+    check_device([model], tensors[0].device)
+    found = ModelChain.find(model, example_batch, blocks)
+    if chain is None:
+        chain = profile_model_chain(model, example_batch, found, stages, bandwidth)
+    else:
+        chain = _given_chain(chain, stages, bandwidth)
+    modules = model_chain_stages(found, chain)
+    check_model_chain_output(model, example_batch, found, modules)
+    plan = _plan(chain, budget, solver, plan, solver_options)
+    return OptimizedModule(
+        model, modules, chain, plan, measure_memory=measure_memory, run=found.run
+    )
+
+
+def _optimize_sequential(
+    model: nn.Sequential | Sequence[nn.Module],
+    example_input: Any,
+    budget: int | float | str | None,
+    solver: str,
+    bandwidth: Any,
+    stages: int | None,
+    chain: Chain | None,
+    plan: Plan | str | Path | None,
+    measure_memory: bool,
+    solver_options: dict[str, Any],
+) -> OptimizedModule:
+    blocks = chain_blocks(model)
+    sequential = (
+        model if isinstance(model, nn.Sequential) else nn.Sequential(*[m for _, m in blocks])
+    )
+    tensors, _ = flatten(example_input)
+    check_device([module for _, module in blocks], tensors[0].device)
     if chain is None:
         chain = profile_model(sequential, example_input, stages=stages, bandwidth=bandwidth)
     else:
-        if stages is not None and stages != chain.length:
-            raise ValueError(
-                f"stages={stages} but the given chain has {chain.length} stages: drop stages= "
-                "or profile again with it"
-            )
-        if bandwidth is not None:
-            chain = chain.with_link(parse_bandwidth(bandwidth))
+        chain = _given_chain(chain, stages, bandwidth)
     modules = stage_modules(sequential, chain)
     if isinstance(model, nn.Module):
         check_chain_output(model, modules, example_input)
+    plan = _plan(chain, budget, solver, plan, solver_options)
+    return OptimizedModule(sequential, modules, chain, plan, measure_memory=measure_memory)
+
+
+def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:
+    if stages is not None and stages != chain.length:
+        raise ValueError(
+            f"stages={stages} but the given chain has {chain.length} stages: drop stages= "
+            "or profile again with it"
+        )
+    if bandwidth is not None:
+        chain = chain.with_link(parse_bandwidth(bandwidth))
+    return chain
+
+
+def _plan(
+    chain: Chain,
+    budget: int | float | str | None,
+    solver: str,
+    plan: Plan | str | Path | None,
+    solver_options: dict[str, Any],
+) -> Plan:
+    """The plan to follow: solved at ``budget``, or ``plan`` scored at it."""
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is None:
@@ -192,4 +308,4 @@ def optimize(
         format_bytes(plan.predicted_peak_bytes or 0),
         "no budget" if plan.budget_bytes is None else format_bytes(plan.budget_bytes),
     )
-    return OptimizedModule(sequential, modules, chain, plan, measure_memory=measure_memory)
+    return plan

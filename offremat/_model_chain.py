@@ -1,0 +1,239 @@
+"""Any model as a chain: its run of blocks, profiled, with what the code around it costs.
+
+The chain is the model's run of repeated blocks (:mod:`offremat._discover`); the model's code
+before the run (embeddings, a stem) and after it (a final norm, a head, the loss) runs under
+plain autograd (:mod:`offremat._run`). That code's memory is the plan's too, and is measured
+with the same independent tracker as every stage (:mod:`offremat.measure`):
+
+- what is resident when the chain starts (the batch, the set-up code's saved tensors, the
+  hidden state and the side inputs) is the chain's input a_0, resident for the whole step;
+- the end code's forward and backward happen between F(L) and B(L): their peak is counted as
+  part of B(L)'s temporary, with the caller's outputs (a loss, logits) and the gradient δ_L
+  that the end code hands the chain, which stay alive from then to the end of the step (the
+  chain's ``held_bytes``);
+- the set-up code's backward comes after B(1) and is counted as part of B(1)'s temporary.
+
+Both foldings over-count by at most one gradient of the hidden state; neither hides a byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offremat._blocks import NotAChainError
+from offremat._discover import BlockRun, call_model, find_block_run
+from offremat._run import RunInterception, run_blocks
+from offremat._stage import RngState, cuda_device_indices, module_generators
+from offremat._tensors import flatten, is_differentiable, storage_bytes
+from offremat.measure import StepMemory, tree_leaf_tensors
+from offremat.profiler import profile_model, stage_modules, untouched
+from solvers.chain import Chain
+
+
+@dataclass(frozen=True)
+class ModelChain:
+    """A model's run of blocks, its blocks as chain blocks, and the chain's first input."""
+
+    run: BlockRun
+    blocks: tuple[tuple[str, nn.Module], ...]
+    example_input: Any
+
+    @classmethod
+    def find(cls, model: nn.Module, batch: Any, blocks: str | None = None) -> ModelChain:
+        """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
+        run, example_input = find_block_run(model, lambda: call_model(model, batch), blocks)
+        return cls(run, tuple(run_blocks(run)), example_input)
+
+
+@dataclass(frozen=True)
+class _Outside:
+    """What the code around the chain holds, in bytes (see the module's notes)."""
+
+    resident_bytes: int
+    setup_transient_bytes: int
+    end_peak_bytes: int
+    held_bytes: int
+    setup_backward_bytes: int
+
+
+def profile_model_chain(
+    model: nn.Module,
+    batch: Any,
+    found: ModelChain,
+    stages: int | None = None,
+    bandwidth: Any = None,
+) -> Chain:
+    """The chain of ``model``'s blocks on ``batch``, with the cost of the code around them."""
+    chain = profile_model(
+        list(found.blocks),
+        found.example_input,
+        stages=stages,
+        bandwidth=bandwidth,
+        name=type(model).__name__,
+    )
+    outside = _measure_outside(model, batch, found)
+    first, last = chain.stages[0], chain.stages[-1]
+    first = dataclasses.replace(
+        first,
+        fwd_tmp_bytes=max(first.fwd_tmp_bytes, outside.setup_transient_bytes),
+        nograd_fwd_tmp_bytes=max(first.nograd_fwd_tmp_bytes, outside.setup_transient_bytes),
+        bwd_tmp_bytes=max(first.bwd_tmp_bytes, outside.setup_backward_bytes),
+    )
+    stages_ = [first, *chain.stages[1:]]
+    last = stages_[-1]
+    stages_[-1] = dataclasses.replace(
+        last, bwd_tmp_bytes=max(last.bwd_tmp_bytes + outside.held_bytes, outside.end_peak_bytes)
+    )
+    metadata = dict(chain.metadata)
+    metadata["outside"] = dataclasses.asdict(outside)
+    metadata["blocks"] = found.run.paths
+    return dataclasses.replace(
+        chain,
+        input_bytes=outside.resident_bytes,
+        held_bytes=outside.held_bytes,
+        stages=tuple(stages_),
+        metadata=metadata,
+    )
+
+
+def model_chain_stages(found: ModelChain, chain: Chain) -> list[nn.Module]:
+    """The module of each stage of ``chain``, from the blocks of ``found``."""
+    return stage_modules(list(found.blocks), chain)
+
+
+def check_model_chain_output(
+    model: nn.Module, batch: Any, found: ModelChain, stages: Sequence[nn.Module]
+) -> None:
+    """Refuse a chain whose model output differs from the model's own on ``batch``."""
+    outputs = []
+    with untouched([model], _device(model, batch)), torch.no_grad():
+        state = RngState.capture(
+            cuda_device_indices(_device(model, batch)), module_generators(model)
+        )
+        for chained in (False, True):
+            state.restore()
+            if chained:
+                with RunInterception(found.run, lambda value: _run_stages(stages, value)):
+                    outputs.append(flatten(call_model(model, batch))[0])
+            else:
+                outputs.append(flatten(call_model(model, batch))[0])
+    plain, chained_output = outputs
+    if len(plain) != len(chained_output) or not all(
+        torch.equal(a, b) for a, b in zip(plain, chained_output, strict=True)
+    ):
+        raise NotAChainError(
+            f"{type(model).__name__} run with its blocks {found.run.calls[0].path} .. "
+            f"{found.run.calls[-1].path} as a chain does not give the model's own output: name "
+            "the blocks that its forward runs one after the other with blocks="
+        )
+
+
+def _run_stages(stages: Sequence[nn.Module], value: Any) -> Any:
+    for stage in stages:
+        value = stage(value)
+    return value
+
+
+def _device(model: nn.Module, batch: Any) -> torch.device:
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        return parameter.device
+    return tree_leaf_tensors(batch)[0].device
+
+
+class _Boundary(torch.autograd.Function):
+    """The chain replaced by its output on the example: marks the end code's last backward.
+
+    Its gradient for the chain input is an expanded zero, which allocates nothing.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, probe: _OutsideProbe, hidden: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.probe = probe
+        ctx.input_shape = hidden.shape
+        return last.view_as(last)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.probe.turned(grad)
+        return None, grad.new_zeros(()).expand(ctx.input_shape), None
+
+
+class _OutsideProbe:
+    """Marks the memory at the chain's start and at the end code's last backward op."""
+
+    def __init__(self, memory: StepMemory, last: torch.Tensor):
+        self.memory = memory
+        self.last = last
+        self.start_bytes = 0
+        self.setup_peak_bytes = 0
+        self.end_peak_bytes = 0
+        self.turn_bytes = 0
+        self.value: Any = None
+
+    def started(self, value: Any) -> Any:
+        self.start_bytes = self.memory.live_bytes
+        self.setup_peak_bytes = self.memory.peak_so_far_bytes
+        self.memory.reset_peak()
+        # The executor holds a_0 until B(1), so the measured step must too.
+        self.value = value
+        hidden, *side = value
+        return (_Boundary.apply(self, hidden, self.last), *side)
+
+    def turned(self, grad: torch.Tensor) -> None:
+        self.end_peak_bytes = self.memory.peak_so_far_bytes
+        self.turn_bytes = self.memory.live_bytes
+        self.memory.reset_peak()
+
+
+def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outside:
+    """Run a step with the chain replaced by its output, and measure the code around it."""
+    batch_tensors = tree_leaf_tensors(batch)
+    device = _device(model, batch)
+    with untouched([model], device):
+        with torch.no_grad():
+            last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
+        for parameter in model.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        with StepMemory(device) as memory:
+            probe = _OutsideProbe(memory, last)
+            with RunInterception(found.run, probe.started):
+                output = call_model(model, batch)
+            roots, seeds = _seed(output)
+            torch.autograd.backward(roots, seeds)
+            del roots, seeds, output
+            setup_backward = memory.peak_so_far_bytes - probe.turn_bytes
+            probe.value = None
+    start = probe.start_bytes
+    # The executor's backward keeps the incoming δ_L to its end, as the caller's output.
+    held = max(probe.turn_bytes - start, 0)
+    return _Outside(
+        resident_bytes=start + storage_bytes(batch_tensors),
+        setup_transient_bytes=max(probe.setup_peak_bytes - start, 0),
+        end_peak_bytes=max(probe.end_peak_bytes - start, 0),
+        held_bytes=held,
+        setup_backward_bytes=max(setup_backward, 0),
+    )
+
+
+def _seed(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What the caller calls ``backward`` on: the output's ``loss``, else every output."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return [loss], [torch.ones_like(loss)]
+    roots = [t for t in flatten(output)[0] if t.requires_grad and is_differentiable(t)]
+    if not roots:
+        raise NotAChainError(
+            "the model's output on the example batch carries no gradient: pass a batch on which "
+            "the model computes what training differentiates (a loss, or logits)"
+        )
+    return roots, [torch.ones_like(t) for t in roots]

@@ -1,0 +1,177 @@
+"""Running a model's run of blocks as a chain, inside the model's own ``forward``.
+
+Design notes.
+
+- Block. :class:`RunBlock` is one call of a block as a chain block: it takes and returns the
+  chain's value ``(hidden, args, kwargs)``, calling the block with the side inputs every call
+  of the run received. Side tensors pass through every stage unchanged, so their gradients
+  add up stage by stage as plain autograd adds them, and they are the chain input a_0's
+  storages, resident for the whole step and counted once.
+- Interception. While a :class:`RunInterception` is active, the model's call of the run's
+  first block runs the whole chain through ``execute`` (the plan's executor) and returns the
+  last block's output; the model's calls of the other blocks hand that output on unchanged.
+  The model's own code before and after the run runs as it is, under plain autograd. Each
+  call is checked: the right block, the state the interception returned, the same side
+  inputs; anything else raises rather than runs another model. The interception is installed
+  for one call of the model and removed after it, also on an error.
+- Hooks. A forward hook on a block would see the handed-on output at every block after the
+  first, so blocks with hooks are refused (this is how Hugging Face records
+  ``output_hidden_states``: ask for those from a model run without offremat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from offremat._blocks import NotAChainError
+from offremat._discover import BlockRun, block_output, hidden_of, side_inputs_of
+from offremat._tensors import flatten
+
+
+class RunBlock(nn.Module):
+    """One call of a block of a :class:`BlockRun`, as a block of the chain."""
+
+    def __init__(self, block: nn.Module, path: str, hidden_keyword: str | None):
+        super().__init__()
+        self.block = block
+        self.path = path
+        self.hidden_keyword = hidden_keyword
+
+    def forward(self, value: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]) -> Any:
+        hidden, args, kwargs = value
+        if self.hidden_keyword is None:
+            output = self.block(hidden, *args, **kwargs)
+        else:
+            output = self.block(*args, **{self.hidden_keyword: hidden}, **kwargs)
+        return hidden_of(output, self.path), args, kwargs
+
+    def extra_repr(self) -> str:
+        return self.path
+
+
+def run_blocks(run: BlockRun) -> list[tuple[str, nn.Module]]:
+    """The chain's blocks: one :class:`RunBlock` per call, named by path (and call, if shared)."""
+    counts: dict[str, int] = {}
+    blocks = []
+    for call in run.calls:
+        seen = counts.get(call.path, 0)
+        counts[call.path] = seen + 1
+        name = call.path if seen == 0 else f"{call.path}@{seen}"
+        blocks.append((name, RunBlock(call.module, call.path, run.hidden_keyword)))
+    return blocks
+
+
+class RunInterception:
+    """For one call of the model: its run of blocks goes through ``execute`` as a chain.
+
+    ``execute`` takes the chain input ``(hidden, args, kwargs)`` and returns the chain output.
+    """
+
+    def __init__(self, run: BlockRun, execute: Callable[[Any], Any]):
+        self.run = run
+        self.execute = execute
+        self.position = 0
+        self.inside = False
+        self.result: torch.Tensor | None = None
+        self.side: Any = None
+        self._installed: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> RunInterception:
+        _refuse_hooks(self.run)
+        for module in {id(c.module): c.module for c in self.run.calls}.values():
+            self._installed.append((module, module.__dict__.get("forward")))
+            original = module.forward
+            module.forward = _Forward(self, module, original)
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        for module, own in self._installed:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        self._installed = []
+        if kind is None and 0 < self.position < len(self.run.calls):
+            raise NotAChainError(
+                f"the model called {self.position} of its {len(self.run.calls)} blocks "
+                f"({self.run.calls[self.position].path} was not called): the chain was found on "
+                "the example batch, so profile again with a batch that runs every block"
+            )
+
+    @property
+    def ran(self) -> bool:
+        """Whether the model ran its blocks, all of them, through the interception."""
+        return self.position == len(self.run.calls)
+
+    def call(self, module: nn.Module, original: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """A call of one of the run's modules by the model (or by the chain)."""
+        calls = self.run.calls
+        if self.inside or self.position == len(calls):
+            return original(*args, **kwargs)
+        expected = calls[self.position]
+        if module is not expected.module:
+            raise NotAChainError(
+                f"the model called {_path_of(module, calls)} where the chain expected "
+                f"{expected.path}: it no longer calls its blocks in the order the chain was "
+                "found in; profile it again"
+            )
+        value = side_inputs_of(self.run, args, kwargs)
+        if self.position == 0:
+            self.inside = True
+            try:
+                output = self.execute(value)
+            finally:
+                self.inside = False
+            self.result = output[0]
+            self.side = value[1:]
+        else:
+            if value[0] is not self.result or not _same_values(value[1:], self.side):
+                raise NotAChainError(
+                    f"the model changed the hidden state or the other arguments between "
+                    f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
+                    "blocks as one chain, so their inputs must flow from block to block"
+                )
+        self.position += 1
+        return block_output(self.run, self.result)
+
+
+class _Forward:
+    """The ``forward`` a block has while an interception is active (a plain object, no closure)."""
+
+    def __init__(self, interception: RunInterception, module: nn.Module, original: Any):
+        self.interception = interception
+        self.module = module
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.interception.call(self.module, self.original, args, kwargs)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    tensors_a, structure_a = flatten(a)
+    tensors_b, structure_b = flatten(b)
+    return (
+        len(tensors_a) == len(tensors_b)
+        and all(x is y for x, y in zip(tensors_a, tensors_b, strict=True))
+        and structure_a == structure_b
+    )
+
+
+def _refuse_hooks(run: BlockRun) -> None:
+    global_hooks = module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+    for call in run.calls:
+        if global_hooks or call.module._forward_hooks or call.module._forward_pre_hooks:
+            raise NotAChainError(
+                f"block {call.path} has forward hooks (output_hidden_states or "
+                "output_attentions, say); under offremat they would see one block's output "
+                "at every block. Remove the hooks, or run that call without offremat"
+            )
+
+
+def _path_of(module: nn.Module, calls: tuple[Any, ...]) -> str:
+    return next((c.path for c in calls if c.module is module), type(module).__name__)

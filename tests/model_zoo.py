@@ -1,0 +1,158 @@
+"""Models nobody in this project wrote the chain of: Hugging Face, a torchvision-style ResNet,
+a user's module looping over an ``nn.ModuleList``. Small configurations, no download.
+
+torchvision is not installed: the only wheel for this torch is a CUDA build that fails to
+import beside the CPU torch. :class:`ResNet` is written the torchvision way instead, with its
+``ReLU(inplace=True)``, in-place residual adds, BatchNorm and ``layer1``..``layer4``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=8,
+        n_embd=64,
+        n_head=4,
+        vocab_size=96,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        num_hidden_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        num_hidden_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=4,
+        num_labels=10,
+        hidden_dropout_prob=0.1,
+    )
+    return ViTForImageClassification(config)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: in-place ReLU and an in-place residual add."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet-18 layout at a small width."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        inplanes = widths[0]
+        for index, planes in enumerate(widths, start=1):
+            stride = 1 if index == 1 else 2
+            layer = nn.Sequential(BasicBlock(inplanes, planes, stride), BasicBlock(planes, planes))
+            self.add_module(f"layer{index}", layer)
+            inplanes = planes
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return h + self.drop(self.down(F.gelu(self.up(self.norm(h))))) * scale
+
+
+class ResidualNet(nn.Module):
+    """A user's own model: a loop over an ``nn.ModuleList``, a learned side input."""
+
+    def __init__(self, width: int = 64, depth: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.scale = nn.Parameter(torch.ones(width))
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = self.scale * 0.5
+        for block in self.blocks:
+            h = block(h, scale)
+        return self.head(h)
