@@ -45,24 +45,30 @@ _PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One call of a block: the module and the path it has in the model."""
+    """One call of the chain: the module, its path, and how it takes and returns the state.
+
+    ``hidden_keyword`` is the keyword the hidden state was passed under (None: the first
+    positional argument); ``output`` is the structure of what the module returns, with the
+    hidden state as its one tensor; ``side`` says whether it takes the run's side inputs.
+    """
 
     path: str
     module: nn.Module
+    hidden_keyword: str | None
+    output: Structure
+    side: bool
 
 
 @dataclass(frozen=True)
 class BlockRun:
-    """The calls that form the chain, in order, and how a block takes and returns its state.
+    """The calls that form the chain, in order, and the chain blocks they make (``units``).
 
-    ``hidden_keyword`` is the keyword the hidden state was passed under (None: first
-    positional argument); ``output`` is the structure of a block's return value, with the
-    hidden state as its first tensor (a tensor, or ``(hidden, None, ...)``).
+    A unit is one call, or a call with the in-place calls after it (``ReLU(inplace=True)``),
+    which must share its block: a block never changes its input in place.
     """
 
     calls: tuple[BlockCall, ...]
-    hidden_keyword: str | None
-    output: Structure
+    units: tuple[tuple[int, ...], ...]
 
     @property
     def paths(self) -> list[str]:
@@ -112,30 +118,120 @@ def find_block_run(
             raise NotAChainError(_no_run_message(model))
     best = max(candidates, key=_preference)
     first = best[0]
-    hidden_keyword = None if _hidden_position(first) == 0 else "hidden_states"
-    output = flatten(first.output)[1]
-    run = BlockRun(
-        tuple(BlockCall(r.path, r.module) for r in best), hidden_keyword, _hidden_output(output)
-    )
-    if any(_is_kv_cache(value) for value in (*first.args, *first.kwargs.values())):
+    if any(_cache_in(value) for value in (*first.args, *first.kwargs.values())):
         logger.warning(
             "the blocks' key-value cache is not filled in training steps (as with Hugging "
             "Face's gradient checkpointing): recomputed blocks would fill it twice"
         )
+    side = _side_inputs(first)
+    prefix: list[_Recorded] = []
+    suffix: list[_Recorded] = []
+    if blocks is None and not side[0] and not side[1]:
+        # Blocks that take nothing but the state: the stem before them and the pooling after
+        # them are chain blocks too (a ResNet's stem holds much of its activation memory).
+        prefix, suffix = _stem(records, first), _tail(records, best[-1])
+    members = [*prefix, *best, *suffix]
+    added = {id(r) for r in (*prefix, *suffix)}
+    calls = tuple(
+        BlockCall(
+            r.path,
+            r.module,
+            None if _hidden_position(r) == 0 else "hidden_states",
+            _hidden_output(flatten(r.output)[1]),
+            id(r) not in added,
+        )
+        for r in members
+    )
+    units: list[list[int]] = []
+    for index, record in enumerate(members):
+        if units and _in_place(record):
+            units[-1].append(index)
+        else:
+            units.append([index])
     logger.info(
-        "chain: %d calls of %s, %s .. %s",
+        "chain: %d calls, %s .. %s (%d of %s)",
+        len(members),
+        members[0].path,
+        members[-1].path,
         len(best),
         type(first.module).__name__,
-        best[0].path,
-        best[-1].path,
     )
-    return run, (_hidden(first), *_side_inputs(first))
+    run = BlockRun(calls, tuple(tuple(unit) for unit in units))
+    return run, (_hidden(members[0]), *side)
 
 
-def side_inputs_of(run: BlockRun, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The chain input ``(hidden, args, kwargs)`` for a call of the run's first block."""
-    record = _Recorded(run.calls[0].path, run.calls[0].module, 0, args, kwargs)
-    return (_hidden(record), *_side_inputs(record))
+def _in_place(record: _Recorded) -> bool:
+    """Whether the call returned its own input (changed in place, as ``ReLU(inplace=True)``)."""
+    outputs = flatten(record.output)[0]
+    return _hidden_position(record) is not None and bool(outputs) and outputs[0] is _hidden(record)
+
+
+def _state_only(record: _Recorded) -> bool:
+    """Whether the call takes the state alone and returns one tensor."""
+    tensors, _ = flatten(record.output)
+    return (
+        len(record.args) == 1
+        and isinstance(record.args[0], torch.Tensor)
+        and not record.kwargs
+        and len(tensors) == 1
+    )
+
+
+def _stem(records: list[_Recorded], first: _Recorded) -> list[_Recorded]:
+    """The calls before ``first`` that make its input, outermost first, each from the last."""
+    chosen: list[_Recorded] = []
+    target = _hidden(first)
+    end = _index(records, first)
+    while True:
+        producers = [
+            (-r.depth, k)
+            for k, r in enumerate(records[:end])
+            if _state_only(r) and flatten(r.output)[0][0] is target
+        ]
+        if not producers:
+            break
+        # The outermost call, and of those the last: an in-place call returns its input.
+        producer = records[max(producers)[1]]
+        chosen.insert(0, producer)
+        end = _index(records, producer)
+        target = producer.args[0]
+    while chosen and _in_place(chosen[0]):  # a chain input is never changed in place
+        chosen.pop(0)
+    return chosen
+
+
+def _tail(records: list[_Recorded], last: _Recorded) -> list[_Recorded]:
+    """The calls after ``last`` that take its output, each the previous one's."""
+    chosen: list[_Recorded] = []
+    target = flatten(last.output)[0][0]
+    start = _after(records, last)
+    while True:
+        taker = next((r for r in records[start:] if _state_only(r) and r.args[0] is target), None)
+        if taker is None:
+            return chosen
+        chosen.append(taker)
+        target = flatten(taker.output)[0][0]
+        start = _after(records, taker)
+
+
+def _index(records: list[_Recorded], record: _Recorded) -> int:
+    return next(k for k, r in enumerate(records) if r is record)
+
+
+def _after(records: list[_Recorded], record: _Recorded) -> int:
+    """The index just past ``record`` and the calls made inside it."""
+    k = _index(records, record) + 1
+    while k < len(records) and records[k].depth > record.depth:
+        k += 1
+    return k
+
+
+def side_inputs_of(
+    call: BlockCall, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, Any]:
+    """The hidden state a call of ``call`` received, and its side inputs made safe."""
+    record = _Recorded(call.path, call.module, 0, args, kwargs)
+    return _hidden(record), _side_inputs(record)
 
 
 def hidden_of(output: Any, path: str) -> torch.Tensor:
@@ -152,9 +248,9 @@ def hidden_of(output: Any, path: str) -> torch.Tensor:
     return tensors[0]
 
 
-def block_output(run: BlockRun, hidden: torch.Tensor) -> Any:
-    """What a block of ``run`` returns, with ``hidden`` as its hidden state."""
-    return unflatten([hidden], run.output)
+def block_output(call: BlockCall, hidden: torch.Tensor) -> Any:
+    """What ``call``'s module returns, with ``hidden`` as its hidden state."""
+    return unflatten([hidden], call.output)
 
 
 def _record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[_Recorded]:
@@ -322,6 +418,14 @@ def _safe_value(value: Any, name: str, record: _Recorded) -> Any:
         "recompute safely (a block could change it); pass tensors and plain values to the "
         "blocks, or name other blocks with blocks="
     )
+
+
+def _cache_in(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_cache_in(item) for item in value)
+    if isinstance(value, dict):
+        return any(_cache_in(item) for item in value.values())
+    return _is_kv_cache(value)
 
 
 def _is_kv_cache(value: Any) -> bool:

@@ -47,7 +47,9 @@ class ModelChain:
     @classmethod
     def find(cls, model: nn.Module, batch: Any, blocks: str | None = None) -> ModelChain:
         """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
-        run, example_input = find_block_run(model, lambda: call_model(model, batch), blocks)
+        # Watching the model run must leave it as it was (BatchNorm statistics, RNG states).
+        with untouched([model], _device(model, batch)):
+            run, example_input = find_block_run(model, lambda: call_model(model, batch), blocks)
         return cls(run, tuple(run_blocks(run)), example_input)
 
 
@@ -68,14 +70,16 @@ def profile_model_chain(
     found: ModelChain,
     stages: int | None = None,
     bandwidth: Any = None,
+    **options: Any,
 ) -> Chain:
-    """The chain of ``model``'s blocks on ``batch``, with the cost of the code around them."""
+    """The chain of ``model``'s blocks on ``batch``, with the cost of the code around them.
+
+    ``options`` go to :func:`offremat.profiler.profile_model` (``warmup``, ``repeats``,
+    ``name``).
+    """
+    options.setdefault("name", type(model).__name__)
     chain = profile_model(
-        list(found.blocks),
-        found.example_input,
-        stages=stages,
-        bandwidth=bandwidth,
-        name=type(model).__name__,
+        list(found.blocks), found.example_input, stages=stages, bandwidth=bandwidth, **options
     )
     outside = _measure_outside(model, batch, found)
     first, last = chain.stages[0], chain.stages[-1]

@@ -21,7 +21,7 @@ Design notes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,40 +29,44 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from offremat._blocks import NotAChainError
-from offremat._discover import BlockRun, block_output, hidden_of, side_inputs_of
+from offremat._discover import BlockCall, BlockRun, block_output, hidden_of, side_inputs_of
 from offremat._tensors import flatten
 
 
 class RunBlock(nn.Module):
-    """One call of a block of a :class:`BlockRun`, as a block of the chain."""
+    """One unit of a :class:`BlockRun` (a call, with the in-place calls after it) as a block."""
 
-    def __init__(self, block: nn.Module, path: str, hidden_keyword: str | None):
+    def __init__(self, calls: Sequence[BlockCall]):
         super().__init__()
-        self.block = block
-        self.path = path
-        self.hidden_keyword = hidden_keyword
+        self.calls = tuple(calls)
+        self.modules_ = nn.ModuleList(call.module for call in calls)
 
     def forward(self, value: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]) -> Any:
         hidden, args, kwargs = value
-        if self.hidden_keyword is None:
-            output = self.block(hidden, *args, **kwargs)
-        else:
-            output = self.block(*args, **{self.hidden_keyword: hidden}, **kwargs)
-        return hidden_of(output, self.path), args, kwargs
+        for call in self.calls:
+            if not call.side:
+                output = call.module(hidden)
+            elif call.hidden_keyword is None:
+                output = call.module(hidden, *args, **kwargs)
+            else:
+                output = call.module(*args, **{call.hidden_keyword: hidden}, **kwargs)
+            hidden = hidden_of(output, call.path)
+        return hidden, args, kwargs
 
     def extra_repr(self) -> str:
-        return self.path
+        return "+".join(call.path for call in self.calls)
 
 
 def run_blocks(run: BlockRun) -> list[tuple[str, nn.Module]]:
-    """The chain's blocks: one :class:`RunBlock` per call, named by path (and call, if shared)."""
+    """The chain's blocks, one per unit, named by path (and call, for a shared module)."""
     counts: dict[str, int] = {}
     blocks = []
-    for call in run.calls:
-        seen = counts.get(call.path, 0)
-        counts[call.path] = seen + 1
-        name = call.path if seen == 0 else f"{call.path}@{seen}"
-        blocks.append((name, RunBlock(call.module, call.path, run.hidden_keyword)))
+    for unit in run.units:
+        calls = [run.calls[k] for k in unit]
+        path = "+".join(call.path for call in calls)
+        seen = counts.get(path, 0)
+        counts[path] = seen + 1
+        blocks.append((path if seen == 0 else f"{path}@{seen}", RunBlock(calls)))
     return blocks
 
 
@@ -120,24 +124,23 @@ class RunInterception:
                 f"{expected.path}: it no longer calls its blocks in the order the chain was "
                 "found in; profile it again"
             )
-        value = side_inputs_of(self.run, args, kwargs)
+        hidden, side = side_inputs_of(expected, args, kwargs)
         if self.position == 0:
             self.inside = True
             try:
-                output = self.execute(value)
+                output = self.execute((hidden, *side))
             finally:
                 self.inside = False
             self.result = output[0]
-            self.side = value[1:]
-        else:
-            if value[0] is not self.result or not _same_values(value[1:], self.side):
-                raise NotAChainError(
-                    f"the model changed the hidden state or the other arguments between "
-                    f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
-                    "blocks as one chain, so their inputs must flow from block to block"
-                )
+            self.side = side
+        elif hidden is not self.result or (expected.side and not _same_values(side, self.side)):
+            raise NotAChainError(
+                f"the model changed the hidden state or the other arguments between "
+                f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
+                "blocks as one chain, so their inputs must flow from block to block"
+            )
         self.position += 1
-        return block_output(self.run, self.result)
+        return block_output(expected, self.result)
 
 
 class _Forward:

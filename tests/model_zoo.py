@@ -107,16 +107,22 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """torchvision's ResNet-18 layout at a small width."""
 
-    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), classes: int = 10):
+    def __init__(
+        self,
+        widths: tuple[int, ...] = (8, 16, 32, 64),
+        depths: tuple[int, ...] = (2, 2, 2, 2),
+        classes: int = 10,
+    ):
         super().__init__()
         self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
         self.bn1 = nn.BatchNorm2d(widths[0])
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         inplanes = widths[0]
-        for index, planes in enumerate(widths, start=1):
+        for index, (planes, depth) in enumerate(zip(widths, depths, strict=True), start=1):
             stride = 1 if index == 1 else 2
-            layer = nn.Sequential(BasicBlock(inplanes, planes, stride), BasicBlock(planes, planes))
+            rest = [BasicBlock(planes, planes) for _ in range(depth - 1)]
+            layer = nn.Sequential(BasicBlock(inplanes, planes, stride), *rest)
             self.add_module(f"layer{index}", layer)
             inplanes = planes
         self.avgpool = nn.AdaptiveAvgPool2d(1)

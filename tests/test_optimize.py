@@ -214,7 +214,7 @@ def test_bad_input_gets_a_message_that_says_what_to_do() -> None:
         def forward(self, x):
             return x
 
-    with pytest.raises(offremat.NotAChainError, match="found no run of repeated blocks in Tree.*blocks="):
+    with pytest.raises(offremat.NotAChainError, match=r"no run of repeated blocks in Tree.*blocks"):
         offremat.optimize(Tree(), torch.randn(2), budget=1.0)
     on_meta = nn.Sequential(nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="move the input"):

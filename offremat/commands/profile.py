@@ -25,9 +25,11 @@ _CONVENTION = """\
 MODEL is either the name of an in-repo model (gpt-tiny, gpt-small, gpt-medium, resnet-tiny,
 resnet-small) or MODULE:CALLABLE, where MODULE is an importable module or a path to a .py
 file. CALLABLE is called with no argument, or with batch_size=N when --batch N is given, and
-returns (model, example_input): the model an nn.Sequential or a list of blocks, each taking
-the previous block's output, and example_input what the first block takes. For example,
-my_models.py holding
+returns (model, example_input). The model is any nn.Module, whose run of repeated blocks
+(decoder layers, residual blocks) is the chain, or an nn.Sequential or a list of blocks, each
+taking the previous block's output. example_input is what the model is called with: a
+tensor, a tuple of positional arguments or a dict of keyword arguments (for an nn.Sequential,
+the one input of its first block). For example, my_models.py holding
 
     def gpt(batch_size=8):
         model = build_my_gpt()
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from offremat._blocks import NotAChainError
+    from offremat._model_chain import ModelChain, profile_model_chain
     from offremat._tensors import flatten, unflatten
     from offremat.profiler import profile_model
 
@@ -105,16 +108,19 @@ def run(args: argparse.Namespace) -> int:
         model = [block.to(device) for block in model]
     else:
         model = model.to(device)
+    options = {
+        "stages": args.stages,
+        "bandwidth": bandwidth,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "name": args.name or args.model,
+    }
     try:
-        chain = profile_model(
-            model,
-            example,
-            stages=args.stages,
-            bandwidth=bandwidth,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            name=args.name or args.model,
-        )
+        if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
+            found = ModelChain.find(model, example)
+            chain = profile_model_chain(model, example, found, **options)
+        else:
+            chain = profile_model(model, example, **options)
     except (NotAChainError, ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     try:
