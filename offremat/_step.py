@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from offremat._deferred import DeferringPacker, MutationWatch, Refill, StopRecomputation
 from offremat._memory import Residency, StorageRecord, TensorRef
 from offremat._schedule import ISSUE, RELEASE, HostAction
 from offremat._stage import (
@@ -114,6 +115,16 @@ class _PlanTensor:
 
 
 @dataclass
+class _KeptGraph:
+    """The graph of a stage's latest F_ck or F_none, its saved tensors still to recompute."""
+
+    packer: DeferringPacker
+    slot: GradSlot | None
+    diff: list[int]
+    edges: list[GradientEdge | None]
+
+
+@dataclass
 class _Timing:
     """Clock readings and memory figures of one step, resolved into :class:`StepStats`."""
 
@@ -180,6 +191,7 @@ class _Step:
         self.offloaded_by: dict[int, _PlanTensor] = {}
         self.grads: dict[int, _PlanTensor] = {}
         self.rng: dict[int, RngState] = {}
+        self.kept: dict[int, _KeptGraph] = {}
         self.produced: dict[tuple[str, int], Any] = {}
         self.in_backward = False
         self.accumulate = True
@@ -255,6 +267,7 @@ class _Step:
         self.on_host.clear()
         self.offloaded_by.clear()
         self.grads.clear()
+        self.kept.clear()
 
     def _run(self, actions: Sequence[HostAction]) -> None:
         for action in actions:
@@ -265,6 +278,8 @@ class _Step:
                 self._memory_op(action.position, op)
             elif op.kind == BACKWARD:
                 self._backward(op.index)
+            elif action.position in self.executor.refills and op.index in self.kept:
+                self._refill(op.index)
             else:
                 self._forward(op)
 
@@ -340,13 +355,18 @@ class _Step:
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
-            if op.kind == F_ALL:
+            # F_ck and F_none keep their graph without its saved tensors (see _deferred).
+            grad = op.kind == F_ALL or self.trainable[i - 1] or any(self.flags[i - 1])
+            if grad:
                 stack.enter_context(torch.enable_grad())
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                packer = SavedTensorPacker(name, inputs, excluded)
+                kind = SavedTensorPacker if op.kind == F_ALL else DeferringPacker
+                packer = kind(name, inputs, excluded)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 stack.enter_context(packer.hooks())
+                if isinstance(packer, DeferringPacker):
+                    stack.enter_context(MutationWatch(packer))
             else:
                 stack.enter_context(torch.no_grad())
             result = stage(unflatten(inputs, source.structure))
@@ -354,7 +374,7 @@ class _Step:
         tensors, structure = flatten(result)
         del result
         if first:
-            self.flags[i] = self._gradient_flags(i, op, inputs, tensors)
+            self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
             if rng is not None and not rng.unchanged():
                 self.rng[i] = rng
             del rng
@@ -366,11 +386,15 @@ class _Step:
         held = refs + (packer.refs if packer is not None else [])
         records = self.residency.hold(held, movable=not is_output)
         produced = _PlanTensor(refs, structure, records)
-        if op.kind == F_ALL:
-            produced.edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
+        edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
         if packer is not None:
             packer.inputs = []  # B(i) binds whichever copy of a_{i-1} is resident then
-        produced.packer, produced.slot, produced.diff = packer, slot, diff
+        if op.kind == F_ALL:
+            produced.edges = edges
+            produced.packer, produced.slot, produced.diff = packer, slot, diff
+        elif isinstance(packer, DeferringPacker):
+            self.kept[i] = _KeptGraph(packer, slot, diff, edges)
+        del edges
         del tensors
         key = (SAVED if op.kind == F_ALL else ACTIVATION, i)
         self.on_device[key] = produced
@@ -381,7 +405,7 @@ class _Step:
             self._drop_resident((ACTIVATION, i - 1))
 
     def _gradient_flags(
-        self, i: int, op: Op, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+        self, i: int, grad: bool, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
     ) -> list[bool]:
         """Which of a_i's tensors carry a gradient in plain autograd.
 
@@ -389,7 +413,7 @@ class _Step:
         for every floating output of a stage with a trainable parameter or a gradient-carrying
         input, except what it passes on unchanged from an input without one (a target, a mask).
         """
-        if op.kind == F_ALL:
+        if grad:
             return [t.requires_grad and is_differentiable(t) for t in outputs]
         upstream = self.trainable[i - 1] or any(self.flags[i - 1])
         constant = {
@@ -398,6 +422,40 @@ class _Step:
         return [
             upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
         ]
+
+    def _refill(self, i: int) -> None:
+        """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
+        kept = self.kept.pop(i)
+        name = self.names[i - 1]
+        source = self._source(i - 1)
+        self.residency.use(source.records)
+        check_versions(name, source.refs)
+        refs = []
+        if not kept.packer.empty:
+            refill = Refill(kept.packer)
+            rng = self.rng.get(i)
+            with ExitStack() as stack:
+                if rng is not None:
+                    stack.enter_context(replayed_rng(rng))
+                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                for state in self.autocast:
+                    state.enter(stack)
+                stack.enter_context(torch.enable_grad())
+                inputs = enter_stage(source.tensors, kept.diff, GradSlot(), self.anchor)
+                stack.enter_context(refill.hooks())
+                with suppress(StopRecomputation):
+                    self.executor.stages[i - 1](unflatten(inputs, source.structure))
+                if not refill.complete:
+                    raise refill.incomplete()
+                del inputs
+            refs = refill.refs
+        produced = _PlanTensor([], None, self.residency.hold(refs))
+        produced.edges, produced.packer = kept.edges, kept.packer
+        produced.slot, produced.diff = kept.slot, kept.diff
+        self.on_device[(SAVED, i)] = produced
+        if self.streams is not None:
+            self.produced[(SAVED, i)] = self.streams.compute.record_event()
+        self.peak = max(self.peak, self.residency.live_bytes)
 
     def _drop_resident(self, key: tuple[str, int]) -> None:
         tensor = self.on_device.pop(key, None)

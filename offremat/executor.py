@@ -30,6 +30,7 @@ Design notes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ from offremat._tensors import (
 from solvers.chain import Chain
 from solvers.plan import (
     BACKWARD,
+    F_ALL,
     OFFLOAD,
     SAVED,
     Plan,
@@ -101,6 +103,12 @@ class PlanExecutor:
             k
             for k, action in enumerate(actions)
             if action.kind == COMPUTE and plan.ops[action.position].kind == BACKWARD
+        )
+        # F_all(i) right before B(i) refills the graph an earlier forward kept (_deferred).
+        self.refills = frozenset(
+            position
+            for position, (op, after) in enumerate(itertools.pairwise(plan.ops))
+            if op.kind == F_ALL and after.kind == BACKWARD and after.index == op.index
         )
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]

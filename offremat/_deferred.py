@@ -1,0 +1,150 @@
+"""A stage's graph kept without its saved tensors, and refilled just before its backward.
+
+Design note (the early stop of ``torch.utils.checkpoint``'s non-reentrant variant, applied
+to rotor's operations). A forward that a plan runs without keeping its saved set (F_ck,
+F_none) runs here with autograd on, and every tensor autograd saves, except parameters and
+the stage's input, is packed as an empty :class:`Placeholder`: the graph's nodes stay (a few
+bytes each), the tensors go as they would without autograd. When the plan later runs the
+stage's F_all right before its B, the forward runs again under a :class:`Refill`, which puts
+each saved tensor into the placeholder packed in the same position and stops the forward as
+soon as the last one is filled. The operations after the last saved tensor (a block's final
+projection and residual add, whose outputs autograd does not save) are not run again, and
+B(i) runs on the kept graph.
+
+Invariants. The refill runs the same code on the same input with the same random numbers
+(the RNG replay of :mod:`offremat._stage`), so it packs the same tensors in the same order;
+a refill that ends before filling every placeholder raises instead of running B on a
+half-filled graph. A stop skips the operations after the last saved tensor, so an in-place
+change they make to a saved tensor, which autograd refuses, would go unseen (it does under
+``torch.utils.checkpoint``): :class:`MutationWatch` sees every in-place change of the first
+forward, and a stage that makes one is refilled to its end, where unpacking raises
+autograd's error. A tensor kept on an autograd context other than through
+``save_for_backward`` stays with the kept graph, as under ``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from offremat._memory import TensorRef
+from offremat._stage import SavedTensorPacker, check_versions
+from offremat._tensors import storage_key
+
+
+class Placeholder:
+    """Where a saved tensor goes once the forward that saves it runs again."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self) -> None:
+        self.ref: TensorRef | None = None
+
+
+class DeferringPacker(SavedTensorPacker):
+    """Packs as :class:`SavedTensorPacker`, but what it would hold becomes a placeholder."""
+
+    def __init__(self, stage: str, inputs: Sequence[torch.Tensor], excluded: set[int]):
+        super().__init__(stage, inputs, excluded)
+        self.slots: list[Placeholder | None] = []
+        self.saved_keys: set[int] = set()
+        self.changed_after_saving = False
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        packed = super().pack(tensor)
+        if self.refs and self.refs[-1] is packed:  # a saved tensor the step would hold
+            self.refs.pop()
+            self.saved_keys.add(storage_key(tensor))
+            placeholder = Placeholder()
+            self.slots.append(placeholder)
+            return placeholder
+        self.slots.append(None)
+        return packed
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, Placeholder):
+            if packed.ref is None:
+                raise RuntimeError(
+                    f"stage {self.stage!r}: a saved tensor was not recomputed before its "
+                    "backward; this is a bug in offremat"
+                )
+            check_versions(self.stage, [packed.ref])
+            return packed.ref.get()
+        return super().unpack(packed)
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing needs recomputing: every saved tensor is a parameter or input."""
+        return all(slot is None for slot in self.slots)
+
+
+class MutationWatch(TorchDispatchMode):
+    """Marks ``packer`` when an operation writes in place to a storage it saved.
+
+    A reused storage address can only make it mark a stage that changed nothing, which costs
+    the early stop, never a missed change.
+    """
+
+    def __init__(self, packer: DeferringPacker):
+        super().__init__()
+        self.packer = packer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        packer = self.packer
+        if packer.saved_keys and not packer.changed_after_saving and func._schema.is_mutable:
+            for position, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                value = args[position] if position < len(args) else kwargs.get(argument.name)
+                if isinstance(value, torch.Tensor) and storage_key(value) in packer.saved_keys:
+                    packer.changed_after_saving = True
+        return func(*args, **kwargs)
+
+
+class StopRecomputation(Exception):
+    """Raised by :class:`Refill` once the last placeholder is filled, to end the forward."""
+
+
+class Refill:
+    """``saved_tensors_hooks`` for a forward that fills a :class:`DeferringPacker`'s slots."""
+
+    def __init__(self, packer: DeferringPacker):
+        self.stage = packer.stage
+        self.slots = packer.slots
+        self.last_placeholder = max(k for k, slot in enumerate(self.slots) if slot is not None)
+        # Past the end: run the whole forward, so that unpacking sees the in-place change.
+        self.stop = len(self.slots) + 1 if packer.changed_after_saving else self.last_placeholder
+        self.complete = False
+        self.position = 0
+        self.refs: list[TensorRef] = []
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context manager that installs the filling hooks."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
+
+    def pack(self, tensor: torch.Tensor) -> None:
+        slot = self.slots[self.position] if self.position < len(self.slots) else None
+        self.position += 1
+        if slot is not None:
+            ref = TensorRef(tensor.detach(), original=tensor)
+            slot.ref = ref
+            self.refs.append(ref)
+        self.complete = self.position > self.last_placeholder
+        if self.position > self.stop:
+            raise StopRecomputation
+
+    def incomplete(self) -> RuntimeError:
+        """The error for a refill that ran to its end without filling every placeholder."""
+        return RuntimeError(
+            f"stage {self.stage!r} saved {self.position} tensors when recomputed but "
+            f"{len(self.slots)} in its first forward: it does not compute the same thing "
+            "twice (data-dependent control flow?), so it cannot be recomputed"
+        )
+
+
+def _never_unpacked(_: Any) -> torch.Tensor:
+    raise RuntimeError("a refill's own graph is never run backward")
