@@ -162,3 +162,40 @@ def test_in_place_check_looks_at_stages_after_grouping() -> None:
     reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_cli_profiles_a_users_own_model_from_its_file(tmp_path) -> None:
+    from offremat.cli import main
+    from solvers.chain import Chain
+
+    (tmp_path / "blocks.py").write_text(
+        "from torch import nn\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.linear = nn.Linear(8, 8)\n"
+        "    def forward(self, h, mask):\n"
+        "        return h + self.linear(h) * mask\n"
+    )
+    (tmp_path / "net.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from blocks import Block\n"  # a sibling, imported as Python would
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layers = nn.ModuleList(Block() for _ in range(3))\n"
+        "        self.head = nn.Linear(8, 1)\n"
+        "    def forward(self, x, mask):\n"
+        "        for layer in self.layers:\n"
+        "            x = layer(x, mask)\n"
+        "        return self.head(x)\n"
+        "def build(batch_size=4):\n"
+        "    return Net(), (torch.randn(batch_size, 8), torch.ones(batch_size, 1))\n"
+    )
+    out = tmp_path / "chain.json"
+    argv = ["profile", f"{tmp_path / 'net.py'}:build", "--out", str(out), "--repeats", "1"]
+    assert main(argv) == 0
+    chain = Chain.load(out)
+    assert chain.stage_names == ("layers.0", "layers.1", "layers.2")
+    assert chain.metadata["blocks"] == ["layers.0", "layers.1", "layers.2"]
