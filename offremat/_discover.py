@@ -30,12 +30,13 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError
+from offremat._record import RecordedCall, capture_call, record_calls, split_hidden
 from offremat._tensors import Structure, flatten, unflatten
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class BlockRun:
 
     calls: tuple[BlockCall, ...]
     units: tuple[tuple[int, ...], ...]
+    first_nth: int = 0
 
     @property
     def paths(self) -> list[str]:
@@ -76,40 +78,41 @@ class BlockRun:
         return [call.path for call in self.calls]
 
 
-@dataclass
-class _Recorded:
-    path: str
-    module: nn.Module
-    depth: int
+class Call(NamedTuple):
+    """The arguments of one call of a model."""
+
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    output: Any = None
+
+
+def as_call(batch: Any) -> Call:
+    """``batch`` as a call: a dict as keywords, a tuple as arguments, else one input."""
+    if isinstance(batch, Call):
+        return batch
+    if isinstance(batch, dict):
+        return Call((), dict(batch))
+    if isinstance(batch, tuple):
+        return Call(batch, {})
+    return Call((batch,), {})
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
-    """Call ``model`` with ``batch``: a dict as keywords, a tuple as arguments, else one input."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, tuple):
-        return model(*batch)
-    return model(batch)
+    """Call ``model`` with ``batch`` (see :func:`as_call`)."""
+    call = as_call(batch)
+    return model(*call.args, **call.kwargs)
 
 
 def find_block_run(
     model: nn.Module, run_model: Callable[[], Any], blocks: str | None = None
-) -> tuple[BlockRun, Any]:
-    """The run of repeated blocks that ``run_model()`` calls, and the chain's first input.
-
-    The first input is ``(hidden, args, kwargs)``: what the run's first block received, with
-    side values made safe to recompute (see the design notes).
-    """
-    records = _record_calls(model, run_model)
+) -> BlockRun:
+    """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
+    records = record_calls(model, run_model)
     if blocks is not None:
         container = _container(model, blocks)
         children = {id(child) for child in container.children()}
         candidates = [_chained([r for r in records if id(r.module) in children], blocks)]
     else:
-        by_type: dict[type, list[_Recorded]] = {}
+        by_type: dict[type, list[RecordedCall]] = {}
         for record in records:
             by_type.setdefault(type(record.module), []).append(record)
         candidates = [run for group in by_type.values() for run in _runs(group)]
@@ -118,15 +121,9 @@ def find_block_run(
             raise NotAChainError(_no_run_message(model))
     best = max(candidates, key=_preference)
     first = best[0]
-    if any(_cache_in(value) for value in (*first.args, *first.kwargs.values())):
-        logger.warning(
-            "the blocks' key-value cache is not filled in training steps (as with Hugging "
-            "Face's gradient checkpointing): recomputed blocks would fill it twice"
-        )
-    side = _side_inputs(first)
-    prefix: list[_Recorded] = []
-    suffix: list[_Recorded] = []
-    if blocks is None and not side[0] and not side[1]:
+    prefix: list[RecordedCall] = []
+    suffix: list[RecordedCall] = []
+    if blocks is None and not first.side[0] and _no_values(first.side[1]):
         # Blocks that take nothing but the state: the stem before them and the pooling after
         # them are chain blocks too (a ResNet's stem holds much of its activation memory).
         prefix, suffix = _stem(records, first), _tail(records, best[-1])
@@ -136,15 +133,15 @@ def find_block_run(
         BlockCall(
             r.path,
             r.module,
-            None if _hidden_position(r) == 0 else "hidden_states",
-            _hidden_output(flatten(r.output)[1]),
+            r.hidden_keyword,
+            _hidden_output(r.output_structure),
             id(r) not in added,
         )
         for r in members
     )
     units: list[list[int]] = []
     for index, record in enumerate(members):
-        if units and _in_place(record):
+        if units and record.in_place:
             units[-1].append(index)
         else:
             units.append([index])
@@ -156,37 +153,42 @@ def find_block_run(
         len(best),
         type(first.module).__name__,
     )
-    run = BlockRun(calls, tuple(tuple(unit) for unit in units))
-    return run, (_hidden(members[0]), *side)
+    return BlockRun(calls, tuple(tuple(unit) for unit in units), members[0].nth)
 
 
-def _in_place(record: _Recorded) -> bool:
-    """Whether the call returned its own input (changed in place, as ``ReLU(inplace=True)``)."""
-    outputs = flatten(record.output)[0]
-    return _hidden_position(record) is not None and bool(outputs) and outputs[0] is _hidden(record)
+def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
+    """The chain's first input ``(hidden, args, kwargs)`` on ``run_model()``'s call.
+
+    The model runs up to the run's first call, with gradients on as in training, and stops.
+    """
+    first = run.calls[0]
+    args, kwargs = capture_call(run_model, first.module, run.first_nth)
+    if any(_cache_in(value) for value in (*args, *kwargs.values())):
+        logger.warning(
+            "the blocks' key-value cache is not filled in training steps (as with Hugging "
+            "Face's gradient checkpointing): recomputed blocks would fill it twice"
+        )
+    hidden, side = side_inputs_of(first, args, kwargs)
+    return (hidden, *side)
 
 
-def _state_only(record: _Recorded) -> bool:
-    """Whether the call takes the state alone and returns one tensor."""
-    tensors, _ = flatten(record.output)
-    return (
-        len(record.args) == 1
-        and isinstance(record.args[0], torch.Tensor)
-        and not record.kwargs
-        and len(tensors) == 1
-    )
+def _no_values(structure: Structure) -> bool:
+    """Whether side arguments hold nothing but empty containers."""
+    if structure.kind == "value":
+        return False
+    return all(_no_values(child) for child in structure.children)
 
 
-def _stem(records: list[_Recorded], first: _Recorded) -> list[_Recorded]:
+def _stem(records: list[RecordedCall], first: RecordedCall) -> list[RecordedCall]:
     """The calls before ``first`` that make its input, outermost first, each from the last."""
-    chosen: list[_Recorded] = []
-    target = _hidden(first)
+    chosen: list[RecordedCall] = []
+    target = first.hidden
     end = _index(records, first)
-    while True:
+    while target is not None:
         producers = [
             (-r.depth, k)
             for k, r in enumerate(records[:end])
-            if _state_only(r) and flatten(r.output)[0][0] is target
+            if r.state_only and r.output == target
         ]
         if not producers:
             break
@@ -194,31 +196,32 @@ def _stem(records: list[_Recorded], first: _Recorded) -> list[_Recorded]:
         producer = records[max(producers)[1]]
         chosen.insert(0, producer)
         end = _index(records, producer)
-        target = producer.args[0]
-    while chosen and _in_place(chosen[0]):  # a chain input is never changed in place
+        target = producer.hidden
+    while chosen and chosen[0].in_place:  # a chain input is never changed in place
         chosen.pop(0)
     return chosen
 
 
-def _tail(records: list[_Recorded], last: _Recorded) -> list[_Recorded]:
+def _tail(records: list[RecordedCall], last: RecordedCall) -> list[RecordedCall]:
     """The calls after ``last`` that take its output, each the previous one's."""
-    chosen: list[_Recorded] = []
-    target = flatten(last.output)[0][0]
+    chosen: list[RecordedCall] = []
+    target = last.output
     start = _after(records, last)
-    while True:
-        taker = next((r for r in records[start:] if _state_only(r) and r.args[0] is target), None)
+    while target is not None:
+        taker = next((r for r in records[start:] if r.state_only and r.hidden == target), None)
         if taker is None:
-            return chosen
+            break
         chosen.append(taker)
-        target = flatten(taker.output)[0][0]
+        target = taker.output
         start = _after(records, taker)
+    return chosen
 
 
-def _index(records: list[_Recorded], record: _Recorded) -> int:
+def _index(records: list[RecordedCall], record: RecordedCall) -> int:
     return next(k for k, r in enumerate(records) if r is record)
 
 
-def _after(records: list[_Recorded], record: _Recorded) -> int:
+def _after(records: list[RecordedCall], record: RecordedCall) -> int:
     """The index just past ``record`` and the calls made inside it."""
     k = _index(records, record) + 1
     while k < len(records) and records[k].depth > record.depth:
@@ -230,8 +233,19 @@ def side_inputs_of(
     call: BlockCall, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, Any]:
     """The hidden state a call of ``call`` received, and its side inputs made safe."""
-    record = _Recorded(call.path, call.module, 0, args, kwargs)
-    return _hidden(record), _side_inputs(record)
+    hidden, side_args, side_kwargs = split_hidden(args, kwargs)
+    if hidden is None:
+        raise NotAChainError(f"{call.path} was called without a tensor for its hidden state")
+    safe_args = tuple(
+        _safe_value(value, f"argument {k + 1}", call.path) for k, value in enumerate(side_args)
+    )
+    safe_kwargs = {
+        key: _safe_value(value, f"argument {key!r}", call.path)
+        for key, value in side_kwargs.items()
+    }
+    if safe_kwargs.get("use_cache") is True:
+        safe_kwargs["use_cache"] = False
+    return hidden, (safe_args, safe_kwargs)
 
 
 def hidden_of(output: Any, path: str) -> torch.Tensor:
@@ -253,55 +267,6 @@ def block_output(call: BlockCall, hidden: torch.Tensor) -> Any:
     return unflatten([hidden], call.output)
 
 
-def _record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[_Recorded]:
-    records: list[_Recorded] = []
-    open_calls: list[_Recorded] = []
-
-    def before(path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
-        record = _Recorded(path, module, len(open_calls), tuple(args), dict(kwargs))
-        records.append(record)
-        open_calls.append(record)
-
-    def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        open_calls.pop().output = output
-
-    handles = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        if module is model:
-            continue
-        handles.append(module.register_forward_pre_hook(_bound(before, path), with_kwargs=True))
-        handles.append(module.register_forward_hook(after, with_kwargs=True))
-    # With gradients on, as in training, so that the recorded inputs say which of them carry
-    # a gradient; saved tensors are dropped at once, so memory is that of a forward without.
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
-            run_model()
-    finally:
-        for handle in handles:
-            handle.remove()
-    # A module listed under two paths is called once per call, not once per path.
-    seen: set[int] = set()
-    unique = []
-    for record in records:
-        if id(record) not in seen:
-            seen.add(id(record))
-            unique.append(record)
-    return unique
-
-
-def _drop(_: Any) -> None:
-    return None
-
-
-def _bound(function: Callable[..., None], path: str) -> Callable[..., None]:
-    """``function`` with its first argument fixed (a hook that knows its module's path)."""
-
-    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-        function(path, module, args, kwargs)
-
-    return hook
-
-
 def _container(model: nn.Module, path: str) -> nn.Module:
     try:
         container = model.get_submodule(path.removeprefix("model."))
@@ -318,7 +283,7 @@ def _container(model: nn.Module, path: str) -> nn.Module:
     return container
 
 
-def _chained(records: list[_Recorded], where: str) -> list[_Recorded]:
+def _chained(records: list[RecordedCall], where: str) -> list[RecordedCall]:
     """``records`` if each takes the previous one's output and the same side inputs."""
     if len(records) < 2:
         raise NotAChainError(
@@ -334,9 +299,9 @@ def _chained(records: list[_Recorded], where: str) -> list[_Recorded]:
     return records
 
 
-def _runs(group: list[_Recorded]) -> list[list[_Recorded]]:
+def _runs(group: list[RecordedCall]) -> list[list[RecordedCall]]:
     """Maximal runs of consecutive calls of one type that form a chain."""
-    runs: list[list[_Recorded]] = []
+    runs: list[list[RecordedCall]] = []
     for record in group:
         if runs and _follows(runs[-1][-1], record):
             runs[-1].append(record)
@@ -345,25 +310,14 @@ def _runs(group: list[_Recorded]) -> list[list[_Recorded]]:
     return runs
 
 
-def _follows(previous: _Recorded, record: _Recorded) -> bool:
-    if previous.depth != record.depth or _hidden_position(record) is None:
-        return False
-    try:
-        out = hidden_of(previous.output, previous.path)
-    except NotAChainError:
-        return False
-    if _hidden(record) is not out:
-        return False
-    return _same_side(_side_inputs(previous, strict=False), _side_inputs(record, strict=False))
-
-
-def _same_side(a: Any, b: Any) -> bool:
-    tensors_a, structure_a = flatten(a)
-    tensors_b, structure_b = flatten(b)
+def _follows(previous: RecordedCall, record: RecordedCall) -> bool:
     return (
-        len(tensors_a) == len(tensors_b)
-        and all(x is y for x, y in zip(tensors_a, tensors_b, strict=True))
-        and _same_structure(structure_a, structure_b)
+        previous.depth == record.depth
+        and record.hidden is not None
+        and previous.output_tensors == 1
+        and record.hidden == previous.output
+        and previous.side[0] == record.side[0]
+        and _same_structure(previous.side[1], record.side[1])
     )
 
 
@@ -375,46 +329,17 @@ def _same_structure(a: Structure, b: Structure) -> bool:
     return all(_same_structure(x, y) for x, y in zip(a.children, b.children, strict=True))
 
 
-def _hidden_position(record: _Recorded) -> int | None:
-    if record.args and isinstance(record.args[0], torch.Tensor):
-        return 0
-    if isinstance(record.kwargs.get("hidden_states"), torch.Tensor):
-        return -1
-    return None
-
-
-def _hidden(record: _Recorded) -> torch.Tensor:
-    if _hidden_position(record) == 0:
-        return record.args[0]
-    return record.kwargs["hidden_states"]
-
-
-def _side_inputs(record: _Recorded, strict: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if _hidden_position(record) == 0:
-        args, kwargs = record.args[1:], dict(record.kwargs)
-    else:
-        args = record.args
-        kwargs = {k: v for k, v in record.kwargs.items() if k != "hidden_states"}
-    if not strict:
-        return args, kwargs
-    args = tuple(_safe_value(value, f"argument {k + 1}", record) for k, value in enumerate(args))
-    kwargs = {key: _safe_value(value, f"argument {key!r}", record) for key, value in kwargs.items()}
-    if kwargs.get("use_cache") is True:
-        kwargs["use_cache"] = False
-    return args, kwargs
-
-
-def _safe_value(value: Any, name: str, record: _Recorded) -> Any:
+def _safe_value(value: Any, name: str, path: str) -> Any:
     if isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
         return value
     if isinstance(value, (tuple, list)):
-        return type(value)(_safe_value(item, name, record) for item in value)
+        return type(value)(_safe_value(item, name, path) for item in value)
     if isinstance(value, dict):
-        return {key: _safe_value(item, name, record) for key, item in value.items()}
+        return {key: _safe_value(item, name, path) for key, item in value.items()}
     if _is_kv_cache(value):
         return None
     raise NotAChainError(
-        f"{record.path} takes {name} of type {type(value).__name__}, which offremat cannot "
+        f"{path} takes {name} of type {type(value).__name__}, which offremat cannot "
         "recompute safely (a block could change it); pass tensors and plain values to the "
         "blocks, or name other blocks with blocks="
     )
@@ -453,7 +378,7 @@ def _tensor_count(structure: Structure) -> int:
     return sum(_tensor_count(child) for child in structure.children)
 
 
-def _preference(run: list[_Recorded]) -> tuple[bool, int, int]:
+def _preference(run: list[RecordedCall]) -> tuple[bool, int, int]:
     marked = any(
         cls.__name__ == "GradientCheckpointingLayer" for cls in type(run[0].module).__mro__
     )

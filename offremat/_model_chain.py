@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError
-from offremat._discover import BlockRun, call_model, find_block_run
+from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
 from offremat._stage import RngState, cuda_device_indices, module_generators
 from offremat._tensors import flatten, is_differentiable, storage_bytes
@@ -49,8 +50,15 @@ class ModelChain:
         """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
         # Watching the model run must leave it as it was (BatchNorm statistics, RNG states).
         with untouched([model], _device(model, batch)):
-            run, example_input = find_block_run(model, lambda: call_model(model, batch), blocks)
+            run = find_block_run(model, partial(call_model, model, batch), blocks)
+            example_input = chain_input(run, partial(call_model, model, batch))
         return cls(run, tuple(run_blocks(run)), example_input)
+
+    def on(self, model: nn.Module, batch: Any) -> ModelChain:
+        """The same chain, with its first input taken from ``batch`` (another input shape)."""
+        with untouched([model], _device(model, batch)):
+            example_input = chain_input(self.run, partial(call_model, model, batch))
+        return dataclasses.replace(self, example_input=example_input)
 
 
 @dataclass(frozen=True)
@@ -70,16 +78,21 @@ def profile_model_chain(
     found: ModelChain,
     stages: int | None = None,
     bandwidth: Any = None,
+    blocks: Sequence[tuple[str, nn.Module]] | None = None,
     **options: Any,
 ) -> Chain:
     """The chain of ``model``'s blocks on ``batch``, with the cost of the code around them.
 
-    ``options`` go to :func:`offremat.profiler.profile_model` (``warmup``, ``repeats``,
-    ``name``).
+    ``blocks`` replaces ``found``'s blocks (already grouped stages, say); ``options`` go to
+    :func:`offremat.profiler.profile_model` (``warmup``, ``repeats``, ``name``).
     """
     options.setdefault("name", type(model).__name__)
     chain = profile_model(
-        list(found.blocks), found.example_input, stages=stages, bandwidth=bandwidth, **options
+        list(found.blocks if blocks is None else blocks),
+        found.example_input,
+        stages=stages,
+        bandwidth=bandwidth,
+        **options,
     )
     outside = _measure_outside(model, batch, found)
     first, last = chain.stages[0], chain.stages[-1]
@@ -202,11 +215,13 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
     """Run a step with the chain replaced by its output, and measure the code around it."""
     batch_tensors = tree_leaf_tensors(batch)
     device = _device(model, batch)
+    chained = {id(p) for _, block in found.blocks for p in block.parameters()}
     with untouched([model], device):
         with torch.no_grad():
             last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
+        # Gradients exist as after a first step, for the code around the chain alone.
         for parameter in model.parameters():
-            if parameter.requires_grad and parameter.grad is None:
+            if parameter.requires_grad and parameter.grad is None and id(parameter) not in chained:
                 parameter.grad = torch.zeros_like(parameter)
         with StepMemory(device) as memory:
             probe = _OutsideProbe(memory, last)

@@ -260,12 +260,19 @@ class _StageProfile:
 
     def measure(self, warmup: int, repeats: int, sizes_only: bool) -> tuple[_Measured, Any]:
         """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times."""
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
         # Gradients exist, as in every training step after the first: a backward then holds
-        # only transient parameter gradients, which count as its temporaries.
-        for parameter in parameters:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
+        # only transient parameter gradients, which count as its temporaries. They exist for
+        # this stage alone, so that profiling a new shape mid-training costs one stage's.
+        made = [p for p in self.module.parameters() if p.requires_grad and p.grad is None]
+        for parameter in made:
+            parameter.grad = torch.zeros_like(parameter)
+        try:
+            return self._measure(warmup, repeats, sizes_only)
+        finally:
+            for parameter in made:
+                parameter.grad = None
+
+    def _measure(self, warmup: int, repeats: int, sizes_only: bool) -> tuple[_Measured, Any]:
         if self.device.type == "cuda":  # first-call workspaces (autotuning) are no temporaries
             output, slot, _ = self.forward(grad=True)
             self.backward(*self.incoming(output), slot)

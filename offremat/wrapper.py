@@ -13,8 +13,9 @@ runs the model as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError, chain_blocks
-from offremat._discover import BlockRun
+from offremat._discover import BlockRun, Call, as_call
 from offremat._model_chain import (
     ModelChain,
     check_model_chain_output,
@@ -30,6 +31,7 @@ from offremat._model_chain import (
     profile_model_chain,
 )
 from offremat._run import RunInterception
+from offremat._shapes import ShapePlans
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
 from offremat.profiler import (
@@ -51,22 +53,13 @@ logger = logging.getLogger(__name__)
 class OptimizedModule(nn.Module):
     """A model whose training step follows a plan; otherwise the model itself."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        stages: Sequence[nn.Module],
-        chain: Chain,
-        plan: Plan,
-        measure_memory: bool = False,
-        run: BlockRun | None = None,
-    ):
+    def __init__(self, model: nn.Module, plans: ShapePlans, run: BlockRun | None = None):
         super().__init__()
         for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_run", run)
-        executor = PlanExecutor(stages, plan, chain, measure_memory=measure_memory)
-        object.__setattr__(self, "_executor", executor)
+        object.__setattr__(self, "_plans", plans)
 
     @property
     def model(self) -> nn.Module:
@@ -75,12 +68,12 @@ class OptimizedModule(nn.Module):
 
     @property
     def plan(self) -> Plan:
-        """The plan every training step follows, with its budget and predicted figures."""
+        """The plan of the last training step's input shape (before one: the example's)."""
         return self._executor.plan
 
     @property
     def chain(self) -> Chain:
-        """The chain the plan was made for."""
+        """The chain that :attr:`plan` was made for."""
         return self._executor.chain
 
     @property
@@ -88,9 +81,20 @@ class OptimizedModule(nn.Module):
         """What the last training step's chain measured (None before the first one)."""
         return self._executor.stats
 
+    @property
+    def _executor(self) -> PlanExecutor:
+        executor = self._plans.last
+        assert executor is not None
+        return executor
+
+    def cache_info(self) -> dict[str, Any]:
+        """Plans by input shape: ``hits``, ``misses``, ``plans`` and ``planning_s``."""
+        return self._plans.info()
+
     def release_host_memory(self) -> None:
         """Give back the host buffers kept for offloads between steps."""
-        self._executor.release_host_memory()
+        for executor in self._plans.executors.values():
+            executor.release_host_memory()
 
     @property  # type: ignore[override]
     def training(self) -> bool:
@@ -127,9 +131,10 @@ class OptimizedModule(nn.Module):
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
-            return self._executor(args[0])
+            return self._plans.executor(args[0])(args[0])
         _refuse_recorded_outputs(self._model, kwargs)
-        with RunInterception(self._run, self._executor) as interception:
+        executor = self._plans.executor(Call(args, kwargs))
+        with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)
         if not interception.ran:
             raise NotAChainError(
@@ -215,17 +220,31 @@ def optimize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; pass an nn.Module")
     check_device([model], tensors[0].device)
-    found = ModelChain.find(model, example_batch, blocks)
+    call = as_call(example_batch)
+    found = ModelChain.find(model, call, blocks)
     if chain is None:
-        chain = profile_model_chain(model, example_batch, found, stages, bandwidth)
+        chain = profile_model_chain(model, call, found, stages, bandwidth)
     else:
         chain = _given_chain(chain, stages, bandwidth)
     modules = model_chain_stages(found, chain)
-    check_model_chain_output(model, example_batch, found, modules)
+    check_model_chain_output(model, call, found, modules)
     plan = _plan(chain, budget, solver, plan, solver_options)
-    return OptimizedModule(
-        model, modules, chain, plan, measure_memory=measure_memory, run=found.run
+    stage_blocks = list(zip(chain.stage_names, modules, strict=True))
+
+    def profile_shape(new: Call) -> Chain:
+        again = found.on(model, new)
+        return _same_stages(
+            chain,
+            profile_model_chain(
+                model, new, again, bandwidth=_link_of(chain), blocks=stage_blocks, **_QUICK
+            ),
+        )
+
+    plans = ShapePlans(
+        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory
     )
+    plans.add(call, chain, plan)
+    return OptimizedModule(model, plans, run=found.run)
 
 
 def _optimize_sequential(
@@ -254,7 +273,42 @@ def _optimize_sequential(
     if isinstance(model, nn.Module):
         check_chain_output(model, modules, example_input)
     plan = _plan(chain, budget, solver, plan, solver_options)
-    return OptimizedModule(sequential, modules, chain, plan, measure_memory=measure_memory)
+    stage_blocks = list(zip(chain.stage_names, modules, strict=True))
+
+    def profile_shape(value: Any) -> Chain:
+        return _same_stages(
+            chain, profile_model(stage_blocks, value, bandwidth=_link_of(chain), **_QUICK)
+        )
+
+    plans = ShapePlans(
+        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory
+    )
+    plans.add(example_input, chain, plan)
+    return OptimizedModule(sequential, plans)
+
+
+# A new input shape is profiled once, quickly: its sizes are exact, its times rough.
+_QUICK = {"warmup": 0, "repeats": 1}
+
+
+def _link_of(chain: Chain) -> tuple[float, float] | None:
+    link = chain.link
+    return None if link is None else (link.d2h_bytes_per_s, link.h2d_bytes_per_s)
+
+
+def _same_stages(first: Chain, chain: Chain) -> Chain:
+    """``chain`` (profiled over ``first``'s stages) under ``first``'s name and grouping."""
+    metadata = {**chain.metadata, "grouping": first.metadata.get("grouping")}
+    if "blocks" in first.metadata:
+        metadata["blocks"] = first.metadata["blocks"]
+    return dataclasses.replace(chain, name=first.name, metadata=metadata)
+
+
+def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Callable[[Chain], Plan]:
+    """How a new input shape gets its plan: solved at the first plan's budget, in bytes."""
+    if plan.budget_bytes is None:
+        return lambda chain: score(plan, chain, None)
+    return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
 
 
 def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:

@@ -13,12 +13,16 @@ from solvers.chain import SLOWEST_LINK_BYTES_PER_S, Link
 class InfeasibleBudgetError(ValueError):
     """No plan fits in the budget; ``min_budget_bytes`` is the least budget that has one."""
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int, solver: str):
+    def __init__(
+        self, budget_bytes: int, min_budget_bytes: int, solver: str, shape: str | None = None
+    ):
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.solver = solver
+        self.shape = shape
+        where = "" if shape is None else f" for input {shape}"
         super().__init__(
-            f"no {solver} plan fits in {format_bytes(budget_bytes)} ({budget_bytes} B); "
+            f"no {solver} plan fits in {format_bytes(budget_bytes)} ({budget_bytes} B){where}; "
             f"the least feasible budget is {format_bytes(min_budget_bytes)} "
             f"({min_budget_bytes} B): raise the budget to at least that"
         )

@@ -1,0 +1,214 @@
+"""One eager call of a model, recorded module call by module call, holding none of its tensors.
+
+Tensors are known by token: a serial number given to a tensor the first time a hook sees it
+and forgotten when it is freed, so two calls see "the same tensor" exactly when one returned
+the very tensor object the other received. Holding the tensors themselves would keep every
+intermediate of the call alive: a whole keep-all forward, more than a budget allows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offremat._tensors import Structure, flatten
+
+
+@dataclass(frozen=True)
+class RecordedCall:
+    """One module call: where it sits, what it took and returned, by token.
+
+    ``hidden`` is the token of its hidden state (the first positional argument if a tensor,
+    else a ``hidden_states`` keyword), ``output`` the token of its output's first tensor,
+    ``side`` the tokens and structure of its other arguments; ``nth`` counts the module's
+    calls before this one.
+    """
+
+    path: str
+    module: nn.Module
+    depth: int
+    nth: int
+    hidden: int | None
+    hidden_keyword: str | None
+    output: int | None
+    output_structure: Structure
+    output_tensors: int
+    state_only: bool
+    side: tuple[tuple[int, ...], Structure]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether it returned its own input (changed in place, as ``ReLU(inplace=True)``)."""
+        return self.output is not None and self.output == self.hidden
+
+
+def hidden_keyword(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bool | None:
+    """None if the hidden state is the first argument, ``"hidden_states"``, or False: none."""
+    if args and isinstance(args[0], torch.Tensor):
+        return None
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    return False
+
+
+def split_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor | None, tuple[Any, ...], dict[str, Any]]:
+    """A call's hidden state (None if it has none) and its other arguments."""
+    keyword = hidden_keyword(args, kwargs)
+    if keyword is None:
+        return args[0], args[1:], dict(kwargs)
+    if keyword is False:
+        return None, args, dict(kwargs)
+    return kwargs[keyword], args, {k: v for k, v in kwargs.items() if k != keyword}
+
+
+class _Tokens:
+    """Serial numbers for live tensors, dropped when a tensor is freed."""
+
+    def __init__(self) -> None:
+        self.serials: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self.count = 0
+
+    def of(self, tensor: torch.Tensor) -> int:
+        known = self.serials.get(id(tensor))
+        if known is not None and known[1]() is tensor:
+            return known[0]
+        self.count += 1
+        self.serials[id(tensor)] = (self.count, weakref.ref(tensor, self._freed(id(tensor))))
+        return self.count
+
+    def _freed(self, key: int) -> Callable[[Any], None]:
+        return _Forget(self.serials, key)
+
+
+class _Forget:
+    """A weak reference's callback: forget a freed tensor's serial."""
+
+    def __init__(self, serials: dict[int, Any], key: int):
+        self.serials = serials
+        self.key = key
+
+    def __call__(self, _: Any) -> None:
+        self.serials.pop(self.key, None)
+
+
+class _Recorder:
+    """Forward hooks on every submodule, building one :class:`RecordedCall` per call."""
+
+    def __init__(self) -> None:
+        self.tokens = _Tokens()
+        self.calls: list[dict[str, Any]] = []
+        self.open: list[dict[str, Any]] = []
+        self.counts: dict[int, int] = {}
+
+    def before(self, path: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+        hidden, side_args, side_kwargs = split_hidden(tuple(args), dict(kwargs))
+        side_tensors, side_structure = flatten((side_args, side_kwargs))
+        nth = self.counts.get(id(module), 0)
+        self.counts[id(module)] = nth + 1
+        call = {
+            "path": path,
+            "module": module,
+            "depth": len(self.open),
+            "nth": nth,
+            "hidden": None if hidden is None else self.tokens.of(hidden),
+            "hidden_keyword": hidden_keyword(tuple(args), dict(kwargs)) or None,
+            "state_only": len(args) == 1 and hidden is not None and not kwargs,
+            "side": (tuple(self.tokens.of(t) for t in side_tensors), side_structure),
+        }
+        self.calls.append(call)
+        self.open.append(call)
+
+    def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        call = self.open.pop()
+        tensors, structure = flatten(output)
+        first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
+        call["output"] = None if first is None else self.tokens.of(first)
+        call["output_structure"] = structure
+        call["output_tensors"] = len(tensors)
+        call["state_only"] = call["state_only"] and len(tensors) == 1
+
+
+def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[RecordedCall]:
+    """Every submodule call that ``run_model()`` makes, in the order they start."""
+    recorder = _Recorder()
+    handles = []
+    for path, module in model.named_modules():
+        if module is model:
+            continue
+        handles.append(
+            module.register_forward_pre_hook(_PathHook(recorder.before, path), with_kwargs=True)
+        )
+        handles.append(module.register_forward_hook(recorder.after, with_kwargs=True))
+    try:
+        with _as_in_training():
+            run_model()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [RecordedCall(**call) for call in recorder.calls if "output" in call]
+
+
+class _Captured(Exception):
+    """Ends the model's call once the arguments wanted are captured."""
+
+
+def capture_call(
+    run_model: Callable[[], Any], module: nn.Module, nth: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``module``'s call number ``nth`` in ``run_model()``, which stops there."""
+    capture = _Capture(nth)
+    handle = module.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with _as_in_training():
+            run_model()
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if capture.arguments is None:
+        raise RuntimeError(f"the model did not call {type(module).__name__} {nth + 1} times")
+    return capture.arguments
+
+
+class _Capture:
+    def __init__(self, nth: int):
+        self.nth = nth
+        self.seen = 0
+        self.arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.seen == self.nth:
+            self.arguments = (tuple(args), dict(kwargs))
+            raise _Captured
+        self.seen += 1
+
+
+class _PathHook:
+    """A pre-hook that knows its module's path."""
+
+    def __init__(self, function: Callable[..., None], path: str):
+        self.function = function
+        self.path = path
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.function(self.path, module, args, kwargs)
+
+
+@contextmanager
+def _as_in_training() -> Iterator[None]:
+    """Gradients on, as in training, so that inputs say which of them carry a gradient;
+    saved tensors dropped at once, so memory is that of a forward without autograd."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
+        yield
+
+
+def _drop(_: Any) -> None:
+    return None

@@ -1,0 +1,138 @@
+"""One plan per input shape: a training step never runs on a plan made for another shape.
+
+Activation sizes and times grow with the batch and the sequence length, so a plan made for
+one input shape can break its budget on a larger one. Following Mimose (Liao et al. 2022), an
+optimized model keeps a plan per input signature (the shapes, dtypes and devices of its
+tensor inputs, and its other arguments) and makes one, before the step runs, the first time a
+signature is seen. The budget stays the same number of bytes for every shape: it is the
+memory the device has. A new shape is profiled for real (one timed repeat, no warm-up, which
+sizes are exact with and times are rough); the stage grouping is the first shape's, so every
+plan runs the same stage modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from offremat._tensors import Structure, flatten
+from offremat.executor import PlanExecutor
+from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.chain import Chain
+from solvers.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+Signature = tuple[Any, ...]
+
+
+def input_signature(batch: Any) -> Signature:
+    """What a plan depends on in a call's inputs: tensor shapes, dtypes, devices, the rest."""
+    tensors, structure = flatten(batch)
+    return (
+        tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in tensors),
+        _structure_key(structure),
+    )
+
+
+def _structure_key(structure: Structure) -> Any:
+    if structure.kind == "tensor":
+        return "tensor"
+    if structure.kind == "value":
+        value = structure.value
+        return repr(value) if not isinstance(value, (int, float, bool, str, type(None))) else value
+    container = structure.value if structure.kind == "sequence" else structure.value[1]
+    return (
+        structure.kind,
+        repr(container),
+        tuple(_structure_key(child) for child in structure.children),
+    )
+
+
+def describe(signature: Signature) -> str:
+    """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``."""
+    return ", ".join(
+        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, *_ in signature[0]
+    )
+
+
+@dataclass
+class ShapeCache:
+    """Plans made so far, by input signature, and how often a step found its plan ready."""
+
+    hits: int = 0
+    misses: int = 0
+    planning_s: float = 0.0
+
+
+class ShapePlans:
+    """The executors of an optimized model, one per input signature, made on first sight.
+
+    ``profile`` profiles a batch of a new shape into a chain of the same stages; the plan is
+    solved by ``solver`` at ``budget_bytes`` (None: the first plan's ops, scored).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        profile: Callable[[Any], Chain],
+        solve: Callable[[Chain], Plan],
+        measure_memory: bool,
+    ):
+        self.stages = list(stages)
+        self.profile = profile
+        self.solve = solve
+        self.measure_memory = measure_memory
+        self.executors: dict[Signature, PlanExecutor] = {}
+        self.cache = ShapeCache()
+        self.last: PlanExecutor | None = None
+
+    def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
+        """Register the plan made at ``optimize`` time for the example batch."""
+        executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
+        self.executors[input_signature(batch)] = executor
+        self.last = executor
+        return executor
+
+    def executor(self, batch: Any) -> PlanExecutor:
+        """The executor for ``batch``'s signature, planned now if it is new."""
+        signature = input_signature(batch)
+        executor = self.executors.get(signature)
+        if executor is not None:
+            self.cache.hits += 1
+        else:
+            self.cache.misses += 1
+            began = time.perf_counter()
+            chain = self.profile(batch)
+            try:
+                plan = self.solve(chain)
+            except InfeasibleBudgetError as error:
+                raise InfeasibleBudgetError(
+                    error.budget_bytes, error.min_budget_bytes, error.solver, describe(signature)
+                ) from None
+            executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
+            self.executors[signature] = executor
+            self.cache.planning_s += time.perf_counter() - began
+            logger.info(
+                "planned input %s in %.2f s: %s plan, predicted peak %s",
+                describe(signature),
+                time.perf_counter() - began,
+                plan.solver,
+                format_bytes(plan.predicted_peak_bytes or 0),
+            )
+        self.last = executor
+        return executor
+
+    def info(self) -> dict[str, Any]:
+        """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), planning time."""
+        return {
+            "hits": self.cache.hits,
+            "misses": self.cache.misses,
+            "plans": len(self.executors),
+            "planning_s": self.cache.planning_s,
+        }

@@ -1,0 +1,86 @@
+"""A training step never runs on a plan made for another input shape (Mimose's promise)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat.measure import StepMemory
+from tests import model_zoo as zoo
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(6)]
+    )
+
+
+def step(model, x, target) -> torch.Tensor:
+    # A loss that allocates nothing of its own: the budget covers the model and the gradient
+    # it is seeded with, while what a caller's loss allocates is the caller's (see README).
+    loss = (model(x) - target).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def test_each_new_batch_size_gets_its_own_plan_within_the_same_byte_budget() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    om = offremat.optimize(model, torch.randn(64, 64), budget=2_000_000)
+    assert om.plan.budget_bytes == 2_000_000
+    decisions = {}
+    for rows in (64, 256, 128, 64, 256):
+        x = torch.randn(rows, 64, generator=generator)
+        target = torch.randn(rows, 64, generator=generator)
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        with StepMemory("cpu", inputs=(x, target)) as memory:
+            loss = step(om, x, target)
+        assert torch.equal(loss, step(reference, x, target))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        assert memory.peak_bytes <= 2_000_000, rows
+        assert om.plan.budget_bytes == 2_000_000
+        assert om.chain.input_bytes == x.numel() * 4
+        decisions[rows] = set(om.plan.decisions.values())
+    assert decisions[64] == {"keep"} and "recompute" in decisions[256]  # one plan would not do
+    info = om.cache_info()
+    assert (info["plans"], info["misses"], info["hits"]) == (3, 2, 3)
+
+
+def test_a_shape_too_large_for_the_budget_is_refused_before_it_runs() -> None:
+    model = mlp()
+    om = offremat.optimize(model, torch.randn(64, 64), budget=2_000_000)
+    x = torch.randn(8192, 64)
+    with pytest.raises(offremat.InfeasibleBudgetError, match=r"for input \(8192, 64\) float32"):
+        om(x)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_new_sequence_length_gets_its_own_plan_for_a_hugging_face_model() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = zoo.gpt2().train()
+    reference = copy.deepcopy(model)
+    short = torch.randint(0, 96, (4, 32))
+    om = offremat.optimize(model, {"input_ids": short, "labels": short}, budget=0.5)
+    budget = om.plan.budget_bytes
+    for ids in (torch.randint(0, 96, (4, 64)), short):
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        torch.manual_seed(3)
+        with StepMemory("cpu", inputs=ids) as memory:
+            loss = om(input_ids=ids, labels=ids).loss
+            loss.backward()
+        torch.manual_seed(3)
+        reference(input_ids=ids, labels=ids).loss.backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        assert memory.peak_bytes <= budget
+    assert om.cache_info()["plans"] == 2
