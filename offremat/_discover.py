@@ -37,7 +37,7 @@ from torch import nn
 
 from offremat._blocks import NotAChainError
 from offremat._record import RecordedCall, capture_call, record_calls, split_hidden
-from offremat._tensors import Structure, flatten, unflatten
+from offremat._tensors import Structure, flatten, same_structure, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ def find_block_run(
         # them are chain blocks too (a ResNet's stem holds much of its activation memory).
         prefix, suffix = _stem(records, first), _tail(records, best[-1])
     members = [*prefix, *best, *suffix]
+    _refuse_other_readers(records, members)
     added = {id(r) for r in (*prefix, *suffix)}
     calls = tuple(
         BlockCall(
@@ -170,6 +171,31 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
         )
     hidden, side = side_inputs_of(first, args, kwargs)
     return (hidden, *side)
+
+
+def _refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall]) -> None:
+    """Refuse a run whose intermediate states other calls read: the chain never hands them on.
+
+    Inside a training step the model sees each block return the chain's final state, so a
+    call outside the blocks that reads an intermediate one (a U-Net's skip) would read
+    another tensor.
+    """
+    produced = {r.output: r for r in members[:-1] if r.output is not None}
+    positions = {_index(records, member) for member in members}
+    inside: set[int] = set()
+    for start in positions:
+        inside.update(range(start, _after(records, records[start])))
+    for index, record in enumerate(records):
+        # The blocks' own calls, and the containers that hand the state on to them.
+        if index in inside or any(index < k < _after(records, record) for k in positions):
+            continue
+        for token in (record.hidden, *record.side[0]):
+            if token in produced:
+                raise NotAChainError(
+                    f"{record.path} reads {produced[token].path}'s output, which a chain does "
+                    "not keep for anything but the next block; name a run of blocks whose "
+                    "outputs only feed each other with blocks="
+                )
 
 
 def _no_values(structure: Structure) -> bool:
@@ -317,16 +343,8 @@ def _follows(previous: RecordedCall, record: RecordedCall) -> bool:
         and previous.output_tensors == 1
         and record.hidden == previous.output
         and previous.side[0] == record.side[0]
-        and _same_structure(previous.side[1], record.side[1])
+        and same_structure(previous.side[1], record.side[1])
     )
-
-
-def _same_structure(a: Structure, b: Structure) -> bool:
-    if a.kind != b.kind or len(a.children) != len(b.children):
-        return False
-    if a.kind == "value" and a.value is not b.value and a.value != b.value:
-        return False
-    return all(_same_structure(x, y) for x, y in zip(a.children, b.children, strict=True))
 
 
 def _safe_value(value: Any, name: str, path: str) -> Any:

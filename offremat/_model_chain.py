@@ -95,16 +95,16 @@ def profile_model_chain(
         **options,
     )
     outside = _measure_outside(model, batch, found)
-    first, last = chain.stages[0], chain.stages[-1]
-    first = dataclasses.replace(
+    folded = list(chain.stages)
+    first = folded[0]
+    folded[0] = dataclasses.replace(
         first,
         fwd_tmp_bytes=max(first.fwd_tmp_bytes, outside.setup_transient_bytes),
         nograd_fwd_tmp_bytes=max(first.nograd_fwd_tmp_bytes, outside.setup_transient_bytes),
         bwd_tmp_bytes=max(first.bwd_tmp_bytes, outside.setup_backward_bytes),
     )
-    stages_ = [first, *chain.stages[1:]]
-    last = stages_[-1]
-    stages_[-1] = dataclasses.replace(
+    last = folded[-1]
+    folded[-1] = dataclasses.replace(
         last, bwd_tmp_bytes=max(last.bwd_tmp_bytes + outside.held_bytes, outside.end_peak_bytes)
     )
     metadata = dict(chain.metadata)
@@ -114,7 +114,7 @@ def profile_model_chain(
         chain,
         input_bytes=outside.resident_bytes,
         held_bytes=outside.held_bytes,
-        stages=tuple(stages_),
+        stages=tuple(folded),
         metadata=metadata,
     )
 
@@ -219,6 +219,8 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
     with untouched([model], device):
         with torch.no_grad():
             last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
+        # As the chain's own output would, whether or not its input carries a gradient.
+        last.requires_grad_(is_differentiable(last))
         # Gradients exist as after a first step, for the code around the chain alone.
         for parameter in model.parameters():
             if parameter.requires_grad and parameter.grad is None and id(parameter) not in chained:

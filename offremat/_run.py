@@ -30,7 +30,7 @@ from torch.nn.modules import module as module_globals
 
 from offremat._blocks import NotAChainError
 from offremat._discover import BlockCall, BlockRun, block_output, hidden_of, side_inputs_of
-from offremat._tensors import flatten
+from offremat._tensors import flatten, same_structure
 
 
 class RunBlock(nn.Module):
@@ -82,6 +82,7 @@ class RunInterception:
         self.position = 0
         self.inside = False
         self.result: torch.Tensor | None = None
+        self.handed: torch.Tensor | None = None
         self.side: Any = None
         self._installed: list[tuple[nn.Module, Any]] = []
 
@@ -133,18 +134,70 @@ class RunInterception:
                 self.inside = False
             self.result = output[0]
             self.side = side
-        elif hidden is not self.result or (expected.side and not _same_values(side, self.side)):
+        elif hidden is not self.handed or (expected.side and not _same_values(side, self.side)):
             raise NotAChainError(
                 f"the model changed the hidden state or the other arguments between "
                 f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
                 "blocks as one chain, so their inputs must flow from block to block"
             )
         self.position += 1
-        return block_output(expected, self.result)
+        if self.position == len(calls):
+            self.handed = self.result
+        else:
+            self.handed = HandedOn.of(self.result, expected.path)
+        return block_output(expected, self.handed)
+
+
+class HandedOn(torch.Tensor):
+    """What the model sees a block other than the last return inside a training step.
+
+    The chain computed that block's output but does not hand it out: the model gets a tensor
+    that it may only pass to the next block (and ask its shape, dtype or device). Any other
+    use, such as keeping it for a loss or a skip connection, raises instead of computing with
+    the chain's final state.
+    """
+
+    path: str
+
+    @staticmethod
+    def of(result: torch.Tensor, path: str) -> HandedOn:
+        handed = torch.Tensor._make_subclass(HandedOn, result.detach(), result.requires_grad)
+        handed.path = path
+        return handed
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        handed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, HandedOn))
+        # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
+        # operators such as +, and the message would be lost.
+        raise RuntimeError(
+            f"the model used {handed.path}'s output for more than calling the next block "
+            f"({getattr(func, '__name__', func)}); inside a chain only the last block's output "
+            "exists: name a run of blocks whose outputs only feed each other with blocks="
+        )
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.__repr__,
+}
 
 
 class _Forward:
-    """The ``forward`` a block has while an interception is active (a plain object, no closure)."""
+    """The ``forward`` a block has while an interception is active.
+
+    An object with explicit state rather than a closure, so that the interception it points
+    to is visible (and dropped) with it.
+    """
 
     def __init__(self, interception: RunInterception, module: nn.Module, original: Any):
         self.interception = interception
@@ -156,12 +209,13 @@ class _Forward:
 
 
 def _same_values(a: Any, b: Any) -> bool:
+    """Whether two argument structures hold the very same tensors and equal other values."""
     tensors_a, structure_a = flatten(a)
     tensors_b, structure_b = flatten(b)
     return (
         len(tensors_a) == len(tensors_b)
         and all(x is y for x, y in zip(tensors_a, tensors_b, strict=True))
-        and structure_a == structure_b
+        and same_structure(structure_a, structure_b)
     )
 
 

@@ -66,6 +66,15 @@ def _build(node: Structure, remaining: Iterator[torch.Tensor]) -> Any:
     return node.value(items)
 
 
+def same_structure(a: Structure, b: Structure) -> bool:
+    """Whether two structures have the same shape and the same values (by identity or ==)."""
+    if a.kind != b.kind or len(a.children) != len(b.children):
+        return False
+    if a.kind == "value" and a.value is not b.value and a.value != b.value:
+        return False
+    return all(same_structure(x, y) for x, y in zip(a.children, b.children, strict=True))
+
+
 def is_differentiable(tensor: torch.Tensor) -> bool:
     """Whether autograd can carry a gradient for the tensor's dtype."""
     return tensor.is_floating_point() or tensor.is_complex()

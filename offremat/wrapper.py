@@ -204,7 +204,7 @@ def optimize(
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
     if isinstance(chain, (str, Path)):
         chain = Chain.load(chain)
-    if blocks is None and isinstance(model, (nn.Sequential, list, tuple)):
+    if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
         return _optimize_sequential(
             model,
             example_batch,
@@ -217,8 +217,11 @@ def optimize(
             measure_memory,
             solver_options,
         )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model is a {type(model).__name__}; pass an nn.Module")
+    if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
+        raise TypeError(
+            f"blocks= names blocks inside a model, and a {type(model).__name__} is not one: "
+            "pass the model, or the list without blocks="
+        )
     check_device([model], tensors[0].device)
     call = as_call(example_batch)
     found = ModelChain.find(model, call, blocks)

@@ -162,3 +162,41 @@ class ResidualNet(nn.Module):
         for block in self.blocks:
             h = block(h, scale)
         return self.head(h)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.body(h)
+
+
+class StateOnlyNet(nn.Module):
+    """Blocks that take nothing but the state, between a ``Sequential`` stem and head."""
+
+    def __init__(self, width: int = 32, depth: int = 6):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(16, width), nn.Tanh())
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(depth))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(width * 16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class KeepsAnIntermediate(ResidualNet):
+    """Keeps block 2's output for the loss: an output a chain does not hand out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = self.scale * 0.5
+        for index, block in enumerate(self.blocks):
+            h = block(h, scale)
+            if index == 2:
+                self.middle = h
+        return self.head(h)

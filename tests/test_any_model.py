@@ -199,3 +199,48 @@ def test_cli_profiles_a_users_own_model_from_its_file(tmp_path) -> None:
     chain = Chain.load(out)
     assert chain.stage_names == ("layers.0", "layers.1", "layers.2")
     assert chain.metadata["blocks"] == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_blocks_that_take_only_the_state_bring_their_stem_and_head() -> None:
+    torch.manual_seed(0)
+    model = zoo.StateOnlyNet().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, 16)
+    target = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    om = offremat.optimize(model, x, budget=0.5)
+    assert om.chain.metadata["blocks"][0] == "stem"
+    assert om.chain.metadata["blocks"][-1] == "head"
+    for network in (model, reference):
+        for parameter in network.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=(x, target)) as memory:
+        loss_of(om, x, target).backward()
+    loss_of(reference, x, target).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert memory.peak_bytes <= om.plan.budget_bytes
+
+
+def test_an_intermediate_block_output_used_elsewhere_is_an_error_not_a_wrong_loss() -> None:
+    torch.manual_seed(0)
+    model = zoo.KeepsAnIntermediate().train()
+    om = offremat.optimize(model, FEATURES, budget=0.6)
+    output = om(FEATURES)
+    with pytest.raises(RuntimeError, match=r"blocks\.2's output for more than"):
+        (output.sum() + model.middle.sum()).backward()
+
+
+def test_a_model_list_of_blocks_still_profiles_as_a_list(tmp_path) -> None:
+    from offremat.cli import main
+
+    (tmp_path / "lists.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "def build(batch_size=4):\n"
+        "    blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))\n"
+        "    return blocks, torch.randn(batch_size, 8)\n"
+    )
+    out = tmp_path / "chain.json"
+    argv = ["profile", f"{tmp_path / 'lists.py'}:build", "--out", str(out), "--repeats", "1"]
+    assert main(argv) == 0
+    assert main([*argv, "--blocks", "x"]) == 2

@@ -78,6 +78,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats", type=integer_at_least(1), default=5, metavar="N", help="timed runs (5)"
     )
+    parser.add_argument(
+        "--blocks",
+        metavar="PATH",
+        help="the ModuleList or Sequential whose children are the chain (default: the model's "
+        "longest run of repeated blocks)",
+    )
     parser.add_argument("--name", metavar="NAME", help="the chain's name (default: MODEL)")
     return parser
 
@@ -87,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from offremat._blocks import NotAChainError
-    from offremat._model_chain import ModelChain, profile_model_chain
+    from offremat._model_chain import (
+        ModelChain,
+        check_model_chain_output,
+        model_chain_stages,
+        profile_model_chain,
+    )
     from offremat._tensors import flatten, unflatten
     from offremat.profiler import profile_model
 
@@ -116,11 +127,16 @@ def run(args: argparse.Namespace) -> int:
         "name": args.name or args.model,
     }
     try:
-        if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.Sequential):
-            found = ModelChain.find(model, example)
-            chain = profile_model_chain(model, example, found, **options)
-        else:
+        listed = isinstance(model, (list, tuple, torch.nn.ModuleList))
+        if listed or (isinstance(model, torch.nn.Sequential) and args.blocks is None):
+            if args.blocks is not None:
+                raise UsageError("--blocks names blocks inside a model; this one is a list")
             chain = profile_model(model, example, **options)
+        else:
+            found = ModelChain.find(model, example, args.blocks)
+            chain = profile_model_chain(model, example, found, **options)
+            stages = model_chain_stages(found, chain)
+            check_model_chain_output(model, example, found, stages)
     except (NotAChainError, ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     try:
