@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from offremat._plan_cache import PlanCache
 from offremat._tensors import Structure, flatten
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
@@ -67,6 +68,7 @@ class ShapeCache:
 
     hits: int = 0
     misses: int = 0
+    from_disk: int = 0
     planning_s: float = 0.0
 
 
@@ -83,11 +85,13 @@ class ShapePlans:
         profile: Callable[[Any], Chain],
         solve: Callable[[Chain], Plan],
         measure_memory: bool,
+        disk: PlanCache | None = None,
     ):
         self.stages = list(stages)
         self.profile = profile
         self.solve = solve
         self.measure_memory = measure_memory
+        self.disk = disk
         self.executors: dict[Signature, PlanExecutor] = {}
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
@@ -108,13 +112,21 @@ class ShapePlans:
         else:
             self.cache.misses += 1
             began = time.perf_counter()
-            chain = self.profile(batch)
-            try:
-                plan = self.solve(chain)
-            except InfeasibleBudgetError as error:
-                raise InfeasibleBudgetError(
-                    error.budget_bytes, error.min_budget_bytes, error.solver, describe(signature)
-                ) from None
+            cached = None if self.disk is None else self.disk.load(repr(signature))
+            if cached is not None:
+                chain, plan = cached
+                self.cache.from_disk += 1
+            else:
+                chain = self.profile(batch)
+                try:
+                    plan = self.solve(chain)
+                except InfeasibleBudgetError as error:
+                    shape = describe(signature)
+                    raise InfeasibleBudgetError(
+                        error.budget_bytes, error.min_budget_bytes, error.solver, shape
+                    ) from None
+                if self.disk is not None:
+                    self.disk.store(repr(signature), chain, plan)
             executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
             self.executors[signature] = executor
             self.cache.planning_s += time.perf_counter() - began
@@ -129,10 +141,12 @@ class ShapePlans:
         return executor
 
     def info(self) -> dict[str, Any]:
-        """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), planning time."""
+        """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read
+        from the disk cache (``from_disk``), and seconds spent planning."""
         return {
             "hits": self.cache.hits,
             "misses": self.cache.misses,
             "plans": len(self.executors),
+            "from_disk": self.cache.from_disk,
             "planning_s": self.cache.planning_s,
         }

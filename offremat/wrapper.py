@@ -30,8 +30,9 @@ from offremat._model_chain import (
     model_chain_stages,
     profile_model_chain,
 )
+from offremat._plan_cache import PlanCache, model_fingerprint
 from offremat._run import RunInterception
-from offremat._shapes import ShapePlans
+from offremat._shapes import ShapePlans, input_signature
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
 from offremat.profiler import (
@@ -176,6 +177,7 @@ def optimize(
     plan: Plan | str | Path | None = None,
     measure_memory: bool = False,
     blocks: str | None = None,
+    cache_dir: str | Path | None = None,
     **solver_options: Any,
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step keeps, offloads or recomputes activations.
@@ -194,8 +196,10 @@ def optimize(
     scored at ``budget`` (default: its own). The chain must give the model's own output on
     ``example_batch``. With ``measure_memory``, every step's chain is measured independently
     (``stats.measured_peak_bytes``; on CUDA this resets the process-wide peak statistics, on
-    CPU it slows the step). Raises :class:`solvers.budget.InfeasibleBudgetError` when no plan
-    fits.
+    CPU it slows the step). Each new input shape gets its own plan (:mod:`offremat._shapes`);
+    with ``cache_dir``, plans are kept on disk and read back by a later run
+    (:mod:`offremat._plan_cache`). Raises :class:`solvers.budget.InfeasibleBudgetError` when
+    no plan fits.
     """
     if stages is not None:
         check_count("stages", stages)
@@ -204,6 +208,25 @@ def optimize(
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
     if isinstance(chain, (str, Path)):
         chain = Chain.load(chain)
+    disk = None
+    if cache_dir is not None:
+        if chain is not None or plan is not None:
+            logger.warning("chain= or plan= is given, so cache_dir= is not used")
+        else:
+            modules_of = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+            disk = PlanCache(
+                cache_dir,
+                {
+                    "model": model_fingerprint(modules_of),
+                    "example": repr(input_signature(example_batch)),
+                    "budget": repr(budget),
+                    "solver": solver,
+                    "options": repr(sorted(solver_options.items())),
+                    "bandwidth": repr(bandwidth),
+                    "stages": stages,
+                    "blocks": blocks,
+                },
+            )
     if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
         return _optimize_sequential(
             model,
@@ -216,6 +239,7 @@ def optimize(
             plan,
             measure_memory,
             solver_options,
+            disk,
         )
     if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
         raise TypeError(
@@ -225,13 +249,19 @@ def optimize(
     check_device([model], tensors[0].device)
     call = as_call(example_batch)
     found = ModelChain.find(model, call, blocks)
-    if chain is None:
+    cached = None if disk is None else disk.load(repr(input_signature(call)))
+    if cached is not None:
+        chain, plan = cached
+    elif chain is None:
         chain = profile_model_chain(model, call, found, stages, bandwidth)
     else:
         chain = _given_chain(chain, stages, bandwidth)
     modules = model_chain_stages(found, chain)
     check_model_chain_output(model, call, found, modules)
-    plan = _plan(chain, budget, solver, plan, solver_options)
+    if cached is None:
+        plan = _plan(chain, budget, solver, plan, solver_options)
+        if disk is not None:
+            disk.store(repr(input_signature(call)), chain, plan)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     def profile_shape(new: Call) -> Chain:
@@ -244,7 +274,7 @@ def optimize(
         )
 
     plans = ShapePlans(
-        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory
+        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory, disk
     )
     plans.add(call, chain, plan)
     return OptimizedModule(model, plans, run=found.run)
@@ -261,6 +291,7 @@ def _optimize_sequential(
     plan: Plan | str | Path | None,
     measure_memory: bool,
     solver_options: dict[str, Any],
+    disk: PlanCache | None,
 ) -> OptimizedModule:
     blocks = chain_blocks(model)
     sequential = (
@@ -268,14 +299,20 @@ def _optimize_sequential(
     )
     tensors, _ = flatten(example_input)
     check_device([module for _, module in blocks], tensors[0].device)
-    if chain is None:
+    cached = None if disk is None else disk.load(repr(input_signature(example_input)))
+    if cached is not None:
+        chain, plan = cached
+    elif chain is None:
         chain = profile_model(sequential, example_input, stages=stages, bandwidth=bandwidth)
     else:
         chain = _given_chain(chain, stages, bandwidth)
     modules = stage_modules(sequential, chain)
     if isinstance(model, nn.Module):
         check_chain_output(model, modules, example_input)
-    plan = _plan(chain, budget, solver, plan, solver_options)
+    if cached is None:
+        plan = _plan(chain, budget, solver, plan, solver_options)
+        if disk is not None:
+            disk.store(repr(input_signature(example_input)), chain, plan)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     def profile_shape(value: Any) -> Chain:
@@ -284,7 +321,7 @@ def _optimize_sequential(
         )
 
     plans = ShapePlans(
-        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory
+        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory, disk
     )
     plans.add(example_input, chain, plan)
     return OptimizedModule(sequential, plans)

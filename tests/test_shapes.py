@@ -84,3 +84,36 @@ def test_a_new_sequence_length_gets_its_own_plan_for_a_hugging_face_model() -> N
             assert torch.equal(p.grad, q.grad)
         assert memory.peak_bytes <= budget
     assert om.cache_info()["plans"] == 2
+
+
+def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog, monkeypatch):
+    import offremat.wrapper
+
+    model = mlp()
+    x64, x128 = torch.randn(64, 64), torch.randn(128, 64)
+    om = offremat.optimize(model, x64, budget=2_000_000, cache_dir=tmp_path)
+    first_ops = om.plan.ops
+    om(x128)
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == 2
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled although the plan was on disk")
+
+    monkeypatch.setattr(offremat.wrapper, "profile_model", no_profiling)
+    again = offremat.optimize(mlp(), x64, budget=2_000_000, cache_dir=tmp_path)
+    again(x128)
+    assert again.cache_info()["from_disk"] == 1
+    assert again.plan.ops == om.plan.ops
+    monkeypatch.undo()
+
+    for file in files:
+        file.write_text(file.read_text()[:100])  # truncated
+    with caplog.at_level("WARNING"):
+        third = offremat.optimize(mlp(), x64, budget=2_000_000, cache_dir=tmp_path)
+    assert "ignoring plan cache file" in caplog.text
+    assert third.plan.ops == first_ops
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        offremat.optimize(mlp(), x64, budget=1_900_000, cache_dir=tmp_path)
+    assert "ignoring" not in caplog.text  # another budget is another entry, not a foreign one

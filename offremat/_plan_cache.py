@@ -1,0 +1,93 @@
+"""Plans kept on disk between runs, keyed by everything a plan depends on.
+
+A file holds one chain and its plan, under a key made of the model's structure (module types,
+parameter and buffer shapes and dtypes), the device, the budget as given, the solver and its
+options, the example batch's signature and the signature of the input shape planned. A file
+that cannot be read, is truncated, has another format or another key, or holds a plan that
+does not validate against its chain is logged and ignored: never fatal, never trusted. Files
+are written to a temporary name in the same folder and renamed over the target, so two
+processes writing the same entry leave one whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from solvers.chain import Chain
+from solvers.plan import Plan, validate
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "offremat.plan-cache/1"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A digest of the model's structure: module types by path, tensors' shapes and dtypes."""
+    parts = [f"{path}:{type(module).__qualname__}" for path, module in model.named_modules()]
+    for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        parts.extend(
+            f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.requires_grad}"
+            for name, tensor in tensors
+        )
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class PlanCache:
+    """A folder of cached ``(chain, plan)`` pairs, one JSON file per key."""
+
+    def __init__(self, directory: str | Path, key: dict[str, Any]):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.key = key
+
+    def _entry(self, signature: str) -> tuple[dict[str, Any], Path]:
+        key = {**self.key, "signature": signature}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        return key, self.directory / f"{digest[:32]}.json"
+
+    def load(self, signature: str) -> tuple[Chain, Plan] | None:
+        """The cached chain and plan for ``signature``, or None (a bad file is logged)."""
+        key, path = self._entry(signature)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or data.get("format") != FORMAT:
+                raise ValueError(f"not an {FORMAT} file")
+            if data.get("key") != key:
+                raise ValueError("its key is another model's, device's, budget's or shape's")
+            chain = Chain.from_dict(data["chain"])
+            plan = Plan.from_dict(data["plan"])
+            problems = validate(plan, chain)
+            if problems:
+                raise ValueError("; ".join(problems))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("ignoring plan cache file %s: %s", path, error)
+            return None
+        logger.info("plan for input %s read from %s", signature, path)
+        return chain, plan
+
+    def store(self, signature: str, chain: Chain, plan: Plan) -> None:
+        """Write the entry atomically (a temporary file renamed over it); log a failure."""
+        key, path = self._entry(signature)
+        data = {"format": FORMAT, "key": key, "chain": chain.to_dict(), "plan": plan.to_dict()}
+        temporary: Path | None = None
+        try:
+            with tempfile.NamedTemporaryFile(
+                "w", dir=self.directory, prefix=".tmp-", suffix=".json", delete=False
+            ) as handle:
+                temporary = Path(handle.name)
+                json.dump(data, handle)
+            os.replace(temporary, path)
+        except OSError as error:
+            logger.warning("could not write plan cache file %s: %s", path, error)
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
