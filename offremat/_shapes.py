@@ -5,9 +5,11 @@ one input shape can break its budget on a larger one. Following Mimose (Liao et 
 optimized model keeps a plan per input signature (the shapes, dtypes and devices of its
 tensor inputs, and its other arguments) and makes one, before the step runs, the first time a
 signature is seen. The budget stays the same number of bytes for every shape: it is the
-memory the device has. A new shape is profiled for real (one timed repeat, no warm-up, which
-sizes are exact with and times are rough); the stage grouping is the first shape's, so every
-plan runs the same stage modules.
+memory the device has. A new shape that differs from profiled ones in one size (a batch or a
+sequence length) inside their range, with three sizes profiled, gets a chain predicted from
+theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
+warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
+runs the same stage modules.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
+from solvers.predict import predict_chain
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,30 @@ def _structure_key(structure: Structure) -> Any:
     )
 
 
+def _varying(
+    known: Signature, new: Signature
+) -> tuple[frozenset[tuple[int, int]], int, int] | None:
+    """Where ``new`` differs from ``known`` if it differs in one size only, and that size.
+
+    The positions (tensor, dimension) that differ, the size ``new`` has at all of them and
+    the size ``known`` has at all of them; None if anything else differs.
+    """
+    if known[1] != new[1] or len(known[0]) != len(new[0]):
+        return None
+    positions = []
+    for index, (a, b) in enumerate(zip(known[0], new[0], strict=True)):
+        if a[1:] != b[1:] or len(a[0]) != len(b[0]):
+            return None
+        positions += [(index, d) for d, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y]
+    if not positions:
+        return None
+    new_sizes = {new[0][t][0][d] for t, d in positions}
+    known_sizes = {known[0][t][0][d] for t, d in positions}
+    if len(new_sizes) != 1 or len(known_sizes) != 1:
+        return None
+    return frozenset(positions), new_sizes.pop(), known_sizes.pop()
+
+
 def describe(signature: Signature) -> str:
     """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``."""
     return ", ".join(
@@ -69,6 +96,7 @@ class ShapeCache:
     hits: int = 0
     misses: int = 0
     from_disk: int = 0
+    predicted: int = 0
     planning_s: float = 0.0
 
 
@@ -93,15 +121,39 @@ class ShapePlans:
         self.measure_memory = measure_memory
         self.disk = disk
         self.executors: dict[Signature, PlanExecutor] = {}
+        self.profiled: dict[Signature, Chain] = {}
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
         executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
-        self.executors[input_signature(batch)] = executor
+        signature = input_signature(batch)
+        self.executors[signature] = executor
+        self.profiled[signature] = chain
         self.last = executor
         return executor
+
+    def _chain(self, signature: Signature, batch: Any) -> Chain:
+        """A predicted chain when the profiled shapes allow it (solvers.predict), else a
+        profiled one."""
+        size = None
+        points = []
+        for known, chain in self.profiled.items():
+            along = _varying(known, signature)
+            if along is not None:
+                positions, size, known_size = along
+                points.append((positions, known_size, chain))
+        if size is not None:
+            for positions in {p for p, _, _ in points}:
+                same = [(n, chain) for p, n, chain in points if p == positions]
+                predicted = predict_chain(same, size)
+                if predicted is not None:
+                    self.cache.predicted += 1
+                    return predicted
+        chain = self.profile(batch)
+        self.profiled[signature] = chain
+        return chain
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
@@ -117,7 +169,7 @@ class ShapePlans:
                 chain, plan = cached
                 self.cache.from_disk += 1
             else:
-                chain = self.profile(batch)
+                chain = self._chain(signature, batch)
                 try:
                     plan = self.solve(chain)
                 except InfeasibleBudgetError as error:
@@ -142,11 +194,13 @@ class ShapePlans:
 
     def info(self) -> dict[str, Any]:
         """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read
-        from the disk cache (``from_disk``), and seconds spent planning."""
+        from the disk cache (``from_disk``) or planned on a predicted chain (``predicted``),
+        and seconds spent planning."""
         return {
             "hits": self.cache.hits,
             "misses": self.cache.misses,
             "plans": len(self.executors),
             "from_disk": self.cache.from_disk,
+            "predicted": self.cache.predicted,
             "planning_s": self.cache.planning_s,
         }

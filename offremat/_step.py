@@ -3,8 +3,8 @@
 :class:`offremat.executor.PlanExecutor` makes a :class:`_Step` for each forward; the step runs
 the host actions of the plan's forward half, and, when autograd calls back, those of its
 backward half. The design notes of :mod:`offremat.executor` apply; this module is their
-mechanics: where each plan tensor is (:class:`_PlanTensor`), what each op does to it, and what
-the step measured (:class:`StepStats`).
+mechanics: where each plan tensor is (:class:`_PlanTensor`) and what each op does to it; what
+the step measured is in :mod:`offremat._stats`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from offremat._stage import (
     parameter_storages,
     replayed_rng,
 )
+from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._tensors import Structure, flatten, is_differentiable, storage_key, unflatten
 from offremat.measure import StepMemory
-from solvers.budget import format_bytes
 from solvers.plan import (
     ACTIVATION,
     BACKWARD,
@@ -50,39 +50,10 @@ from solvers.plan import (
     PREFETCH,
     SAVED,
     Op,
-    Plan,
 )
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the executor measured during one training step.
-
-    - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
-      defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
-      unless the executor measures (``measure_memory=True``). On CUDA the allocator counts
-      everything from the forward's start to the backward's end, the caller's loss included;
-      on CPU the tracker watches the plan's forward and backward halves only, since a
-      dispatch mode left on between them would run under the caller's code. Wrap the whole
-      step in ``StepMemory`` to see the same on both.
-    - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
-      executor itself held at once, counted the way the simulator counts; it does not see
-      temporaries or what other code holds. Never use it as the measurement.
-    - ``reserved_peak_bytes``: on CUDA when measuring, the allocator's reserved peak.
-    - ``step_time_s``: ``forward_time_s`` + ``backward_time_s``, the plan's forward and backward
-      halves (the caller's loss in between is not counted), timed with CUDA events on a GPU.
-    """
-
-    measured_peak_bytes: int | None
-    bookkept_peak_bytes: int
-    reserved_peak_bytes: int | None
-    step_time_s: float
-    forward_time_s: float
-    backward_time_s: float
-    device: str
 
 
 class _PlanTensor:
@@ -122,35 +93,6 @@ class _KeptGraph:
     slot: GradSlot | None
     diff: list[int]
     edges: list[GradientEdge | None]
-
-
-@dataclass
-class _Timing:
-    """Clock readings and memory figures of one step, resolved into :class:`StepStats`."""
-
-    device: torch.device
-    bookkept_peak_bytes: int
-    marks: list[Any]
-    memory: StepMemory | None
-
-    def resolve(self) -> StepStats:
-        if self.device.type == "cuda":
-            self.marks[-1].synchronize()
-            forward = self.marks[0].elapsed_time(self.marks[1]) / 1000
-            backward = self.marks[2].elapsed_time(self.marks[3]) / 1000
-        else:
-            forward = self.marks[1] - self.marks[0]
-            backward = self.marks[3] - self.marks[2]
-        memory = self.memory
-        return StepStats(
-            measured_peak_bytes=None if memory is None else memory.peak_bytes,
-            bookkept_peak_bytes=self.bookkept_peak_bytes,
-            reserved_peak_bytes=None if memory is None else memory.reserved_peak_bytes,
-            step_time_s=forward + backward,
-            forward_time_s=forward,
-            backward_time_s=backward,
-            device=str(self.device),
-        )
 
 
 class _Step:
@@ -256,7 +198,7 @@ class _Step:
         self._mark()
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
-        self.executor._last = _Timing(self.device, self.peak, self.marks, self.memory)
+        self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
 
@@ -506,31 +448,5 @@ class _Step:
         else:
             self.marks.append(time.perf_counter())
 
-    def _out_of_memory_advice(self) -> _OutOfMemoryAdvice:
-        return _OutOfMemoryAdvice(self.executor.plan)
-
-
-class _OutOfMemoryAdvice:
-    """Re-raise a device out-of-memory error with the plan's figures and what to do."""
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
-        if isinstance(error, torch.OutOfMemoryError):
-            plan = self.plan
-            peak = plan.predicted_peak_bytes
-            budget = plan.budget_bytes
-            raise torch.OutOfMemoryError(
-                f"out of device memory while running the {plan.solver} plan "
-                f"(predicted activation peak {format_bytes(peak) if peak is not None else '?'}, "
-                f"budget {format_bytes(budget) if budget is not None else 'none'}). The chain no "
-                f"longer matches the model (another batch or sequence size?) or the rest of the "
-                f"memory (weights, gradients, optimizer state) leaves less than the budget: "
-                f"profile again with the input you train on (offremat.optimize(model, x, ...)) "
-                f"and lower the budget. Original error: {error}"
-            ) from error
-        return False
+    def _out_of_memory_advice(self) -> OutOfMemoryAdvice:
+        return OutOfMemoryAdvice(self.executor.plan)

@@ -44,7 +44,8 @@ from offremat._schedule import COMPUTE, host_schedule
 from offremat._stage import (
     has_trainable_parameters,
 )
-from offremat._step import StepStats, _Step, _Timing
+from offremat._stats import StepStats, StepTiming
+from offremat._step import _Step
 from offremat._tensors import (
     flatten,
     is_differentiable,
@@ -115,7 +116,7 @@ class PlanExecutor:
         self._streams: dict[torch.device, CudaStreams] = {}
         self._pools: dict[torch.device, HostArena] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
-        self._last: _Timing | None = None
+        self._last: StepTiming | None = None
 
     @property
     def stats(self) -> StepStats | None:

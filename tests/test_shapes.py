@@ -117,3 +117,59 @@ def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog
     with caplog.at_level("WARNING"):
         offremat.optimize(mlp(), x64, budget=1_900_000, cache_dir=tmp_path)
     assert "ignoring" not in caplog.text  # another budget is another entry, not a foreign one
+
+
+def test_a_shape_between_three_profiled_ones_is_planned_on_a_predicted_chain() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(2)
+    om = offremat.optimize(model, torch.randn(64, 64), budget=2_000_000)
+    for rows in (256, 128, 192):
+        x = torch.randn(rows, 64, generator=generator)
+        target = torch.randn(rows, 64, generator=generator)
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        with StepMemory("cpu", inputs=(x, target)) as memory:
+            loss = step(om, x, target)
+        assert torch.equal(loss, step(reference, x, target))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        assert memory.peak_bytes <= 2_000_000
+    assert om.cache_info()["predicted"] == 1
+    assert om.chain.metadata["predicted_from"] == [64.0, 128.0, 256.0]
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "resnet"])
+def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name) -> None:
+    from offremat import models
+    from offremat.profiler import profile_model
+    from solvers.predict import predict_chain
+
+    if model_name == "gpt":
+        config = models.GPTConfig(layers=2, hidden=64, heads=4, seq=256, vocab=128, dropout=0.0)
+        model = models.build_gpt(config)
+
+        def batch(n):
+            return models.gpt_batch(models.GPTConfig(**{**config.__dict__, "seq": n}), 4)
+
+        sizes, unseen = (64, 128, 256), 192
+    else:
+        config = models.ResNetConfig(blocks=(1, 1), width=8, image=16)
+        model = models.build_resnet(config)
+
+        def batch(n):
+            return models.resnet_batch(config, n)
+
+        sizes, unseen = (8, 16, 32), 24
+    profiled = [(n, profile_model(model, batch(n), warmup=1, repeats=5)) for n in sizes]
+    predicted = predict_chain(profiled, unseen)
+    real = profile_model(model, batch(unseen), warmup=1, repeats=5)
+    assert predicted is not None
+    for field in ("input_bytes", "held_bytes"):
+        assert getattr(predicted, field) == pytest.approx(getattr(real, field), rel=0.1)
+    for guess, truth in zip(predicted.stages, real.stages, strict=True):
+        for field in ("out_bytes", "saved_bytes", "grad_bytes", "bwd_tmp_bytes"):
+            assert getattr(guess, field) == pytest.approx(getattr(truth, field), rel=0.1, abs=64)
+    # Times are noisy on a shared 2-core machine; the whole step's is compared.
+    total = sum(s.fwd_s + s.bwd_s for s in real.stages)
+    assert sum(s.fwd_s + s.bwd_s for s in predicted.stages) == pytest.approx(total, rel=0.2)
