@@ -16,15 +16,17 @@ Invariants. The refill runs the same code on the same input with the same random
 a refill that ends before filling every placeholder raises instead of running B on a
 half-filled graph. A stop skips the operations after the last saved tensor, so an in-place
 change they make to a saved tensor, which autograd refuses, would go unseen (it does under
-``torch.utils.checkpoint``): :class:`MutationWatch` sees every in-place change of the first
-forward, and a stage that makes one is refilled to its end, where unpacking raises
-autograd's error. A tensor kept on an autograd context other than through
-``save_for_backward`` stays with the kept graph, as under ``torch.utils.checkpoint``.
+``torch.utils.checkpoint``): :class:`MutationWatch` sees the in-place changes that those
+operations make (all of the stage's first forward, then from its last saved tensor on), and a
+stage that makes one is refilled to its end, where unpacking raises autograd's error. A
+tensor kept on an autograd context other than through ``save_for_backward`` stays with the
+kept graph, as under ``torch.utils.checkpoint``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,11 +49,42 @@ class Placeholder:
 class DeferringPacker(SavedTensorPacker):
     """Packs as :class:`SavedTensorPacker`, but what it would hold becomes a placeholder."""
 
-    def __init__(self, stage: str, inputs: Sequence[torch.Tensor], excluded: set[int]):
+    def __init__(
+        self,
+        stage: str,
+        inputs: Sequence[torch.Tensor],
+        excluded: set[int],
+        expected_packs: int | None = None,
+    ):
         super().__init__(stage, inputs, excluded)
         self.slots: list[Placeholder | None] = []
         self.saved_keys: set[int] = set()
         self.changed_after_saving = False
+        self.expected_packs = expected_packs
+        self.armed: MutationWatch | None = None
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Watch in-place writes to saved storages during the forward run inside.
+
+        Only the operations after the last saved tensor are skipped by a refill, so only they
+        need watching, and a Python dispatch mode slows every operation it sees: once the
+        stage's packing is known (``expected_packs``, from its first forward), the watch starts
+        at the last pack. A forward that packs another number of tensors computed something
+        else, and is refilled to its end.
+        """
+        if self.expected_packs is None:
+            with MutationWatch(self):
+                yield
+            return
+        try:
+            yield
+        finally:
+            if self.armed is not None:
+                self.armed.__exit__(None, None, None)
+                self.armed = None
+        if len(self.slots) != self.expected_packs:
+            self.changed_after_saving = True
 
     def pack(self, tensor: torch.Tensor) -> Any:
         packed = super().pack(tensor)
@@ -60,9 +93,16 @@ class DeferringPacker(SavedTensorPacker):
             self.saved_keys.add(storage_key(tensor))
             placeholder = Placeholder()
             self.slots.append(placeholder)
+            self._arm()
             return placeholder
         self.slots.append(None)
+        self._arm()
         return packed
+
+    def _arm(self) -> None:
+        if len(self.slots) == self.expected_packs and self.armed is None:
+            self.armed = MutationWatch(self)
+            self.armed.__enter__()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Placeholder):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._deferred import DeferringPacker, MutationWatch, Refill, StopRecomputation
+from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import Residency, StorageRecord, TensorRef
 from offremat._schedule import ISSUE, RELEASE, HostAction
 from offremat._stage import (
@@ -302,13 +302,16 @@ class _Step:
             if grad:
                 stack.enter_context(torch.enable_grad())
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                kind = SavedTensorPacker if op.kind == F_ALL else DeferringPacker
-                packer = kind(name, inputs, excluded)
+                if op.kind == F_ALL:
+                    packer = SavedTensorPacker(name, inputs, excluded)
+                else:
+                    expected = self.executor.pack_counts.get(i)
+                    packer = DeferringPacker(name, inputs, excluded, expected)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 stack.enter_context(packer.hooks())
                 if isinstance(packer, DeferringPacker):
-                    stack.enter_context(MutationWatch(packer))
+                    stack.enter_context(packer.watching())
             else:
                 stack.enter_context(torch.no_grad())
             result = stage(unflatten(inputs, source.structure))
@@ -336,6 +339,7 @@ class _Step:
             produced.packer, produced.slot, produced.diff = packer, slot, diff
         elif isinstance(packer, DeferringPacker):
             self.kept[i] = _KeptGraph(packer, slot, diff, edges)
+            self.executor.pack_counts.setdefault(i, len(packer.slots))
         del edges
         del tensors
         key = (SAVED if op.kind == F_ALL else ACTIVATION, i)

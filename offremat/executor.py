@@ -111,6 +111,8 @@ class PlanExecutor:
             for position, (op, after) in enumerate(itertools.pairwise(plan.ops))
             if op.kind == F_ALL and after.kind == BACKWARD and after.index == op.index
         )
+        # Tensors each stage's deferred forward packs (offremat._deferred), once known.
+        self.pack_counts: dict[int, int] = {}
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._streams: dict[torch.device, CudaStreams] = {}

@@ -13,9 +13,8 @@ runs the model as it is.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from offremat._model_chain import (
     profile_model_chain,
 )
 from offremat._plan_cache import PlanCache, model_fingerprint
+from offremat._planning import QUICK, Request, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
 from offremat._tensors import flatten
@@ -38,15 +38,13 @@ from offremat.executor import PlanExecutor, StepStats
 from offremat.profiler import (
     check_chain_output,
     check_device,
-    parse_bandwidth,
     profile_model,
     stage_modules,
 )
-from solvers.budget import format_bytes, parse_budget
+from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.registry import check_count, keep_all_peak, solve
-from solvers.simulator import score
+from solvers.registry import check_count
 
 logger = logging.getLogger(__name__)
 
@@ -227,20 +225,11 @@ def optimize(
                     "blocks": blocks,
                 },
             )
+    request = Request(
+        budget, solver, bandwidth, stages, chain, plan, measure_memory, solver_options, disk
+    )
     if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
-        return _optimize_sequential(
-            model,
-            example_batch,
-            budget,
-            solver,
-            bandwidth,
-            stages,
-            chain,
-            plan,
-            measure_memory,
-            solver_options,
-            disk,
-        )
+        return _optimize_sequential(model, example_batch, request)
     if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
         raise TypeError(
             f"blocks= names blocks inside a model, and a {type(model).__name__} is not one: "
@@ -249,49 +238,28 @@ def optimize(
     check_device([model], tensors[0].device)
     call = as_call(example_batch)
     found = ModelChain.find(model, call, blocks)
-    cached = None if disk is None else disk.load(repr(input_signature(call)))
-    if cached is not None:
-        chain, plan = cached
-    elif chain is None:
-        chain = profile_model_chain(model, call, found, stages, bandwidth)
-    else:
-        chain = _given_chain(chain, stages, bandwidth)
+    chain, plan = request.example_plan(
+        call, lambda: profile_model_chain(model, call, found, stages, bandwidth)
+    )
     modules = model_chain_stages(found, chain)
     check_model_chain_output(model, call, found, modules)
-    if cached is None:
-        plan = _plan(chain, budget, solver, plan, solver_options)
-        if disk is not None:
-            disk.store(repr(input_signature(call)), chain, plan)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     def profile_shape(new: Call) -> Chain:
         again = found.on(model, new)
-        return _same_stages(
+        return same_stages(
             chain,
             profile_model_chain(
-                model, new, again, bandwidth=_link_of(chain), blocks=stage_blocks, **_QUICK
+                model, new, again, bandwidth=link_of(chain), blocks=stage_blocks, **QUICK
             ),
         )
 
-    plans = ShapePlans(
-        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory, disk
-    )
-    plans.add(call, chain, plan)
+    plans = request.plans(modules, call, chain, plan, profile_shape)
     return OptimizedModule(model, plans, run=found.run)
 
 
 def _optimize_sequential(
-    model: nn.Sequential | Sequence[nn.Module],
-    example_input: Any,
-    budget: int | float | str | None,
-    solver: str,
-    bandwidth: Any,
-    stages: int | None,
-    chain: Chain | None,
-    plan: Plan | str | Path | None,
-    measure_memory: bool,
-    solver_options: dict[str, Any],
-    disk: PlanCache | None,
+    model: nn.Sequential | Sequence[nn.Module], example_input: Any, request: Request
 ) -> OptimizedModule:
     blocks = chain_blocks(model)
     sequential = (
@@ -299,107 +267,22 @@ def _optimize_sequential(
     )
     tensors, _ = flatten(example_input)
     check_device([module for _, module in blocks], tensors[0].device)
-    cached = None if disk is None else disk.load(repr(input_signature(example_input)))
-    if cached is not None:
-        chain, plan = cached
-    elif chain is None:
-        chain = profile_model(sequential, example_input, stages=stages, bandwidth=bandwidth)
-    else:
-        chain = _given_chain(chain, stages, bandwidth)
+    chain, plan = request.example_plan(
+        example_input,
+        lambda: profile_model(
+            sequential, example_input, stages=request.stages, bandwidth=request.bandwidth
+        ),
+    )
     modules = stage_modules(sequential, chain)
     if isinstance(model, nn.Module):
         check_chain_output(model, modules, example_input)
-    if cached is None:
-        plan = _plan(chain, budget, solver, plan, solver_options)
-        if disk is not None:
-            disk.store(repr(input_signature(example_input)), chain, plan)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     def profile_shape(value: Any) -> Chain:
-        return _same_stages(
-            chain, profile_model(stage_blocks, value, bandwidth=_link_of(chain), **_QUICK)
+        return same_stages(
+            chain, profile_model(stage_blocks, value, bandwidth=link_of(chain), **QUICK)
         )
 
-    plans = ShapePlans(
-        modules, profile_shape, _solver_for(plan, solver, solver_options), measure_memory, disk
+    return OptimizedModule(
+        sequential, request.plans(modules, example_input, chain, plan, profile_shape)
     )
-    plans.add(example_input, chain, plan)
-    return OptimizedModule(sequential, plans)
-
-
-# A new input shape is profiled once, quickly: its sizes are exact, its times rough.
-_QUICK = {"warmup": 0, "repeats": 1}
-
-
-def _link_of(chain: Chain) -> tuple[float, float] | None:
-    link = chain.link
-    return None if link is None else (link.d2h_bytes_per_s, link.h2d_bytes_per_s)
-
-
-def _same_stages(first: Chain, chain: Chain) -> Chain:
-    """``chain`` (profiled over ``first``'s stages) under ``first``'s name and grouping."""
-    metadata = {**chain.metadata, "grouping": first.metadata.get("grouping")}
-    if "blocks" in first.metadata:
-        metadata["blocks"] = first.metadata["blocks"]
-    return dataclasses.replace(chain, name=first.name, metadata=metadata)
-
-
-def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Callable[[Chain], Plan]:
-    """How a new input shape gets its plan: solved at the first plan's budget, in bytes."""
-    if plan.budget_bytes is None:
-        return lambda chain: score(plan, chain, None)
-    return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
-
-
-def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:
-    if stages is not None and stages != chain.length:
-        raise ValueError(
-            f"stages={stages} but the given chain has {chain.length} stages: drop stages= "
-            "or profile again with it"
-        )
-    if bandwidth is not None:
-        chain = chain.with_link(parse_bandwidth(bandwidth))
-    return chain
-
-
-def _plan(
-    chain: Chain,
-    budget: int | float | str | None,
-    solver: str,
-    plan: Plan | str | Path | None,
-    solver_options: dict[str, Any],
-) -> Plan:
-    """The plan to follow: solved at ``budget``, or ``plan`` scored at it."""
-    if isinstance(plan, (str, Path)):
-        plan = Plan.load(plan)
-    if plan is None:
-        if budget is None:
-            raise ValueError(
-                "pass budget= (bytes, a size such as '6GiB', or a fraction of the keep-all "
-                "peak such as 0.5), or a plan="
-            )
-        plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
-    else:
-        if solver_options:
-            logger.warning(
-                "plan= is given, so nothing is solved and the solver options %s are ignored",
-                ", ".join(sorted(solver_options)),
-            )
-        budget_bytes = (
-            plan.budget_bytes if budget is None else parse_budget(budget, keep_all_peak(chain))
-        )
-        plan = score(plan, chain, budget_bytes)
-        if budget_bytes is not None and not plan.feasible:
-            logger.warning(
-                "the plan's simulated peak %s exceeds its budget %s",
-                format_bytes(plan.predicted_peak_bytes or 0),
-                format_bytes(budget_bytes),
-            )
-    logger.info(
-        "%s plan: predicted step %.4g s, peak %s of %s",
-        plan.solver,
-        plan.predicted_time_s,
-        format_bytes(plan.predicted_peak_bytes or 0),
-        "no budget" if plan.budget_bytes is None else format_bytes(plan.budget_bytes),
-    )
-    return plan

@@ -325,6 +325,20 @@ def test_a_stage_that_changes_a_tensor_it_saved_raises_as_plain_autograd(solver:
         om(x).sum().backward()
 
 
+def test_a_change_after_the_last_saved_tensor_is_caught_in_later_steps_too() -> None:
+    # The first step learns how many tensors each stage saves and later steps watch only the
+    # operations after the last one: a change made there must still raise.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), ChangesWhatItSaved(), nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    model[1].change = False
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    om(x).sum().backward()
+    model[1].change = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        om(x).sum().backward()
+
+
 def test_measuring_is_opt_in() -> None:
     model = blocks()
     x = torch.randn(ROWS, WIDTH)

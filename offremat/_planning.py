@@ -1,0 +1,146 @@
+"""How ``optimize`` gets its plans: the example batch's, from the disk cache or made, and the
+rules by which each new input shape gets one (:mod:`offremat._shapes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from offremat._plan_cache import PlanCache
+from offremat._shapes import ShapePlans, input_signature
+from offremat.profiler import parse_bandwidth
+from solvers.budget import format_bytes, parse_budget
+from solvers.chain import Chain
+from solvers.plan import Plan
+from solvers.registry import keep_all_peak, solve
+from solvers.simulator import score
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``optimize`` was asked for besides the model and its batch."""
+
+    budget: int | float | str | None
+    solver: str
+    bandwidth: Any
+    stages: int | None
+    chain: Chain | None
+    plan: Plan | str | Path | None
+    measure_memory: bool
+    solver_options: dict[str, Any]
+    disk: PlanCache | None
+
+    def example_plan(self, example: Any, profile: Callable[[], Chain]) -> tuple[Chain, Plan]:
+        """The example batch's chain and plan: from the disk cache, else made and stored."""
+        signature = repr(input_signature(example))
+        cached = None if self.disk is None else self.disk.load(signature)
+        if cached is not None:
+            return cached
+        if self.chain is None:
+            chain = profile()
+        else:
+            chain = _given_chain(self.chain, self.stages, self.bandwidth)
+        plan = _plan(chain, self.budget, self.solver, self.plan, self.solver_options)
+        if self.disk is not None:
+            self.disk.store(signature, chain, plan)
+        return chain, plan
+
+    def plans(
+        self,
+        modules: Sequence[nn.Module],
+        example: Any,
+        chain: Chain,
+        plan: Plan,
+        profile_shape: Callable[[Any], Chain],
+    ) -> ShapePlans:
+        """The plans by input shape, starting with the example's."""
+        solve_shape = _solver_for(plan, self.solver, self.solver_options)
+        plans = ShapePlans(modules, profile_shape, solve_shape, self.measure_memory, self.disk)
+        plans.add(example, chain, plan)
+        return plans
+
+
+# A new input shape is profiled once, quickly: its sizes are exact, its times rough.
+QUICK = {"warmup": 0, "repeats": 1}
+
+
+def link_of(chain: Chain) -> tuple[float, float] | None:
+    link = chain.link
+    return None if link is None else (link.d2h_bytes_per_s, link.h2d_bytes_per_s)
+
+
+def same_stages(first: Chain, chain: Chain) -> Chain:
+    """``chain`` (profiled over ``first``'s stages) under ``first``'s name and grouping."""
+    metadata = {**chain.metadata, "grouping": first.metadata.get("grouping")}
+    if "blocks" in first.metadata:
+        metadata["blocks"] = first.metadata["blocks"]
+    return dataclasses.replace(chain, name=first.name, metadata=metadata)
+
+
+def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Callable[[Chain], Plan]:
+    """How a new input shape gets its plan: solved at the first plan's budget, in bytes."""
+    if plan.budget_bytes is None:
+        return lambda chain: score(plan, chain, None)
+    return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
+
+
+def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:
+    if stages is not None and stages != chain.length:
+        raise ValueError(
+            f"stages={stages} but the given chain has {chain.length} stages: drop stages= "
+            "or profile again with it"
+        )
+    if bandwidth is not None:
+        chain = chain.with_link(parse_bandwidth(bandwidth))
+    return chain
+
+
+def _plan(
+    chain: Chain,
+    budget: int | float | str | None,
+    solver: str,
+    plan: Plan | str | Path | None,
+    solver_options: dict[str, Any],
+) -> Plan:
+    """The plan to follow: solved at ``budget``, or ``plan`` scored at it."""
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
+    if plan is None:
+        if budget is None:
+            raise ValueError(
+                "pass budget= (bytes, a size such as '6GiB', or a fraction of the keep-all "
+                "peak such as 0.5), or a plan="
+            )
+        plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
+    else:
+        if solver_options:
+            logger.warning(
+                "plan= is given, so nothing is solved and the solver options %s are ignored",
+                ", ".join(sorted(solver_options)),
+            )
+        budget_bytes = (
+            plan.budget_bytes if budget is None else parse_budget(budget, keep_all_peak(chain))
+        )
+        plan = score(plan, chain, budget_bytes)
+        if budget_bytes is not None and not plan.feasible:
+            logger.warning(
+                "the plan's simulated peak %s exceeds its budget %s",
+                format_bytes(plan.predicted_peak_bytes or 0),
+                format_bytes(budget_bytes),
+            )
+    logger.info(
+        "%s plan: predicted step %.4g s, peak %s of %s",
+        plan.solver,
+        plan.predicted_time_s,
+        format_bytes(plan.predicted_peak_bytes or 0),
+        "no budget" if plan.budget_bytes is None else format_bytes(plan.budget_bytes),
+    )
+    return plan
