@@ -28,6 +28,18 @@ def step(model, x, target) -> torch.Tensor:
     return loss.detach()
 
 
+def check_step(om, model, reference, x, target) -> None:
+    """One step of ``om`` against plain autograd: equal loss and gradients, peak in budget."""
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=(x, target)) as memory:
+        loss = step(om, x, target)
+    assert torch.equal(loss, step(reference, x, target))
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert memory.peak_bytes <= om.plan.budget_bytes, len(x)
+
+
 def test_each_new_batch_size_gets_its_own_plan_within_the_same_byte_budget() -> None:
     model = mlp()
     reference = copy.deepcopy(model)
@@ -37,15 +49,7 @@ def test_each_new_batch_size_gets_its_own_plan_within_the_same_byte_budget() -> 
     decisions = {}
     for rows in (64, 256, 128, 64, 256):
         x = torch.randn(rows, 64, generator=generator)
-        target = torch.randn(rows, 64, generator=generator)
-        for parameter in (*model.parameters(), *reference.parameters()):
-            parameter.grad = torch.zeros_like(parameter)
-        with StepMemory("cpu", inputs=(x, target)) as memory:
-            loss = step(om, x, target)
-        assert torch.equal(loss, step(reference, x, target))
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
-        assert memory.peak_bytes <= 2_000_000, rows
+        check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
         assert om.plan.budget_bytes == 2_000_000
         assert om.chain.input_bytes == x.numel() * 4
         decisions[rows] = set(om.plan.decisions.values())
@@ -126,15 +130,7 @@ def test_a_shape_between_three_profiled_ones_is_planned_on_a_predicted_chain() -
     om = offremat.optimize(model, torch.randn(64, 64), budget=2_000_000)
     for rows in (256, 128, 192):
         x = torch.randn(rows, 64, generator=generator)
-        target = torch.randn(rows, 64, generator=generator)
-        for parameter in (*model.parameters(), *reference.parameters()):
-            parameter.grad = torch.zeros_like(parameter)
-        with StepMemory("cpu", inputs=(x, target)) as memory:
-            loss = step(om, x, target)
-        assert torch.equal(loss, step(reference, x, target))
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
-        assert memory.peak_bytes <= 2_000_000
+        check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
     assert om.cache_info()["predicted"] == 1
     assert om.chain.metadata["predicted_from"] == [64.0, 128.0, 256.0]
 
