@@ -81,11 +81,9 @@ class _Tokens:
         if known is not None and known[1]() is tensor:
             return known[0]
         self.count += 1
-        self.serials[id(tensor)] = (self.count, weakref.ref(tensor, self._freed(id(tensor))))
+        forget = _Forget(self.serials, id(tensor))
+        self.serials[id(tensor)] = (self.count, weakref.ref(tensor, forget))
         return self.count
-
-    def _freed(self, key: int) -> Callable[[Any], None]:
-        return _Forget(self.serials, key)
 
 
 class _Forget:
