@@ -9,13 +9,15 @@ offremat's dp and milp plans.
 Memory is measured the same way for every method: :class:`offremat.measure.StepMemory`, a
 dispatch-mode tracker of the storages created during one untimed step, plus the input batch,
 with the parameter gradients allocated beforehand. A second, independent measurement is the
-process's resident-memory peak during one step (workers run with ``MALLOC_MMAP_THRESHOLD_=65536``;
-``/proc/self/clear_refs`` resets VmHWM; peak = VmHWM - VmRSS at the step start + the input
-batch). The tracker cannot see compiled code (dynamo skips frames under a TorchDispatchMode), so
-torch.compile is chosen and judged by the resident-memory peak alone. Gradients after one step
-(same seed) are compared with plain autograd's bit for bit. Timing runs every configuration in
-its own fresh process (forkserver with torch preloaded), alternating the order over ``--rounds``
-rounds, and reports the median step time divided by keep-all's median from the same rounds.
+process's resident-memory peak during one step, in separate memory workers (run with
+``MALLOC_MMAP_THRESHOLD_=65536``; ``/proc/self/clear_refs`` resets VmHWM; peak = VmHWM - VmRSS
+at the step start + the input batch). The tracker cannot see compiled code (dynamo skips
+frames under a TorchDispatchMode), so torch.compile is chosen and judged by the
+resident-memory peak alone. Gradients after one step (same seed) are compared with plain
+autograd's bit for bit. Timing runs every configuration in its own fresh process (forkserver
+with torch preloaded, default allocator settings), alternating the order over ``--rounds``
+rounds, and reports the median step time divided by keep-all's median from the same rounds,
+and dp's time divided by checkpoint_sequential's round by round.
 
     cd <snapshot> && PYTHONPATH=<snapshot> python <repo>/experiments/peers_cpu.py --rounds 7 \
         --compile-models gpt resnet --out <repo>/experiments/results/peers_cpu
@@ -233,7 +235,7 @@ def compile_worker(name: str, memory_budget: float) -> dict[str, Any]:
 
 
 def time_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Median step time of ``spec`` in a fresh process, then one untimed RSS-measured step.
+    """Median step time of ``spec`` in a fresh process with glibc's default allocator settings.
 
     For torch.compile the first call (which compiles) is timed separately as compile time and
     is not one of the warm-up steps.
@@ -247,12 +249,16 @@ def time_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         one_step(model, fwd, batch)
         compile_s = time.perf_counter() - start
     times = timed_steps(model, fwd, batch, WARMUP_STEPS + TIMED_STEPS)[WARMUP_STEPS:]
-    return {
-        "seconds": statistics.median(times),
-        "rss": rss_step(model, fwd, batch),
-        "compile_s": compile_s,
-        **worker_environment(),
-    }
+    return {"seconds": statistics.median(times), "compile_s": compile_s, **worker_environment()}
+
+
+def rss_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One RSS-measured step of ``spec`` after a warm-up, in a process that mmaps big blocks."""
+    torch.set_num_threads(1)
+    model, batch = build(name)
+    fwd = make_forward(model, batch, spec)
+    timed_steps(model, fwd, batch, WARMUP_STEPS + 1)
+    return {"rss": rss_step(model, fwd, batch), **worker_environment()}
 
 
 ENV_KEYS = ("offremat", "MALLOC_MMAP_THRESHOLD_")
@@ -347,6 +353,9 @@ def plan_model(name: str, workdir: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="timing rounds (at least 7)")
+    parser.add_argument(
+        "--rss-rounds", type=int, default=3, help="fresh processes per configuration for RSS"
+    )
     parser.add_argument("--out", default="experiments/results/peers_cpu", help="path stem")
     parser.add_argument("--models", nargs="+", default=["gpt", "resnet"])
     parser.add_argument(
@@ -363,12 +372,18 @@ def main() -> None:
 
     import offremat
 
-    # The forkserver (and so every worker) starts with this in its environment, before Python.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
-
+    # Timing workers fork from a forkserver started with glibc's default allocator settings, as
+    # users run; the forkserver is started now, before the environment below is set.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "offremat.models", "offremat.wrapper", "__main__"])
     pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
+    run_in_fresh_process(pool, worker_environment)
+    # Memory workers are spawned (a fresh interpreter each) with every block of 64 KiB or more
+    # its own mmap, so that freed memory leaves the resident set and VmHWM sees the true peak.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    memory_pool = ProcessPoolExecutor(
+        max_workers=1, mp_context=mp.get_context("spawn"), max_tasks_per_child=1
+    )
     workdir = Path(tempfile.mkdtemp(prefix="peers_cpu_"))
     rows: list[dict[str, Any]] = []
     timing: dict[tuple[str, str], dict[str, Any]] = {}  # (model, config key) -> spec, times
@@ -382,12 +397,12 @@ def main() -> None:
         for (fraction, solver), plan in setup["plans"].items():
             if "spec" in plan:
                 specs[f"offremat {solver} {fraction}"] = plan["spec"]
-        checks = run_in_fresh_process(pool, calibrate_worker, name, specs)
+        checks = run_in_fresh_process(memory_pool, calibrate_worker, name, specs)
 
         compile_results: dict[float, dict[str, Any]] = {}
         if name in args.compile_models:
             for memory_budget in COMPILE_BUDGETS:
-                result = run_in_fresh_process(pool, compile_worker, name, memory_budget)
+                result = run_in_fresh_process(memory_pool, compile_worker, name, memory_budget)
                 compile_results[memory_budget] = result
                 logger.info("%s compile at %.1f: %s", name, memory_budget, result)
 
@@ -459,11 +474,19 @@ def main() -> None:
             timing[name, key]["results"].append(result)
         logger.info("round %d/%d done (%.0f s so far)", r + 1, args.rounds, _since(started))
     pool.shutdown()
+    for r in range(args.rss_rounds):
+        for name, key in keys:
+            result = run_in_fresh_process(memory_pool, rss_worker, name, timing[name, key]["spec"])
+            if result["offremat"] != offremat.__file__:
+                raise RuntimeError(f"worker imported {result['offremat']}, not {offremat.__file__}")
+            timing[name, key].setdefault("rss", []).append(result)
+        logger.info("RSS round %d/%d done (%.0f s so far)", r + 1, args.rss_rounds, _since(started))
+    memory_pool.shutdown()
 
     environments = {
         tuple(result[k] for k in ENV_KEYS)
         for entry in timing.values()
-        for result in entry["results"]
+        for result in entry["results"] + entry["rss"]
     }
     for row in rows:
         if "key" not in row:
@@ -474,7 +497,10 @@ def main() -> None:
         row["median_s"] = median
         row["keep_median_s"] = keep
         row["time_ratio"] = median / keep
-        row["rss"] = int(statistics.median(r["rss"] for r in results))
+        row["per_round"] = [r["seconds"] for r in results]
+        row["rss"] = int(
+            statistics.median(r["rss"] for r in timing[row["model"], row["key"]]["rss"])
+        )
         row["rss_ratio"] = row["rss"] / row["budget_bytes"]
         row["rss_fits"] = "yes" if row["rss"] <= row["budget_bytes"] else "no"
         if row["key"].startswith("compile"):
@@ -486,7 +512,7 @@ def main() -> None:
     with (workdir / "results.pkl").open("wb") as handle:  # to rewrite the tables if needed
         pickle.dump((rows, timing, compile_sweeps, runtime), handle)
     logger.info("raw results in %s", workdir / "results.pkl")
-    write_outputs(rows, Path(args.out), args.rounds, runtime, environments, compile_sweeps)
+    write_outputs(rows, Path(args.out), args, runtime, environments, compile_sweeps)
     logger.info("total runtime %.0f s", runtime)
 
 
@@ -528,7 +554,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
 def write_outputs(
     rows: list[dict[str, Any]],
     stem: Path,
-    rounds: int,
+    args: argparse.Namespace,
     runtime: float,
     environments: set[tuple[Any, ...]],
     compile_sweeps: dict[str, dict[float, dict[str, Any]]],
@@ -561,13 +587,13 @@ def write_outputs(
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    table = Table(title=f"offremat vs peers on CPU (median of {rounds} rounds)")
+    table = Table(title=f"offremat vs peers on CPU (median of {args.rounds} rounds)")
     for column in COLUMNS:
         table.add_column(column)
     for row in rows:
         table.add_row(*table_cells(row))
     Console(width=220).print(table)
-    text = markdown(rows, rounds, runtime, environments, compile_sweeps)
+    text = markdown(rows, args, runtime, environments, compile_sweeps)
     stem.with_suffix(".md").write_text(text)
 
 
@@ -639,17 +665,20 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         ]
         if not ckpt:
             continue
+        paired = [a / b for a, b in zip(row["per_round"], ckpt[0]["per_round"], strict=True)]
+        ratio = statistics.median(paired)
         text = (
             f"{row['model']} at {row['fraction']:.1f}: dp {row['time_ratio']:.3f} vs "
             f"{ckpt[0]['method']} {ckpt[0]['time_ratio']:.3f} of keep-all "
-            f"({row['median_s']:.4f} s vs {ckpt[0]['median_s']:.4f} s)"
+            f"({row['median_s']:.4f} s vs {ckpt[0]['median_s']:.4f} s; dp ÷ checkpoint_sequential "
+            f"in the same round: median {ratio:.3f}, range {min(paired):.3f}-{max(paired):.3f}, "
+            f"dp slower in {sum(p > 1 for p in paired)} of {len(paired)} rounds)"
         )
-        (slower if ckpt[0]["median_s"] < row["median_s"] else not_slower).append(text)
+        (slower if ratio > 1 else not_slower).append(text)
     if slower:
         out.append(
-            "- **offremat dp is slower than the best fitting checkpoint_sequential** at: "
-            + "; ".join(slower)
-            + "."
+            "- **offremat dp is slower than the best fitting checkpoint_sequential** (median of "
+            "the per-round ratios above 1) at: " + "; ".join(slower) + "."
         )
     else:
         out.append("- offremat dp is nowhere slower than the best fitting checkpoint_sequential.")
@@ -696,11 +725,12 @@ def compile_sweep_lines(sweeps: dict[str, dict[float, dict[str, Any]]]) -> list[
 
 def markdown(
     rows: list[dict[str, Any]],
-    rounds: int,
+    args: argparse.Namespace,
     runtime: float,
     environments: set[tuple[Any, ...]],
     compile_sweeps: dict[str, dict[float, dict[str, Any]]],
 ) -> str:
+    rounds = args.rounds
     compiled = [name for name, results in compile_sweeps.items() if results]
     compile_times = [
         f"{r['model']} {r['fraction']:.1f}: {r['compile_s']:.1f} s"
@@ -716,8 +746,8 @@ def markdown(
         f"- Date: {_shell('date -u')}; total runtime {runtime:.0f} s",
         f"- Command: `{' '.join(sys.argv)}` (run with `PYTHONPATH` set to a snapshot of the "
         "repository at the commit above, because the working tree was being edited)",
-        "- Worker environment seen in every timing worker (offremat file, "
-        f"MALLOC_MMAP_THRESHOLD_): {sorted(environments)}",
+        "- Worker environments seen (offremat file, MALLOC_MMAP_THRESHOLD_; None in the timing "
+        f"workers, {MMAP_THRESHOLD} in the memory workers): {sorted(environments, key=str)}",
         "- Models: " + "; ".join(f"{k}: {v}" for k, v in MODEL_DESCRIPTIONS.items()),
         "- Budgets: 30%, 50%, 70% of `solvers.registry.keep_all_peak(chain)` (keep-all's "
         "predicted activation peak) for the chain from one `offremat.profile_model` call; the "
@@ -728,19 +758,23 @@ def markdown(
         "are not counted. This is the library's definition of the peak; fits (tracker) means "
         "tracker peak <= budget bytes. It cannot see compiled code: dynamo skips frames under "
         "a TorchDispatchMode, so it is not given for torch.compile.",
-        "- Memory, RSS column (independent): every worker process is started with "
-        f"`MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` in its environment before Python starts "
-        "(forkserver started from that environment), so each allocation of 64 KiB or more is "
-        "its own mmap and goes back to the OS when freed. For one untimed step after the "
-        "timed steps (gradients pre-allocated as above): write `5` to `/proc/self/clear_refs` "
+        "- Memory, RSS column (independent): measured in memory workers, separate from the "
+        "timing workers, each a fresh interpreter (spawn) started with "
+        f"`MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` in its environment, so each allocation of "
+        "64 KiB or more is its own mmap and goes back to the OS when freed. After "
+        f"{WARMUP_STEPS + 1} untimed steps, for one step (gradients pre-allocated as above): "
+        "write `5` to `/proc/self/clear_refs` "
         "(resets VmHWM), read VmRSS from `/proc/self/status`, run the step, read VmHWM; "
         "RSS peak = VmHWM - VmRSS at the start + the input batch's bytes. The column is the "
-        f"median over the {rounds} timing processes. On CPU, offloaded host copies live in the "
+        f"median over {args.rss_rounds} such processes. On CPU, offloaded host copies live in the "
         "same RAM, so RSS includes them (offload rows read higher under RSS than under the "
         "tracker), and RSS sees everything (allocator slack, whole pages, small allocations "
         "below the threshold), so it reads a bit above the tracker.",
         f"- Time: each configuration runs in its own fresh process (forkserver, torch "
-        f"preloaded, `torch.set_num_threads(1)`), {WARMUP_STEPS} warm-up step then the median "
+        f"preloaded, `torch.set_num_threads(1)`, glibc's default allocator settings: the mmap "
+        "threshold of the memory workers makes every large allocation page-fault afresh, which "
+        "is not how anyone trains, so timing and RSS are taken in separate processes), "
+        f"{WARMUP_STEPS} warm-up step then the median "
         f"of {TIMED_STEPS} steps; configurations alternate in rotating order (reversed every "
         f"other round) over {rounds} rounds; the table gives the median over rounds divided by "
         "keep-all's median over the same rounds.",
