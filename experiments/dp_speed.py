@@ -2,7 +2,8 @@
 
 Usage: python experiments/dp_speed.py [--slots 500] [--lengths 10 25 50 100 150] [--repeats 3]
 Prints one line per length: the median solve time over the repeats, at a budget midway between
-the least feasible one and keep-all.
+the least feasible one and keep-all, beside the estimate that solvers.dp warns and refuses by
+and the memory of its tables.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import statistics
 import time
 
 from solvers.chain import Chain, Stage
-from solvers.dp import memory_need, solve_dp
+from solvers.dp import estimated_seconds, memory_need, solve_dp, table_bytes
 
 
 def transformer_like_chain(length: int, seed: int = 0) -> Chain:
@@ -42,7 +43,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[10, 25, 50, 100, 150])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'stages':>6} {'slots':>6} {'median solve (s)':>17} {'overhead':>9}")
+    print(
+        f"{'stages':>6} {'slots':>6} {'median solve (s)':>17} {'estimate (s)':>13} "
+        f"{'tables (GiB)':>13} {'overhead':>9}"
+    )
     for length in args.lengths:
         chain = transformer_like_chain(length)
         keep_all = chain.input_bytes + sum(s.saved_bytes for s in chain.stages)
@@ -53,7 +57,11 @@ def main() -> None:
             plan = solve_dp(chain, budget, slots=args.slots)
             times.append(time.perf_counter() - start)
         overhead = plan.predicted_time_s / chain.compute_time_s - 1
-        print(f"{length:>6} {args.slots:>6} {statistics.median(times):>17.3f} {overhead:>8.1%}")
+        print(
+            f"{length:>6} {args.slots:>6} {statistics.median(times):>17.3f} "
+            f"{estimated_seconds(length, args.slots):>13.1f} "
+            f"{table_bytes(length, args.slots) / 2**30:>13.2f} {overhead:>8.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ _EXPORTS = {
     "PlanExecutor": "offremat.executor",
     "StepStats": "offremat.executor",
     "NotAChainError": "offremat._blocks",
+    "UnreplayableRandomnessError": "offremat._rng",
     "Chain": "solvers.chain",
     "Plan": "solvers.plan",
     "InfeasibleBudgetError": "solvers.budget",

@@ -29,8 +29,8 @@ from torch import nn
 
 from offremat._blocks import NotAChainError
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
+from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
 from offremat._run import RunInterception, run_blocks
-from offremat._stage import RngState, cuda_device_indices, module_generators
 from offremat._tensors import flatten, is_differentiable, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules, untouched
@@ -127,19 +127,20 @@ def model_chain_stages(found: ModelChain, chain: Chain) -> list[nn.Module]:
 def check_model_chain_output(
     model: nn.Module, batch: Any, found: ModelChain, stages: Sequence[nn.Module]
 ) -> None:
-    """Refuse a chain whose model output differs from the model's own on ``batch``."""
+    """Refuse a chain whose model output differs from the model's own on ``batch``, and a
+    random draw that recomputation could not replay (:class:`GeneratorWatch`)."""
     outputs = []
     with untouched([model], _device(model, batch)), torch.no_grad():
-        state = RngState.capture(
-            cuda_device_indices(_device(model, batch)), module_generators(model)
-        )
+        generators = module_generators(model)
+        state = RngState.capture(cuda_device_indices(_device(model, batch)), generators)
         for chained in (False, True):
             state.restore()
             if chained:
                 with RunInterception(found.run, lambda value: _run_stages(stages, value)):
                     outputs.append(flatten(call_model(model, batch))[0])
             else:
-                outputs.append(flatten(call_model(model, batch))[0])
+                with GeneratorWatch(generators):
+                    outputs.append(flatten(call_model(model, batch))[0])
     plain, chained_output = outputs
     if len(plain) != len(chained_output) or not all(
         torch.equal(a, b) for a, b in zip(plain, chained_output, strict=True)

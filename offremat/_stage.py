@@ -14,9 +14,8 @@ Design notes (the invariants that make a plan's gradients those of plain autogra
   ``saved_bytes`` and what the executor offloads. Packing returns a detached alias: packing a
   stage output as itself would make a reference cycle through its ``grad_fn``.
 - RNG. The first forward of a stage in a step runs on the global generators as plain autograd
-  would; their state before it is kept, and every later forward of the stage (a recomputation)
-  replays that state and then puts the global state back, as ``torch.utils.checkpoint`` does.
-  A stage that drew no random numbers keeps no state.
+  would; every later forward of the stage (a recomputation) replays their state before it
+  (``offremat/_rng.py``).
 - BatchNorm. A recomputation must not move running statistics a second time: it runs against
   throw-away copies of the normalisation buffers.
 - Autocast. Every forward the executor runs (the first one and every recomputation) runs
@@ -231,79 +230,6 @@ def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Ten
     finally:
         for layer, name, buffer in originals:
             layer._buffers[name] = buffer
-
-
-def cuda_device_indices(device: torch.device) -> list[int]:
-    """The CUDA device whose generator a computation on ``device`` draws from (none on CPU)."""
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-@dataclass(frozen=True)
-class RngState:
-    """The states of the generators a stage may draw from.
-
-    The CPU generator, those of the CUDA devices the stage runs on, and every
-    ``torch.Generator`` its modules keep as an attribute (a module that draws noise from a
-    generator of its own would otherwise recompute other numbers).
-    """
-
-    cpu: torch.Tensor
-    cuda: tuple[tuple[int, torch.Tensor], ...]
-    owned: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
-
-    @classmethod
-    def capture(
-        cls, cuda_devices: Sequence[int], generators: Sequence[torch.Generator] = ()
-    ) -> RngState:
-        """The current states."""
-        return cls(
-            torch.get_rng_state(),
-            tuple((index, torch.cuda.get_rng_state(index)) for index in cuda_devices),
-            tuple((generator, generator.get_state()) for generator in generators),
-        )
-
-    def unchanged(self) -> bool:
-        """Whether the states are still these: nothing drew random numbers since."""
-        return (
-            torch.equal(torch.get_rng_state(), self.cpu)
-            and all(
-                torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
-            )
-            and all(torch.equal(g.get_state(), state) for g, state in self.owned)
-        )
-
-    def restore(self) -> None:
-        """Make these the generators' states."""
-        torch.set_rng_state(self.cpu)
-        for index, state in self.cuda:
-            torch.cuda.set_rng_state(state, index)
-        for generator, state in self.owned:
-            generator.set_state(state)
-
-
-def module_generators(module: nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects that ``module`` and its submodules keep as attributes."""
-    found: dict[int, torch.Generator] = {}
-    for submodule in module.modules():
-        for value in vars(submodule).values():
-            if isinstance(value, torch.Generator):
-                found.setdefault(id(value), value)
-    return list(found.values())
-
-
-@contextmanager
-def replayed_rng(state: RngState) -> Iterator[None]:
-    """Run with the generators as they were in ``state``, then restore the current states."""
-    current = RngState.capture(
-        [index for index, _ in state.cuda], [generator for generator, _ in state.owned]
-    )
-    state.restore()
-    try:
-        yield
-    finally:
-        current.restore()
 
 
 @dataclass(frozen=True)

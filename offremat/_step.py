@@ -21,21 +21,18 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import Residency, StorageRecord, TensorRef
+from offremat._rng import RngState, cuda_device_indices, module_generators, replayed_rng
 from offremat._schedule import ISSUE, RELEASE, HostAction
 from offremat._stage import (
     AutocastState,
     GradSlot,
-    RngState,
     SavedTensorPacker,
     check_unmodified,
     check_versions,
-    cuda_device_indices,
     enter_stage,
     frozen_running_stats,
-    module_generators,
     norm_layers,
     parameter_storages,
-    replayed_rng,
 )
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._tensors import Structure, flatten, is_differentiable, storage_key, unflatten

@@ -28,14 +28,12 @@ from torch import nn
 
 from offremat._blocks import NotAChainError, chain_blocks, group_evenly, group_name, stage_module
 from offremat._link import measure_link
+from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
 from offremat._stage import (
     GradSlot,
-    RngState,
     SavedTensorPacker,
     check_unmodified,
-    cuda_device_indices,
     enter_stage,
-    module_generators,
     parameter_storages,
 )
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
@@ -359,7 +357,8 @@ def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
 def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:
     """Refuse a chain whose output on ``example_input`` is not the model's own.
 
-    Both run without autograd from the same RNG state, and leave the model as it was. A model
+    Both run without autograd from the same RNG state, and leave the model as it was; a random
+    draw that recomputation could not replay is refused (:class:`GeneratorWatch`). A model
     whose ``forward`` does more than run its blocks in order (an ``nn.Sequential`` subclass with
     its own ``forward``, say) would otherwise train silently as another model.
     """
@@ -367,12 +366,14 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     device = parameters[0].device if parameters else flatten(example_input)[0][0].device
     outputs = []
     with untouched([model], device), torch.no_grad():
-        state = RngState.capture(cuda_device_indices(device), module_generators(model))
+        generators = module_generators(model)
+        state = RngState.capture(cuda_device_indices(device), generators)
         for run in ("model", "chain"):
             state.restore()
             value = example_input
             if run == "model":
-                value = model(value)
+                with GeneratorWatch(generators):
+                    value = model(value)
             else:
                 for stage in stages:
                     value = stage(value)

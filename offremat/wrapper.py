@@ -274,8 +274,9 @@ def _optimize_sequential(
         ),
     )
     modules = stage_modules(sequential, chain)
-    if isinstance(model, nn.Module):
-        check_chain_output(model, modules, example_input)
+    check_chain_output(
+        model if isinstance(model, nn.Module) else sequential, modules, example_input
+    )
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     def profile_shape(value: Any) -> Chain:

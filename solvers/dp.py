@@ -34,6 +34,7 @@ exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it dir
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,8 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.plan import Op, Plan, backward, forward_all, forward_checkpoint, forward_none
 from solvers.simulator import score, simulate
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 500
 _FORWARD_ALL = 0
@@ -202,22 +205,48 @@ class _Table:
 TABLE_BYTES_LIMIT = 8 * 2**30
 """The most memory the DP's tables may take; more is refused up front with what to do."""
 
+SECONDS_PER_CELL = 8e-10
+"""DP time per stage per table cell, measured on a 2-core machine (200, 400 and 800 stages at
+500 slots took 4, 27 and 192 s: 1.0e-9, 8.4e-10 and 7.5e-10 s per stage and cell)."""
+
+WARN_SECONDS = 30.0
+"""A DP expected to take longer says so before it starts."""
+
+LIMIT_SECONDS = 600.0
+"""A DP expected to take longer is refused up front with what to do."""
+
 
 def table_bytes(length: int, slots: int) -> int:
     """The memory of the DP's tables: opt (float64) and the choice (int32) per (s, t, m)."""
     return (length + 2) * (length + 1) * (slots + 1) * (8 + 4)
 
 
+def estimated_seconds(length: int, slots: int) -> float:
+    """About how long the DP takes: each of the L^2 sub-chains scans up to L splits per slot."""
+    return SECONDS_PER_CELL * length**3 * (slots + 1)
+
+
 def check_table_size(chain: Chain, slots: int) -> None:
-    """Refuse a DP whose tables would not fit in memory, naming what fits."""
+    """Refuse a DP whose tables would not fit in memory or that would run for too long, naming
+    its estimated memory and time and what to do; warn about one that takes a while."""
     need = table_bytes(chain.length, slots)
-    if need > TABLE_BYTES_LIMIT:
-        most = TABLE_BYTES_LIMIT // table_bytes(chain.length, 0) - 1
-        raise ValueError(
-            f"the dp for {chain.length} stages at {slots} slots needs about "
-            f"{need / 2**30:.1f} GiB of tables (limit {TABLE_BYTES_LIMIT / 2**30:.0f} GiB): "
-            f"use at most {most} slots, or group blocks into fewer stages (--stages)"
+    seconds = estimated_seconds(chain.length, slots)
+    cost = (
+        f"the dp for {chain.length} stages at {slots} slots needs about "
+        f"{need / 2**30:.1f} GiB of tables and {seconds:.0f} s"
+    )
+    if need > TABLE_BYTES_LIMIT or seconds > LIMIT_SECONDS:
+        most = min(
+            TABLE_BYTES_LIMIT // table_bytes(chain.length, 0) - 1,
+            int(LIMIT_SECONDS / estimated_seconds(chain.length, 0)) - 1,
         )
+        fewer = f"use at most {most} slots, or " if most >= 1 else ""
+        raise ValueError(
+            f"{cost} (limits {TABLE_BYTES_LIMIT / 2**30:.0f} GiB, {LIMIT_SECONDS:.0f} s): "
+            f"{fewer}group blocks into fewer stages (--stages, or stages= in optimize)"
+        )
+    if seconds > WARN_SECONDS:
+        logger.warning("%s; group blocks into fewer stages (--stages) for a faster answer", cost)
 
 
 def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Plan:

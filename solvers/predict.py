@@ -72,9 +72,7 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
         field: _bytes(fitted([getattr(chain, field) for chain in chains])) for field in _CHAIN_BYTES
     }
     metadata = {**chains[0].metadata, "predicted_from": sizes, "size": size}
-    return dataclasses.replace(
-        chains[0], stages=tuple(stages), metadata=metadata, **chain_figures
-    )
+    return dataclasses.replace(chains[0], stages=tuple(stages), metadata=metadata, **chain_figures)
 
 
 def _bytes(value: float) -> int:

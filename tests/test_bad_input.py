@@ -4,9 +4,13 @@ traceback and never a silently wrong result. One test per case, each failing bef
 from __future__ import annotations
 
 import json
+import logging
+import time
 
 import pytest
 
+from solvers.chain import Chain, Stage
+from solvers.dp import DEFAULT_SLOTS, check_table_size, solve_dp
 from solvers.plan import Plan
 
 
@@ -313,3 +317,25 @@ def test_a_chain_file_with_a_link_too_slow_to_count_names_the_field(tmp_path, ca
     path = _example_with(tmp_path, crawl)
     assert main(["solve", path, "--budget", "0.5", "--solver", "milp"]) == 2
     assert "'d2h_bytes_per_s'" in capsys.readouterr().err
+
+
+def _long_chain(length: int) -> Chain:
+    stages = tuple(
+        Stage(f"block{i}", fwd_s=1e-3, bwd_s=2e-3, out_bytes=2**20, saved_bytes=4 * 2**20)
+        for i in range(length)
+    )
+    return Chain(f"long{length}", 2**20, stages)
+
+
+def test_a_dp_too_long_to_run_is_refused_up_front_with_its_cost() -> None:
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"2000 stages .* GiB of tables and \d+ s.*--stages"):
+        solve_dp(_long_chain(2000), 2**30)
+    assert time.perf_counter() - started < 1
+
+
+def test_a_dp_that_takes_a_while_says_so_before_it_starts(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="solvers.dp"):
+        check_table_size(_long_chain(500), DEFAULT_SLOTS)
+    assert "500 stages at 500 slots needs about" in caplog.text
+    assert "--stages" in caplog.text

@@ -295,6 +295,47 @@ def test_a_module_generator_is_replayed_on_recomputation(solver: str) -> None:
             assert torch.equal(a.generator.get_state(), b.generator.get_state())
 
 
+class HiddenNoise(nn.Module):
+    """Draws noise from a generator kept in a list, where no one can find it to replay it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.generators = [torch.Generator().manual_seed(7)]
+
+    def forward(self, x, *rest):
+        h = self.linear(x)
+        noisy = torch.tanh(h + torch.randn(h.shape, generator=self.generators[0]))
+        return (noisy, *rest) if rest else noisy
+
+
+class HiddenNoiseModel(nn.Module):
+    """The same blocks inside a model of its own: the front door finds them as its chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HiddenNoise() for _ in range(3))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "list", "model"])
+def test_a_generator_that_cannot_be_replayed_is_refused(kind: str) -> None:
+    torch.manual_seed(0)
+    blocks = [HiddenNoise(), HiddenNoise(), HiddenNoise(), nn.Linear(WIDTH, 1)]
+    model = {
+        "sequential": nn.Sequential(*blocks),
+        "list": blocks,
+        "model": HiddenNoiseModel(),
+    }[kind]
+    with pytest.raises(offremat.UnreplayableRandomnessError, match="attribute of the module"):
+        offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=0.95)
+
+
 class ChangesWhatItSaved(nn.Module):
     """exp saves its output, then the stage changes that output in place."""
 
