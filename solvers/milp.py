@@ -42,6 +42,7 @@ from solvers.milp_model import (
     encode,
     necessary_budget_bytes,
 )
+from solvers.milp_progress import ProgressCallback, ProgressReport
 from solvers.plan import (
     BACKWARD,
     SAVED,
@@ -103,6 +104,7 @@ def solve_milp(
     gap: float | None = None,
     backend: str = "highs",
     slots: int = DEFAULT_SLOTS,
+    progress: ProgressCallback | None = None,
 ) -> Plan:
     """The joint plan of the time-indexed MILP, never slower than rotor's DP at this budget.
 
@@ -112,12 +114,15 @@ def solve_milp(
     short, so the call may exceed the limit by their time. ``gap`` is the relative
     MIP gap at which to stop, ``slots`` the DP's discretization for the warm start. The plan's
     ``info`` reports ``solver_status``, ``objective``, ``best_bound``, ``gap``,
-    ``solve_time_s``, ``backend``, ``warm_start`` and ``fallback``. Raises
+    ``solve_time_s``, ``backend``, ``warm_start`` and ``fallback``. ``progress``, if given, is
+    called with a :class:`~solvers.milp_progress.SearchProgress` a few times a second while the
+    search runs. Raises
     :class:`InfeasibleBudgetError` when nothing fits and :class:`BackendUnavailableError` when
     the backend is not installed.
     """
     started = time.monotonic()
     deadline = started + time_limit_s
+    report = ProgressReport(progress, started)
     if backend not in BACKENDS:
         raise ValueError(f"unknown MILP backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if time_limit_s <= 0:
@@ -163,19 +168,26 @@ def solve_milp(
             "offload": offload,
             "model": None,
         }
-        result = Plan(best.ops, best.stage_names, "milp", chain_name=chain.name, info=info)
-        return score(result, chain, budget_bytes)
+        result = score(
+            Plan(best.ops, best.stage_names, "milp", chain_name=chain.name, info=info),
+            chain,
+            budget_bytes,
+        )
+        report(result.predicted_time_s, None, force=True)
+        return result
     warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
     model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
     # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
     floor = lower_bound_s(chain, budget_bytes)
+    report(warm_time, floor, force=True)
     if math.isfinite(floor):
         model.problem += model.makespan >= floor / model.time_unit * (1 - 1e-9), "lower_bound"
     if backend == "highs":
-        search = _search_highs(model, warm_schedule, gap, deadline)
+        search = _search_highs(model, warm_schedule, gap, deadline, report)
     else:
         search = _search_cbc(model, warm_schedule, gap, deadline)
+    report(search.objective_s, search.bound_s, force=True)
 
     plan, fallback, own_time = fallback_plan, True, None
     if search.schedule is not None:
@@ -460,8 +472,10 @@ def _bundled_cbc(**options: Any) -> Any:
 class _HighsSession:
     """The model loaded once into HiGHS and re-solved with different binaries fixed."""
 
-    def __init__(self, model: JointModel, gap: float | None):
+    def __init__(self, model: JointModel, gap: float | None, report: ProgressReport | None = None):
         self.model = model
+        self.report = report
+        self.whole = False  # whether the run under way is of the whole model
         solver = pulp.HiGHS(msg=False, gapRel=gap)
         with _native_stdout_silenced():  # HiGHS prints its banner from C, before msg applies
             solver.createAndConfigureSolver(model.problem)
@@ -474,6 +488,17 @@ class _HighsSession:
         decisions = {v.name for v in model.structural_variables()}
         self.decisions = np.array([v.name in decisions for v in self.binaries], dtype=bool)
         self.places = [model.place(v) for v in self.binaries]
+        if report is not None and report.active:
+            self.highs.cbMipInterrupt.subscribe(self._interrupted)
+
+    def _interrupted(self, event: Any) -> None:
+        """HiGHS's periodic call during a run: report its incumbent and, for the whole model,
+        its bound (a neighbourhood's bound holds only with its binaries fixed)."""
+        assert self.report is not None
+        out, scale = event.data_out, self.model.time_unit
+        self.report(
+            out.mip_primal_bound * scale, out.mip_dual_bound * scale if self.whole else None
+        )
 
     def run(
         self, start: np.ndarray | None, free: np.ndarray, time_limit_s: float, presolve: bool
@@ -493,6 +518,7 @@ class _HighsSession:
             lower[fixed] = values[fixed]
             upper[fixed] = values[fixed]
         highs.changeColsBounds(len(self.index), self.index, lower, upper)
+        self.whole = bool(free.all())
         highs.setOptionValue("time_limit", max(0.1, float(time_limit_s)))
         highs.setOptionValue("presolve", "on" if presolve else "off")
         highs.clearSolver()
@@ -526,10 +552,14 @@ class _HighsSession:
 
 
 def _search_highs(
-    model: JointModel, warm: Schedule | None, gap: float | None, deadline: float
+    model: JointModel,
+    warm: Schedule | None,
+    gap: float | None,
+    deadline: float,
+    report: ProgressReport | None = None,
 ) -> _Search:
     """Windows of growing width around the incumbent, then the whole model."""
-    session = _HighsSession(model, gap)
+    session = _HighsSession(model, gap, report)
     incumbent: np.ndarray | None = None
     if warm is not None:
         values = model.schedule_values(warm)

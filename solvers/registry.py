@@ -29,7 +29,7 @@ SOLVERS = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp", "m
 SOLVER_OPTIONS: dict[str, frozenset[str]] = {
     **{name: frozenset() for name in BASELINES},
     "dp": frozenset({"slots"}),
-    "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots"}),
+    "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots", "progress"}),
 }
 # Imported on first use, so that loading the registry does not load PuLP.
 _OPTIMIZERS = {"dp": ("solvers.dp", "solve_dp"), "milp": ("solvers.milp", "solve_milp")}

@@ -248,3 +248,24 @@ def test_registry_names_the_milps_least_budget() -> None:
     with_offload = min_feasible_budget(chain, "milp", time_limit_s=10.0)
     assert with_offload <= memory_need(chain)
     assert solve_milp(chain, with_offload, time_limit_s=10.0).predicted_peak_bytes <= with_offload
+
+
+def test_a_running_search_reports_its_incumbent_bound_and_gap():
+    """The states a terminal's progress line shows: time moves on, the incumbent never rises,
+    the bound never falls and stays below it, and the last state is the plan's own."""
+    rng = random.Random(900)
+    chain = random_chain(rng, 30)
+    budget = (memory_need(chain) + keep_all_peak(chain)) // 3
+    states = []
+    plan = solve_milp(chain, budget, time_limit_s=5.0, slots=budget, progress=states.append)
+    assert len(states) >= 2
+    elapsed = [s.elapsed_s for s in states]
+    assert elapsed == sorted(elapsed) and elapsed[-1] <= plan.info["solve_time_s"]
+    incumbents = [s.incumbent_s for s in states if s.incumbent_s is not None]
+    bounds = [s.bound_s for s in states if s.bound_s is not None]
+    assert incumbents == sorted(incumbents, reverse=True) and bounds == sorted(bounds)
+    assert all(s.bound_s <= s.incumbent_s for s in states if s.gap is not None)
+    last = states[-1]
+    assert last.incumbent_s == pytest.approx(plan.predicted_time_s)
+    assert last.bound_s == pytest.approx(plan.info["best_bound"])
+    assert last.gap == pytest.approx(plan.info["gap"])

@@ -7,9 +7,12 @@ import argparse
 import logging
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -30,6 +33,7 @@ from offremat.commands import (
 )
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain, Link
+from solvers.milp_progress import ProgressCallback, SearchProgress
 from solvers.plan import Plan
 from solvers.registry import SOLVER_OPTIONS, SOLVERS, lower_bound_s, solve
 
@@ -112,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     budget = resolve_budget(args.budget, chain)
     try:
-        plan = solve(chain, budget, args.solver, **_options(args))
+        with _search_line(args.solver == "milp" and sys.stderr.isatty()) as progress:
+            options = _options(args) | ({"progress": progress} if progress else {})
+            plan = solve(chain, budget, args.solver, **options)
     except InfeasibleBudgetError as error:
         return _report_infeasible(args, chain, error)
     except (ValueError, ImportError) as error:
@@ -131,6 +137,34 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(chain, plan)
     return EXIT_OK
+
+
+@contextmanager
+def _search_line(shown: bool) -> Iterator[ProgressCallback | None]:
+    """A live line on a terminal's stderr while the MILP searches (elapsed, incumbent, bound,
+    gap), gone when it ends; None where nobody watches."""
+    if not shown:
+        yield None
+        return
+    columns = (SpinnerColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=Console(stderr=True), transient=True) as line:
+        task = line.add_task("milp: building the model")
+
+        def show(state: SearchProgress) -> None:
+            line.update(task, description=_describe(state))
+
+        yield show
+
+
+def _describe(state: SearchProgress) -> str:
+    parts = ["milp"]
+    if state.incumbent_s is not None:
+        parts.append(f"best plan {_format_seconds(state.incumbent_s)}")
+    if state.bound_s is not None:
+        parts.append(f"bound {_format_seconds(state.bound_s)}")
+    if state.gap is not None:
+        parts.append(f"gap {state.gap:.2%}")
+    return ", ".join(parts)
 
 
 def plan_summary(chain: Chain, plan: Plan) -> dict[str, Any]:
