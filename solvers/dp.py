@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,30 +177,37 @@ class _Table:
 
     def ops(self, s: int, t: int, m: int) -> list[Op]:
         """The operations that reach opt(m, s, t)."""
-        result: list[Op] = []
-        # An explicit stack of pending sub-problems and closing backwards keeps long chains
-        # clear of Python's recursion limit.
-        stack: list[tuple[int, int, int] | Op] = [(s, t, m)]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, Op):
-                result.append(item)
-                continue
-            s, t, m = item
-            choice = int(self.choice[s, t, m])
-            if choice == _INFEASIBLE:
-                raise AssertionError(f"reconstructing an infeasible sub-problem ({s}, {t}, {m})")
-            if s == t:
-                result += [forward_all(s), backward(s)]
-            elif choice == _FORWARD_ALL:
-                result.append(forward_all(s))
-                stack += [backward(s), (s + 1, t, m - int(self.sizes.saved[s]))]
-            else:
-                j = choice
-                result.append(forward_checkpoint(s))
-                result += [forward_none(k) for k in range(s + 1, j)]
-                stack += [(s, j - 1, m), (j, t, m - int(self.sizes.activation[j - 1]))]
-        return result
+        return _operations(s, t, m, lambda s, t, m: int(self.choice[s, t, m]), self.sizes)
+
+
+def _operations(
+    s: int, t: int, m: int, choice_of: Callable[[int, int, int], int], sizes: _Sizes
+) -> list[Op]:
+    """The operations of sub-problem (s, t) with m units, following ``choice_of(s, t, m)``."""
+    result: list[Op] = []
+    # An explicit stack of pending sub-problems and closing backwards keeps long chains clear
+    # of Python's recursion limit.
+    stack: list[tuple[int, int, int] | Op] = [(s, t, m)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Op):
+            result.append(item)
+            continue
+        s, t, m = item
+        choice = choice_of(s, t, m)
+        if choice == _INFEASIBLE:
+            raise AssertionError(f"reconstructing an infeasible sub-problem ({s}, {t}, {m})")
+        if s == t:
+            result += [forward_all(s), backward(s)]
+        elif choice == _FORWARD_ALL:
+            result.append(forward_all(s))
+            stack += [backward(s), (s + 1, t, m - int(sizes.saved[s]))]
+        else:
+            j = choice
+            result.append(forward_checkpoint(s))
+            result += [forward_none(k) for k in range(s + 1, j)]
+            stack += [(s, j - 1, m), (j, t, m - int(sizes.activation[j - 1]))]
+    return result
 
 
 TABLE_BYTES_LIMIT = 8 * 2**30
@@ -281,24 +289,51 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     return score(plan, chain, budget_bytes)
 
 
+def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[_Sizes, np.ndarray, np.ndarray]:
+    """need(s, t), the least memory of sub-problem (s, t) besides a_{s-1}, and the choice that
+    reaches it: the DP's recurrence with min in place of the time. Among the choices that need
+    the least, the one whose sub-plans take the least time wins."""
+    sizes = _Sizes.of(chain, unit)
+    length = chain.length
+    forward = [0.0] + [stage.fwd_s for stage in chain.stages]
+    backward_s = [0.0] + [stage.bwd_s for stage in chain.stages]
+    need = np.zeros((length + 2, length + 1), dtype=np.int64)
+    spent = np.zeros((length + 2, length + 1))
+    choice = np.full((length + 2, length + 1), _FORWARD_ALL, dtype=np.int64)
+    for t in range(1, length + 1):
+        need[t, t] = sizes.single_stage_need(t)
+        spent[t, t] = forward[t] + backward_s[t]
+        for s in range(t - 1, 0, -1):
+            first = max(int(sizes.saved[s]) + need[s + 1, t], sizes.forward_all_need(s, t))
+            options = [(first, forward[s] + backward_s[s] + spent[s + 1, t], _FORWARD_ALL)]
+            room, forwards = sizes.forward_room(s, t), 0.0
+            for j in range(s + 1, t + 1):
+                forwards += forward[j - 1]
+                split = max(room, int(sizes.activation[j - 1]) + need[j, t], need[s, j - 1])
+                options.append((split, forwards + spent[j, t] + spent[s, j - 1], j))
+            need[s, t], spent[s, t], choice[s, t] = min(options)
+    return sizes, need, choice
+
+
 def memory_need(chain: Chain, unit: float = 1.0) -> int:
     """The least memory, in ``unit``s (sizes rounded up), any recompute-only plan needs.
 
     It counts a_0, and follows the same recurrence as the DP with min in place of the time.
     """
-    sizes = _Sizes.of(chain, unit)
-    length = chain.length
-    need = np.zeros((length + 2, length + 1), dtype=np.int64)
-    for t in range(1, length + 1):
-        need[t, t] = sizes.single_stage_need(t)
-        for s in range(t - 1, 0, -1):
-            first = max(int(sizes.saved[s]) + need[s + 1, t], sizes.forward_all_need(s, t))
-            second = min(
-                max(int(sizes.activation[j - 1]) + need[j, t], need[s, j - 1])
-                for j in range(s + 1, t + 1)
-            )
-            need[s, t] = min(first, max(sizes.forward_room(s, t), second))
-    return int(sizes.activation[0] + need[1, length])
+    sizes, need, _ = _least_memory(chain, unit)
+    return int(sizes.activation[0] + need[1, chain.length])
+
+
+def least_memory_plan(chain: Chain) -> Plan:
+    """A recompute-only plan whose peak is :func:`memory_need`, exact to the byte.
+
+    The DP rounds sizes up to its slots, so at rotor's exact least memory it may find nothing;
+    this plan follows the least-memory recurrence itself and always fits there.
+    """
+    sizes, _, choice = _least_memory(chain)
+    ops = _operations(1, chain.length, 0, lambda s, t, m: int(choice[s, t]), sizes)
+    plan = Plan(tuple(ops), chain.stage_names, "least-memory", chain_name=chain.name)
+    return score(plan, chain, None)
 
 
 def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:

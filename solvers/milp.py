@@ -32,7 +32,7 @@ import pulp
 from solvers.baselines import BASELINES
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.dp import DEFAULT_SLOTS, memory_need, solve_dp
+from solvers.dp import DEFAULT_SLOTS, least_memory_plan, memory_need, solve_dp
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.milp_model import (
     JointModel,
@@ -382,9 +382,9 @@ def _tight_budget_candidates(
     """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
 
     Between rotor's exact least memory and the DP's rounded one, the DP with finer slots
-    usually finds a plan (if not, the MILP searches without a warm start: the empty list);
-    below it only offloading can, and the least-memory MILP says whether it does. Raises
-    :class:`InfeasibleBudgetError` when nothing fits.
+    usually finds a plan, and the least-memory plan always does; below it only offloading can,
+    and the least-memory MILP says whether it does. Raises :class:`InfeasibleBudgetError`
+    when nothing fits.
     """
     recompute_least = memory_need(chain)
     if budget_bytes >= recompute_least:
@@ -394,10 +394,10 @@ def _tight_budget_candidates(
                 return [(f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer))]
             except InfeasibleBudgetError:
                 continue
-        return []
+        return [("least-memory plan", _plan(least_memory_plan(chain).ops, chain, budget_bytes))]
     least, schedule = recompute_least, None
     if offload:
-        least, schedule = _least_budget(chain, backend, deadline)
+        least, schedule = _least_budget(chain, backend, deadline, wanted=budget_bytes)
     if schedule is None or least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, least, "milp")
     return [("least-memory milp", _plan(decode(schedule), chain, budget_bytes))]
@@ -413,14 +413,31 @@ def _plan(ops: list, chain: Chain, budget_bytes: int) -> Plan:
     return score(plan, chain, budget_bytes)
 
 
-def _least_budget(chain: Chain, backend: str, deadline: float) -> tuple[int, Schedule | None]:
+def _least_budget(
+    chain: Chain, backend: str, deadline: float, wanted: int | None = None
+) -> tuple[int, Schedule | None]:
     """The least budget with offloading: the MILP with the budget as its objective, and the
-    schedule that reaches it (None and rotor's exact least memory if it finds nothing lower)."""
+    schedule that reaches it (None and rotor's exact least memory if it finds nothing lower).
+
+    A least budget is named only where the same search will reach it again: proven optimal,
+    or, when a plan within ``wanted`` bytes is all that is asked, any schedule within them. A
+    lower peak found before the time limit cut the search short depends on how far the search
+    got, so it is logged, and rotor's exact least memory (which the least-memory plan always
+    reaches) is named instead.
+    """
     recompute_least = memory_need(chain)
     model = JointModel(chain, None, offload=True)
     search = (_search_highs if backend == "highs" else _search_cbc)(model, None, None, deadline)
     least = model.least_budget_bytes() if search.schedule is not None else None
     if least is None or math.ceil(least - 1e-6) >= recompute_least:
+        return recompute_least, None
+    reachable = wanted is not None and math.ceil(least - 1e-6) <= wanted
+    if search.status != "optimal" and not reachable:
+        logger.info(
+            "the least-memory milp found a plan with offloading in %d B before its time limit, "
+            "without proving it least; a longer time limit may name it",
+            math.ceil(least - 1e-6),
+        )
         return recompute_least, None
     # Floats, not the model, can land a hair under the true peak: take the next byte up.
     return max(math.ceil(least - 1e-6), necessary_budget_bytes(chain)), search.schedule

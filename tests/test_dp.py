@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Stage
-from solvers.dp import memory_need, min_feasible_budget, solve_dp
+from solvers.dp import least_memory_plan, memory_need, min_feasible_budget, solve_dp
 from solvers.plan import validate
 from solvers.simulator import simulate
 
@@ -297,3 +297,13 @@ def test_large_budget_costs_no_recomputation(chain: Chain) -> None:
     plan = solve_dp(chain, 10 * keep_all + 100)
     assert plan.predicted_time_s == pytest.approx(chain.compute_time_s)
     assert set(plan.decisions.values()) == {"keep"}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_least_memory_plan_peaks_at_the_least_memory_exactly(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(40):
+        chain = random_chain(rng, rng.randint(1, 8))
+        plan = least_memory_plan(chain)
+        assert validate(plan, chain) == []
+        assert simulate(plan, chain).peak_bytes == memory_need(chain)

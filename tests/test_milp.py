@@ -269,3 +269,18 @@ def test_a_running_search_reports_its_incumbent_bound_and_gap():
     assert last.incumbent_s == pytest.approx(plan.predicted_time_s)
     assert last.bound_s == pytest.approx(plan.info["best_bound"])
     assert last.gap == pytest.approx(plan.info["gap"])
+
+
+def test_the_named_least_budget_is_one_at_which_the_same_solve_succeeds():
+    """llama7b, 3 s: too short to prove a lower peak with offloading, and at rotor's exact least
+    memory the DP's rounding finds nothing; the least-memory plan still fits there."""
+    from offremat.commands import load_chain
+    from solvers.registry import min_feasible_budget, solve
+
+    chain = load_chain("llama7b")
+    least = min_feasible_budget(chain, "milp", time_limit_s=3)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        solve(chain, least - 1, "milp", time_limit_s=3)
+    assert raised.value.min_budget_bytes == least
+    plan = solve(chain, least, "milp", time_limit_s=3)
+    assert plan.feasible and plan.predicted_peak_bytes <= least
