@@ -283,6 +283,7 @@ _STAGE_FIELDS = {
     "fwd_tmp_bytes",
     "bwd_tmp_bytes",
     "nograd_fwd_tmp_bytes",
+    "grad_bytes",
 }
 LARGEST_BYTES = 2**60
 """One exbibyte: no memory a chain describes is larger, and sizes stay exact integers."""
@@ -293,6 +294,7 @@ _BYTE_FIELDS = (
     "fwd_tmp_bytes",
     "bwd_tmp_bytes",
     "nograd_fwd_tmp_bytes",
+    "grad_bytes",
 )
 
 

@@ -59,6 +59,20 @@ def test_json_round_trip_keeps_every_field(tmp_path: Path) -> None:
     assert loaded.to_dict() == chain.to_dict()
 
 
+def test_round_trip_keeps_gradient_sizes_that_differ_from_output_sizes() -> None:
+    """A stage whose output holds an integer tensor (a mask, a target) has a smaller δ."""
+    data = sample_dict()
+    data["stages"][1]["grad_bytes"] = 2048
+    data["input_grad_bytes"] = 0
+    data["held_bytes"] = 4
+    chain = Chain.from_dict(data)
+    assert chain.grad_bytes(2) == 2048 and chain.grad_bytes(0) == 0
+    assert Chain.from_json(chain.to_json()) == chain
+    data["stages"][1]["grad_bytes"] = -1
+    with pytest.raises(ChainFormatError, match="grad_bytes"):
+        Chain.from_dict(data)
+
+
 def test_round_trip_without_link() -> None:
     data = sample_dict()
     del data["link"]
