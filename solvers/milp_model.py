@@ -24,9 +24,7 @@ from solvers.plan import (
     ACTIVATION,
     BACKWARD,
     F_ALL,
-    F_NONE,
     FORWARD_KINDS,
-    FREE,
     OFFLOAD,
     PREFETCH,
     SAVED,
@@ -39,6 +37,7 @@ from solvers.plan import (
     offload,
     prefetch,
 )
+from solvers.semantics import GRAD, apply, effect, input_holders
 
 Tensor = tuple[str, int]
 
@@ -270,25 +269,15 @@ def encode(ops: list[Op] | tuple[Op, ...], length: int) -> Schedule:
 
 
 def _reads(op: Op) -> list[Tensor]:
-    reads = [(ACTIVATION, op.index - 1), (SAVED, op.index - 1)]
-    if op.kind == BACKWARD:
-        reads.append((SAVED, op.index))
-    return reads
+    """The activations and saved sets a compute op reads: any holder of its input."""
+    change = effect(op)
+    holders = input_holders(op.index) if change.reads_input else ()
+    return [*holders, *(t for t in change.reads if t[0] != GRAD)]
 
 
 def _apply(on_gpu: set[Tensor], op: Op) -> None:
-    """Residency after ``op``, following ``solvers.plan.validate``."""
-    i = op.index
-    if op.kind in FORWARD_KINDS:
-        on_gpu.add((SAVED, i) if op.kind == F_ALL else (ACTIVATION, i))
-        if op.kind == F_NONE:
-            on_gpu.discard((ACTIVATION, i - 1))
-    elif op.kind == BACKWARD:
-        on_gpu -= {(SAVED, i), (ACTIVATION, i - 1)}
-    elif op.kind in (OFFLOAD, FREE):
-        on_gpu.discard(op.tensor)
-    elif op.kind == PREFETCH:
-        on_gpu.add(op.tensor)
+    """Residency of activations and saved sets after ``op``."""
+    apply(on_gpu, op, gradients=False)
 
 
 @dataclass(frozen=True)

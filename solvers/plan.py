@@ -12,22 +12,68 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from solvers import semantics
 from solvers.chain import Chain
+from solvers.ops import (
+    ACTIVATION,
+    BACKWARD,
+    COMPUTE_KINDS,
+    COPY_KINDS,
+    F_ALL,
+    F_CK,
+    F_NONE,
+    FORWARD_KINDS,
+    FREE,
+    MEMORY_KINDS,
+    OFFLOAD,
+    PREFETCH,
+    SAVED,
+    Decision,
+    Op,
+    Target,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    forward_none,
+    free,
+    offload,
+    prefetch,
+)
+
+# The op vocabulary is part of the format: it is imported from here throughout.
+__all__ = [
+    "ACTIVATION",
+    "BACKWARD",
+    "COMPUTE_KINDS",
+    "COPY_KINDS",
+    "FORWARD_KINDS",
+    "FREE",
+    "F_ALL",
+    "F_CK",
+    "F_NONE",
+    "MEMORY_KINDS",
+    "OFFLOAD",
+    "PLAN_FORMAT",
+    "PREFETCH",
+    "SAVED",
+    "Decision",
+    "Op",
+    "Plan",
+    "PlanError",
+    "Target",
+    "backward",
+    "forward_all",
+    "forward_checkpoint",
+    "forward_none",
+    "free",
+    "offload",
+    "prefetch",
+    "validate",
+]
 
 PLAN_FORMAT = "offremat.plan/1"
-
-F_ALL, F_CK, F_NONE, BACKWARD = "F_all", "F_ck", "F_none", "B"
-OFFLOAD, PREFETCH, FREE = "offload", "prefetch", "free"
-COMPUTE_KINDS = (F_ALL, F_CK, F_NONE, BACKWARD)
-FORWARD_KINDS = (F_ALL, F_CK, F_NONE)
-COPY_KINDS = (OFFLOAD, PREFETCH)
-MEMORY_KINDS = (OFFLOAD, PREFETCH, FREE)
-
-ACTIVATION, SAVED = "activation", "saved"
-Target = Literal["activation", "saved"]
-Decision = Literal["keep", "recompute", "offload"]
 
 
 class PlanError(ValueError):
@@ -36,89 +82,6 @@ class PlanError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("invalid plan:\n  " + "\n  ".join(problems))
-
-
-@dataclass(frozen=True)
-class Op:
-    """One operation. Compute ops name a stage; memory ops name a tensor: a_i or x̄_i."""
-
-    kind: str
-    index: int
-    target: Target | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind in COMPUTE_KINDS:
-            if self.target is not None:
-                raise ValueError(f"{self.kind} takes a stage index, not a target")
-        elif self.kind in MEMORY_KINDS:
-            if self.target not in (ACTIVATION, SAVED):
-                raise ValueError(f"{self.kind} needs target 'activation' or 'saved'")
-        else:
-            raise ValueError(f"unknown operation kind {self.kind!r}")
-
-    @property
-    def is_compute(self) -> bool:
-        """Whether the op runs on the compute stream (a forward or a backward)."""
-        return self.kind in COMPUTE_KINDS
-
-    @property
-    def tensor(self) -> tuple[str, int]:
-        """The (target, index) a memory op moves or frees."""
-        assert self.target is not None
-        return (self.target, self.index)
-
-    def __str__(self) -> str:
-        if self.is_compute:
-            return f"{self.kind}({self.index})"
-        name = f"a{self.index}" if self.target == ACTIVATION else f"x̄{self.index}"
-        return f"{self.kind}({name})"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The op as a JSON object."""
-        data: dict[str, Any] = {"op": self.kind, "index": self.index}
-        if self.target is not None:
-            data["tensor"] = self.target
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Op:
-        """Parse one JSON op."""
-        return cls(kind=data["op"], index=int(data["index"]), target=data.get("tensor"))
-
-
-def forward_all(i: int) -> Op:
-    """F_all(i): forward of stage i with autograd; x̄_i stays until B(i)."""
-    return Op(F_ALL, i)
-
-
-def forward_checkpoint(i: int) -> Op:
-    """F_ck(i): forward without autograd that keeps its input a_{i-1} as a checkpoint."""
-    return Op(F_CK, i)
-
-
-def forward_none(i: int) -> Op:
-    """F_none(i): forward without autograd that releases its input a_{i-1}."""
-    return Op(F_NONE, i)
-
-
-def backward(i: int) -> Op:
-    """B(i): backward of stage i; turns δ_i into δ_{i-1} and releases x̄_i."""
-    return Op(BACKWARD, i)
-
-
-def offload(target: Target, i: int) -> Op:
-    """Copy a_i or x̄_i to pinned host memory; its GPU bytes go once the copy ends."""
-    return Op(OFFLOAD, i, target)
-
-
-def prefetch(target: Target, i: int) -> Op:
-    """Copy a_i or x̄_i back from the host; it occupies GPU memory from the copy's start."""
-    return Op(PREFETCH, i, target)
-
-
-def free(target: Target, i: int) -> Op:
-    """Release a_i or x̄_i from the GPU when the preceding compute op ends."""
-    return Op(FREE, i, target)
 
 
 @dataclass(frozen=True)
@@ -246,8 +209,11 @@ def _info(raw: Any) -> dict[str, Any]:
 def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
     """Every rule of ``offremat.plan/1`` that the plan breaks on this chain (empty: valid).
 
-    A plan belongs to the chain whose stages it names, in order: any other chain is refused
-    here, the one check that every caller (simulator, executor, CLI, API) goes through.
+    What each op needs is :func:`solvers.semantics.effect`; the ordering rules (each backward
+    once, no forward after its stage's backward, no recomputation of what is resident) are
+    checked here. A plan belongs to the chain whose stages it names, in order: any other chain
+    is refused here, the one check that every caller (simulator, executor, CLI, API) goes
+    through.
     """
     if isinstance(plan, Plan) and plan.stage_names != chain.stage_names:
         return [
@@ -257,67 +223,59 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
     ops = plan.ops if isinstance(plan, Plan) else tuple(plan)
     problems: list[str] = []
     length = chain.length
-    on_gpu: set[tuple[str, int]] = {(ACTIVATION, 0), ("grad", length)}
+    on_gpu = semantics.initial_residency(length)
     on_host: set[tuple[str, int]] = set()
     backward_done: set[int] = set()
-
-    def has_activation(i: int) -> bool:
-        return (ACTIVATION, i) in on_gpu or (i >= 1 and (SAVED, i) in on_gpu)
-
     for n, op in enumerate(ops):
         where = f"op {n} {op}"
-        if op.is_compute:
-            if not 1 <= op.index <= length:
-                problems.append(f"{where}: stage index outside 1..{length}")
-                continue
-        elif op.target == SAVED and not 1 <= op.index <= length:
-            problems.append(f"{where}: saved set index outside 1..{length}")
+        outside = _index_problem(op, length)
+        if outside:
+            problems.append(f"{where}: {outside}")
             continue
-        elif op.target == ACTIVATION and not 0 <= op.index <= length:
-            problems.append(f"{where}: activation index outside 0..{length}")
-            continue
-        i = op.index
+        i, change = op.index, semantics.effect(op)
+        if change.reads_input and semantics.stage_input(i, on_gpu) is None:
+            problems.append(f"{where}: input a{i - 1} is not resident on the GPU")
+        problems += [
+            f"{where}: {_missing(op, tensor)}" for tensor in change.reads if tensor not in on_gpu
+        ]
         if op.kind in FORWARD_KINDS:
-            if not has_activation(i - 1):
-                problems.append(f"{where}: input a{i - 1} is not resident on the GPU")
             if i in backward_done:
                 problems.append(f"{where}: forward of a stage whose backward is already done")
-            produced = (SAVED, i) if op.kind == F_ALL else (ACTIVATION, i)
-            if produced in on_gpu:
+            if change.allocates in on_gpu:
                 problems.append(f"{where}: recomputes a tensor that is already resident")
-            on_gpu.add(produced)
-            if op.kind == F_NONE:
-                on_gpu.discard((ACTIVATION, i - 1))
         elif op.kind == BACKWARD:
             if i in backward_done:
                 problems.append(f"{where}: backward done twice")
-            if (SAVED, i) not in on_gpu:
-                problems.append(f"{where}: saved set x̄{i} is not resident (run F_all({i}) first)")
-            if ("grad", i) not in on_gpu:
-                problems.append(f"{where}: gradient δ{i} is not resident (run B({i + 1}) first)")
-            if not has_activation(i - 1):
-                problems.append(f"{where}: input a{i - 1} is not resident on the GPU")
             backward_done.add(i)
-            on_gpu.discard((SAVED, i))
-            on_gpu.discard(("grad", i))
-            on_gpu.discard((ACTIVATION, i - 1))
-            on_gpu.add(("grad", i - 1))
-        elif op.kind == OFFLOAD:
-            if op.tensor not in on_gpu:
-                problems.append(f"{where}: offload of a tensor that is not resident on the GPU")
-            on_gpu.discard(op.tensor)
-            on_host.add(op.tensor)
-        elif op.kind == PREFETCH:
-            if op.tensor not in on_host:
+        elif change.from_host is not None:
+            if change.from_host not in on_host:
                 problems.append(f"{where}: prefetch of a tensor that was never offloaded")
-            if op.tensor in on_gpu:
+            if change.from_host in on_gpu:
                 problems.append(f"{where}: prefetch of a tensor already resident on the GPU")
-            on_gpu.add(op.tensor)
-        elif op.kind == FREE:
-            if op.tensor not in on_gpu:
-                problems.append(f"{where}: free of a tensor that is not resident on the GPU")
-            on_gpu.discard(op.tensor)
+        if change.to_host is not None:
+            on_host.add(change.to_host)
+        semantics.apply(on_gpu, op)
     for i in range(1, length + 1):
         if i not in backward_done:
             problems.append(f"backward B({i}) is missing")
     return problems
+
+
+def _index_problem(op: Op, length: int) -> str | None:
+    if op.is_compute and not 1 <= op.index <= length:
+        return f"stage index outside 1..{length}"
+    if op.target == SAVED and not 1 <= op.index <= length:
+        return f"saved set index outside 1..{length}"
+    if op.target == ACTIVATION and not 0 <= op.index <= length:
+        return f"activation index outside 0..{length}"
+    return None
+
+
+def _missing(op: Op, tensor: tuple[str, int]) -> str:
+    """Why ``op`` cannot run: ``tensor`` is not on the GPU (the message names what to run)."""
+    kind, i = tensor
+    if op.kind == BACKWARD and kind == SAVED:
+        return f"saved set x̄{i} is not resident (run F_all({i}) first)"
+    if op.kind == BACKWARD:
+        return f"gradient δ{i} is not resident (run B({i + 1}) first)"
+    return f"{op.kind} of a tensor that is not resident on the GPU"

@@ -20,17 +20,24 @@ from solvers.chain import Chain
 from solvers.plan import (
     ACTIVATION,
     BACKWARD,
-    F_ALL,
-    F_NONE,
-    FORWARD_KINDS,
     FREE,
     OFFLOAD,
     PREFETCH,
-    SAVED,
     Op,
     Plan,
     PlanError,
     validate,
+)
+from solvers.semantics import (
+    GRAD,
+    Tensor,
+    duration_s,
+    effect,
+    initial_residency,
+    released,
+    stage_input,
+    temporary_bytes,
+    tensor_bytes,
 )
 
 COMPUTE_LANE, D2H_LANE, H2D_LANE = "compute", "d2h", "h2d"
@@ -128,37 +135,23 @@ def simulate(
     if chain.link is None and any(op.kind in (OFFLOAD, PREFETCH) for op in ops):
         raise ValueError("the plan copies tensors but the chain has no link; add a 'link'")
 
-    def size(tensor: tuple[str, int]) -> int:
-        kind, i = tensor
-        if kind == SAVED:
-            return chain.saved_bytes(i)
-        return chain.activation_bytes(i)
+    def size(tensor: Tensor) -> int:
+        return tensor_bytes(tensor, chain)
 
     memory = _Memory()
-    memory.add(0.0, chain.activation_bytes(0) + chain.grad_bytes(chain.length))
+    start_state = initial_residency(chain.length)
+    memory.add(0.0, sum(size(tensor) for tensor in start_state))
     timeline: list[Interval] = []
     compute_free = 0.0
     last_compute_start = 0.0
     channel_free = {D2H_LANE: 0.0, H2D_LANE: 0.0}
-    host_ready_at: dict[tuple[str, int], float] = {}
-    # The input a_0 is resident from the start, like any tensor a compute op produced.
-    gpu_ready_at: dict[tuple[str, int], float] = {(ACTIVATION, 0): 0.0}
-    last_reader_end: dict[tuple[str, int], float] = {}
+    host_ready_at: dict[Tensor, float] = {}
+    # What is resident and from when: a_0 and δ_L from the start, like any computed tensor.
+    gpu_ready_at: dict[Tensor, float] = dict.fromkeys(start_state, 0.0)
+    last_reader_end: dict[Tensor, float] = {}
     wait_total = 0.0
 
-    def reads(op: Op) -> list[tuple[str, int]]:
-        i = op.index
-        inputs = []
-        if op.kind == BACKWARD:
-            inputs = [(SAVED, i)]
-        # a_{i-1} lives either alone or inside the saved set of stage i-1.
-        for candidate in ((ACTIVATION, i - 1), (SAVED, i - 1)):
-            if candidate in gpu_ready_at:
-                inputs.append(candidate)
-                break
-        return inputs
-
-    def release(tensor: tuple[str, int], time: float, instant: bool = False) -> None:
+    def release(tensor: Tensor, time: float, instant: bool = False) -> None:
         del gpu_ready_at[tensor]
         last_reader_end.pop(tensor, None)
         memory.add(time, -size(tensor), instant)
@@ -167,37 +160,32 @@ def simulate(
         label = str(op)
         if op.is_compute:
             i = op.index
-            inputs = reads(op)
-            ready = max([compute_free] + [gpu_ready_at[t] for t in inputs])
-            if op.kind == BACKWARD:
-                persistent, transient = chain.grad_bytes(i - 1), chain.stage(i).bwd_tmp_bytes
-            elif op.kind == F_ALL:
-                persistent, transient = chain.saved_bytes(i), chain.stage(i).fwd_tmp_bytes
-            else:
-                persistent = chain.activation_bytes(i)
-                transient = chain.stage(i).nograd_fwd_tmp_bytes
+            change = effect(op)
+            inputs = [*change.reads, stage_input(i, gpu_ready_at)]
+            ready = max([compute_free] + [gpu_ready_at[t] for t in inputs if t is not None])
+            assert change.allocates is not None
+            persistent, transient = size(change.allocates), temporary_bytes(op, chain)
             memory.settle(last_compute_start)
             start = memory.admit(ready, persistent + transient, budget)
-            duration = chain.stage(i).bwd_s if op.kind == BACKWARD else chain.stage(i).fwd_s
-            end = start + duration
+            end = start + duration_s(op, chain)
             wait_total += start - compute_free
             memory.add(start, persistent + transient)
             instant = end == start
             memory.add(end, -transient, instant)
             for tensor in inputs:
-                last_reader_end[tensor] = end
-            if op.kind in FORWARD_KINDS:
-                out = (SAVED, i) if op.kind == F_ALL else (ACTIVATION, i)
-                gpu_ready_at[out] = end
-                if op.kind == F_NONE and (ACTIVATION, i - 1) in gpu_ready_at:
-                    release((ACTIVATION, i - 1), end, instant)
-            else:
-                release((SAVED, i), end, instant)
-                memory.add(end, -chain.grad_bytes(i), instant)  # δ_i
-                if i == chain.length:  # what the caller holds from here to the step's end
-                    memory.add(end, chain.held_bytes, instant)
-                if (ACTIVATION, i - 1) in gpu_ready_at:
-                    release((ACTIVATION, i - 1), end, instant)
+                if tensor is not None and tensor[0] != GRAD:
+                    last_reader_end[tensor] = end
+            alone = (ACTIVATION, i - 1)
+            gone = released(op, gpu_ready_at)
+            gpu_ready_at[change.allocates] = end
+            for tensor in gone:
+                if tensor != alone:
+                    release(tensor, end, instant)
+            if op.kind == BACKWARD and i == chain.length:
+                # What the caller holds from here to the step's end.
+                memory.add(end, chain.held_bytes, instant)
+            if alone in gone:
+                release(alone, end, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
             compute_free = end
             last_compute_start = start
