@@ -22,7 +22,6 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import Residency, StorageRecord, TensorRef
 from offremat._rng import RngState, cuda_device_indices, module_generators, replayed_rng
-from offremat._schedule import ISSUE, RELEASE, HostAction
 from offremat._stage import (
     AutocastState,
     GradSlot,
@@ -37,17 +36,18 @@ from offremat._stage import (
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._tensors import Structure, flatten, is_differentiable, storage_key, unflatten
 from offremat.measure import StepMemory
+from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
     ACTIVATION,
     BACKWARD,
     F_ALL,
-    F_NONE,
     FREE,
     OFFLOAD,
     PREFETCH,
     SAVED,
     Op,
 )
+from solvers.semantics import effect, released, stage_input
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
@@ -216,7 +216,7 @@ class _Step:
             elif action.kind == ISSUE:
                 self._memory_op(action.position, op)
             elif op.kind == BACKWARD:
-                self._backward(op.index)
+                self._backward(op)
             elif action.position in self.executor.refills and op.index in self.kept:
                 self._refill(op.index)
             else:
@@ -259,12 +259,14 @@ class _Step:
             self.residency.drop(away.records, resident=False)
         self._drop_resident(key)
 
-    def _source(self, index: int) -> _PlanTensor:
-        """The resident a_index: by itself, or as the output of x̄_index."""
-        for key in ((ACTIVATION, index), (SAVED, index)):
-            if key in self.on_device:
-                return self.on_device[key]
-        raise RuntimeError(f"a{index} is not resident; the plan was validated, so this is a bug")
+    def _source(self, i: int) -> _PlanTensor:
+        """Stage i's input a_{i-1} as resident now: by itself, or as the output of x̄_{i-1}."""
+        key = stage_input(i, self.on_device)
+        if key is None:
+            raise RuntimeError(
+                f"a{i - 1} is not resident; the plan was validated, so this is a bug"
+            )
+        return self.on_device[key]
 
     # Compute operations.
 
@@ -272,7 +274,8 @@ class _Step:
         i = op.index
         name = self.names[i - 1]
         stage = self.executor.stages[i - 1]
-        source = self._source(i - 1)
+        source = self._source(i)
+        gone = released(op, self.on_device)
         self.residency.use(source.records)
         # A checkpoint changed in place since it was made would recompute another activation.
         check_versions(name, source.refs)
@@ -339,13 +342,14 @@ class _Step:
             self.executor.pack_counts.setdefault(i, len(packer.slots))
         del edges
         del tensors
-        key = (SAVED if op.kind == F_ALL else ACTIVATION, i)
+        key = effect(op).allocates
+        assert key is not None
         self.on_device[key] = produced
         if self.streams is not None:
             self.produced[key] = self.streams.compute.record_event()
         self.peak = max(self.peak, self.residency.live_bytes)
-        if op.kind == F_NONE:
-            self._drop_resident((ACTIVATION, i - 1))
+        for key in gone:
+            self._drop_resident(key)
 
     def _gradient_flags(
         self, i: int, grad: bool, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
@@ -370,7 +374,7 @@ class _Step:
         """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
         kept = self.kept.pop(i)
         name = self.names[i - 1]
-        source = self._source(i - 1)
+        source = self._source(i)
         self.residency.use(source.records)
         check_versions(name, source.refs)
         refs = []
@@ -405,10 +409,11 @@ class _Step:
         if tensor is not None:
             self.residency.drop(tensor.records, resident=True)
 
-    def _backward(self, i: int) -> None:
+    def _backward(self, op: Op) -> None:
+        i = op.index
         saved = self.on_device[(SAVED, i)]
         grad = self.grads[i]
-        source = self._source(i - 1)
+        source = self._source(i)
         self.residency.use(saved.records)
         self.residency.use(source.records)
         assert saved.packer is not None and saved.slot is not None
@@ -437,8 +442,8 @@ class _Step:
         self.peak = max(self.peak, self.residency.live_bytes)
         gone = self.grads.pop(i)
         self.residency.drop(gone.records)
-        # Nothing reads x̄_i, or a_{i-1} by itself, after B(i).
-        for key in ((SAVED, i), (ACTIVATION, i - 1)):
+        # Nothing reads them again: their host copies go too.
+        for key in effect(op).dead:
             self._drop(key)
 
     def _mark(self) -> None:

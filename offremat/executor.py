@@ -13,7 +13,7 @@ Design notes.
   ``.grad`` as plain autograd's do; like the reentrant checkpoint, this supports
   ``loss.backward()`` but not ``torch.autograd.grad`` with respect to parameters.
 - Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
-  :mod:`offremat._schedule` (what the host issues around each compute op, and where the
+  :mod:`solvers.host` (what the host issues around each compute op, and where the
   simulator's memory admission becomes a wait on an offload's event).
 - Graph roots. B(i) starts from the gradient edges of stage i's outputs, not from the output
   tensors: the step keeps a_i only through references it can drop when the plan offloads it.
@@ -40,7 +40,6 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._memory import CudaStreams, HostArena
-from offremat._schedule import COMPUTE, host_schedule
 from offremat._stage import (
     has_trainable_parameters,
 )
@@ -52,6 +51,7 @@ from offremat._tensors import (
     unflatten,
 )
 from solvers.chain import Chain
+from solvers.host import COMPUTE
 from solvers.plan import (
     BACKWARD,
     F_ALL,
@@ -95,7 +95,7 @@ class PlanExecutor:
             for op in plan.ops
             if op.kind == OFFLOAD
         )
-        actions = host_schedule(plan.ops, self.simulation)
+        actions = self.simulation.host_actions
         # The backward half starts at B(L) itself: what the host does on the way to it (frees,
         # waits for offloads, prefetches) is done before the forward returns, so the caller's
         # code between the two halves (a head, a loss) runs beside the memory the simulator

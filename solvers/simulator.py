@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solvers.chain import Chain
+from solvers.host import HostAction, OpTimes, host_actions
 from solvers.plan import (
     ACTIVATION,
     BACKWARD,
@@ -56,7 +57,8 @@ class Interval:
 
 @dataclass(frozen=True)
 class Simulation:
-    """What :func:`simulate` predicts for a plan."""
+    """What :func:`simulate` predicts for a plan, and the host actions that realise it
+    (:mod:`solvers.host`), which the executor follows as given."""
 
     makespan_s: float
     peak_bytes: int
@@ -64,6 +66,7 @@ class Simulation:
     timeline: tuple[Interval, ...]
     memory_curve: tuple[tuple[float, int], ...]
     wait_s: float
+    host_actions: tuple[HostAction, ...] = ()
 
     @property
     def feasible(self) -> bool:
@@ -149,6 +152,7 @@ def simulate(
     # What is resident and from when: a_0 and δ_L from the start, like any computed tensor.
     gpu_ready_at: dict[Tensor, float] = dict.fromkeys(start_state, 0.0)
     last_reader_end: dict[Tensor, float] = {}
+    times: dict[int, OpTimes] = {}
     wait_total = 0.0
 
     def release(tensor: Tensor, time: float, instant: bool = False) -> None:
@@ -187,6 +191,7 @@ def simulate(
             if alone in gone:
                 release(alone, end, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
+            times[n] = OpTimes(ready, start, end)
             compute_free = end
             last_compute_start = start
         elif op.kind == OFFLOAD:
@@ -201,6 +206,7 @@ def simulate(
             del gpu_ready_at[tensor]
             memory.add(released_at, -size(tensor))
             timeline.append(Interval(n, label, D2H_LANE, start, end))
+            times[n] = OpTimes(start, start, end)
         elif op.kind == PREFETCH:
             tensor = op.tensor
             ready = max(last_compute_start, channel_free[H2D_LANE], host_ready_at[tensor])
@@ -211,6 +217,7 @@ def simulate(
             gpu_ready_at[tensor] = end
             last_reader_end.pop(tensor, None)
             timeline.append(Interval(n, label, H2D_LANE, start, end))
+            times[n] = OpTimes(ready, start, end)
         elif op.kind == FREE:
             # A tensor still arriving is freed once its prefetch has ended.
             release(op.tensor, max(compute_free, gpu_ready_at[op.tensor]))
@@ -224,6 +231,7 @@ def simulate(
         timeline=tuple(timeline),
         memory_curve=tuple(curve),
         wait_s=wait_total,
+        host_actions=host_actions(ops, times),
     )
 
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from offremat._schedule import COMPUTE, ISSUE, RELEASE, host_schedule
 from offremat.executor import PlanExecutor
 from offremat.profiler import profile_model
 from solvers.baselines import checkpoint_every_stage, chen, keep_all, offload_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
 from solvers.dp import min_feasible_budget, solve_dp
+from solvers.host import COMPUTE, ISSUE, RELEASE
 from solvers.plan import (
     Plan,
     backward,
@@ -364,7 +364,7 @@ def test_host_schedule_issues_prefetches_ahead_and_releases_after_the_copy() -> 
         backward(2),
         backward(1),
     )
-    actions = host_schedule(ops, simulate(ops, chain))
+    actions = simulate(ops, chain).host_actions
     # Offload once F_all(2) is enqueued; the copy ends at t=2 when F_all(3) starts, so its
     # bytes are released just before F_all(3); the prefetch runs beside B(3).
     assert [(a.kind, a.position) for a in actions] == [
@@ -399,7 +399,7 @@ def test_host_schedule_defers_a_prefetch_that_waits_for_memory() -> None:
     prefetch_start = next(i.start_s for i in tight.timeline if i.op_index == 5)
     b3_end = next(i.end_s for i in tight.timeline if i.op_index == 4)
     assert prefetch_start >= b3_end  # it waited for what B(3) frees
-    order = [(a.kind, a.position) for a in host_schedule(ops, tight)]
+    order = [(a.kind, a.position) for a in tight.host_actions]
     assert order.index((ISSUE, 5)) > order.index((COMPUTE, 4))
 
 
