@@ -686,9 +686,11 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         out.append("- dp is not slower at: " + "; ".join(not_slower) + ".")
     for row in timed:
         if row["method"].startswith("torch.compile"):
+            verdict = "fits" if row["rss_fits"] == "yes" else "does not fit"
             out.append(
-                f"- {row['model']} at {row['fraction']:.1f}: {row['method']} fits by RSS "
-                f"({row['rss_ratio']:.3f}) at {row['time_ratio']:.3f} of keep-all."
+                f"- {row['model']} at {row['fraction']:.1f}: {row['method']}, chosen because "
+                f"its sweep process's RSS peak fit, {verdict} by the memory workers' RSS "
+                f"({row['rss_ratio']:.3f} of the budget), at {row['time_ratio']:.3f} of keep-all."
             )
     for row in rows:
         if row["method"] == "torch.compile" and "note" in row:
