@@ -28,11 +28,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import solve_dp
 from solvers.milp import solve_milp
-from solvers.registry import keep_all_peak, lower_bound_s
+from solvers.registry import keep_all_peak
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "offremat" / "examples" / "llama7b.json"
 FIELDS = (

@@ -18,10 +18,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from offremat.sweep import SweepPoint
+from solvers.bounds import lower_bound_s
 from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.registry import lower_bound_s
 from solvers.simulator import COMPUTE_LANE, D2H_LANE, H2D_LANE, Simulation, simulate
 
 LANES = (COMPUTE_LANE, D2H_LANE, H2D_LANE)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solvers.baselines import keep_all
+from solvers.bounds import working_set
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.plan import Op, Plan, backward, forward_all, forward_checkpoint, forward_none
@@ -90,7 +91,7 @@ class _Sizes:
     def single_stage_need(self, i: int) -> int:
         """The memory opt(m, i, i) needs besides a_{i-1}."""
         g, xb = self.grad, self.saved
-        need = max(g[i] + xb[i] + self.fwd_tmp[i], g[i - 1] + g[i] + xb[i] + self.bwd_tmp[i])
+        need = max(g[i] + xb[i] + self.fwd_tmp[i], working_set(g, xb, self.bwd_tmp, i))
         return int(need + self.held_after(i))
 
     def forward_room(self, s: int, t: int) -> int:
@@ -106,7 +107,7 @@ class _Sizes:
         g, xb = self.grad, self.saved
         # F_all(s) runs before the sub-problem's backwards, B(s) after them (so after B(L)).
         forward = g[t] + xb[s] + self.fwd_tmp[s] + self.held_after(t)
-        backward = g[s - 1] + g[s] + xb[s] + self.bwd_tmp[s] + self.held_after(s)
+        backward = working_set(g, xb, self.bwd_tmp, s) + self.held_after(s)
         return int(max(forward, backward))
 
 

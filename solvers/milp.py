@@ -30,6 +30,7 @@ import numpy as np
 import pulp
 
 from solvers.baselines import BASELINES
+from solvers.bounds import lower_bound_s, necessary_budget_bytes
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS, least_memory_plan, memory_need, solve_dp
@@ -40,7 +41,6 @@ from solvers.milp_model import (
     Schedule,
     decode,
     encode,
-    necessary_budget_bytes,
 )
 from solvers.milp_progress import ProgressCallback, ProgressReport
 from solvers.plan import (
@@ -54,7 +54,6 @@ from solvers.plan import (
     offload,
     prefetch,
 )
-from solvers.registry import lower_bound_s
 from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def solve_milp(
     warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
     model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
-    # A bound valid for every plan (solvers.registry.lower_bound_s) tightens the relaxation.
+    # A bound valid for every plan (solvers.bounds.lower_bound_s) tightens the relaxation.
     floor = lower_bound_s(chain, budget_bytes)
     report(warm_time, floor, force=True)
     if math.isfinite(floor):

@@ -939,35 +939,3 @@ class JointModel:
             value = self.budget.varValue
             return None if value is None else value * self.memory_unit
         return self.budget * self.memory_unit
-
-
-def necessary_budget_bytes(chain: Chain) -> int:
-    """Bytes that every plan of the family needs: the largest bare working set of a B(k).
-
-    B(k) holds a_0, δ_k, x̄_k, a_{k-1} and allocates δ_{k-1} and its temporary, whatever else
-    the plan does; the first pass's F(q) holds a_0, δ_L, a_{q-1} and its output and temporary.
-    """
-    length = chain.length
-    x = [chain.activation_bytes(j) for j in range(length + 1)]
-    g = [chain.grad_bytes(j) for j in range(length + 1)]
-    need = 0
-    for k in range(1, length + 1):
-        stage = chain.stage(k)
-        a_previous = x[k - 1] if k >= 2 else 0
-        need = max(
-            need,
-            x[0]
-            + (chain.held_bytes if k < length else 0)
-            + g[k]
-            + stage.saved_bytes
-            + a_previous
-            + g[k - 1]
-            + stage.bwd_tmp_bytes,
-        )
-        output = stage.saved_bytes if k == length else x[k]
-        # Whichever forward the plan runs first: F_all for the last stage, else the cheaper.
-        temporary = stage.fwd_tmp_bytes
-        if k < length:
-            temporary = min(temporary, stage.nograd_fwd_tmp_bytes)
-        need = max(need, x[0] + g[length] + a_previous + output + temporary)
-    return need

@@ -1,4 +1,5 @@
-"""Every solver by name, scored the same way, and the lower bound that overheads are read against.
+"""Every solver by name, scored the same way; the lower bound overheads are read against is
+:func:`solvers.bounds.lower_bound_s` (re-exported here).
 
 The solvers are rotor's recompute DP (Herrmann, Beaumont et al. 2019), the joint keep /
 offload / recompute MILP, and the baselines of :mod:`solvers.baselines`. Whatever the solver,
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 from solvers.baselines import BASELINES, keep_all
+from solvers.bounds import lower_bound_s as lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS
@@ -138,84 +139,3 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
 def keep_all_peak(chain: Chain) -> int:
     """The simulated peak of plain autograd: what a fractional budget is a fraction of."""
     return simulate(keep_all(chain), chain).peak_bytes
-
-
-def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
-    """A time no plan within ``budget_bytes`` can beat: max(Σf + Σb, what the budget forces).
-
-    Reasoning, on the model of design.md. Every forward runs at least once before the first
-    backward B(L) starts, and every backward once after, so the compute stream spends at least
-    Σf before that instant and Σb after it. When B(L) runs, the GPU holds δ_L, x̄_L, the
-    δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
-    kept; so at most C = budget - (g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept, and
-    E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
-    recomputed by an extra F_all(i) after B(L) starts (≥ f_i more compute), or offloaded
-    before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the
-    h2d channel moves them after). Relaxing the choice to bytes, with recomputation costed by
-    the fractional knapsack over f_i / x̄_i, the step takes at least
-
-        min over E_O in [0, E] of max(Σf, E_O / d2h) + max(Σb + R(E - E_O), E_O / h2d),
-
-    where R(e) is the least recompute time that covers e bytes. The function is convex and
-    piecewise linear, so the minimum is at an end, a kink, or a crossing; all are evaluated.
-    Without a link E_O is 0. Returns ``math.inf`` when even C < 0 (no plan fits) and Σf + Σb
-    without a budget.
-    """
-    compute = chain.compute_time_s
-    if budget_bytes is None:
-        return compute
-    length = chain.length
-    last = chain.stage(length)
-    room = budget_bytes - (
-        chain.grad_bytes(length)
-        + last.saved_bytes
-        + chain.grad_bytes(length - 1)
-        + last.bwd_tmp_bytes
-    )
-    if room < 0:
-        return math.inf
-    earlier = chain.stages[:-1]
-    excess = max(0, sum(s.saved_bytes for s in earlier) - room)
-    if excess == 0:
-        return compute
-    forward = sum(s.fwd_s for s in chain.stages)
-    backward = sum(s.bwd_s for s in chain.stages)
-    # Recompute cost curve R(e): cheapest seconds per byte first.
-    pieces = sorted(
-        ((s.fwd_s / s.saved_bytes, s.saved_bytes) for s in earlier if s.saved_bytes > 0),
-        key=lambda piece: piece[0],
-    )
-    kinks = [0.0]
-    for _, size in pieces:
-        kinks.append(kinks[-1] + size)
-
-    def recompute(covered: float) -> float:
-        total, left = 0.0, covered
-        for rate, size in pieces:
-            part = min(size, left)
-            total += rate * part
-            left -= part
-            if left <= 0:
-                break
-        return total
-
-    if chain.link is None:
-        return forward + backward + recompute(excess)
-    d2h, h2d = chain.link.d2h_bytes_per_s, chain.link.h2d_bytes_per_s
-
-    def step_time(moved: float) -> float:
-        return max(forward, moved / d2h) + max(backward + recompute(excess - moved), moved / h2d)
-
-    candidates = {0.0, float(excess), forward * d2h}
-    candidates.update(excess - k for k in kinks)
-    # Crossing of the backward terms within each linear piece of R, moved = excess - covered.
-    covered_start = 0.0
-    for rate, size in pieces:
-        # backward + R(covered_start) + rate * (c - covered_start) = (excess - c) / h2d
-        c = (excess / h2d - backward - recompute(covered_start) + rate * covered_start) / (
-            rate + 1 / h2d
-        )
-        if covered_start <= c <= covered_start + size:
-            candidates.add(excess - c)
-        covered_start += size
-    return min(step_time(m) for m in candidates if 0 <= m <= excess)

@@ -70,3 +70,35 @@ def test_solvers_source_never_imports_torch_or_offremat() -> None:
         for path in sorted(SOLVERS_DIR.glob("*.py"))
     }
     assert {name: roots for name, roots in offenders.items() if roots} == {}
+
+
+def _solvers_imports(path: Path) -> set[str]:
+    """The solvers modules ``path`` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "solvers":
+                names.update(f"solvers.{alias.name}" for alias in node.names)
+            elif node.module.startswith("solvers."):
+                names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("solvers."))
+    return names
+
+
+def test_no_two_solvers_modules_import_each_other_even_indirectly() -> None:
+    modules = {f"solvers.{p.stem}": p for p in SOLVERS_DIR.glob("*.py") if p.stem != "__init__"}
+    graph = {name: _solvers_imports(path) & set(modules) for name, path in modules.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name == goal:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo += graph[name]
+        return False
+
+    assert sorted(name for name in modules if reaches(name, name)) == []

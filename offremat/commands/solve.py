@@ -31,11 +31,12 @@ from offremat.commands import (
     positive_number,
     resolve_budget,
 )
+from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain, Link
 from solvers.milp_progress import ProgressCallback, SearchProgress
 from solvers.plan import Plan
-from solvers.registry import SOLVER_OPTIONS, SOLVERS, lower_bound_s, solve
+from solvers.registry import SOLVER_OPTIONS, SOLVERS, solve
 
 logger = logging.getLogger(__name__)
 

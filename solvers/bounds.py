@@ -1,0 +1,125 @@
+"""Bounds every plan obeys: the memory a backward needs, the least budget, the least time.
+
+One place for them, read by the DP, the MILP and the registry. The reasoning follows the model
+of ``docs/plan-format.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from solvers.chain import Chain
+
+
+def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):
+    """The bytes (or units) B(k) itself holds: δ_k and x̄_k in, δ_{k-1} and its temporary out.
+
+    Its input a_{k-1}, a_0 and whatever else the plan keeps come on top.
+    """
+    return grad[k] + saved[k] + grad[k - 1] + tmp[k]
+
+
+def backward_working_set(chain: Chain, k: int) -> int:
+    """:func:`working_set` of B(k) on ``chain``, in bytes."""
+    stage = chain.stage(k)
+    return chain.grad_bytes(k) + stage.saved_bytes + chain.grad_bytes(k - 1) + stage.bwd_tmp_bytes
+
+
+def necessary_budget_bytes(chain: Chain) -> int:
+    """Bytes that every plan of the family needs: the largest bare working set of a B(k).
+
+    B(k) holds a_0, δ_k, x̄_k, a_{k-1} and allocates δ_{k-1} and its temporary, whatever else
+    the plan does; the first pass's F(q) holds a_0, δ_L, a_{q-1} and its output and temporary.
+    """
+    length = chain.length
+    x = [chain.activation_bytes(j) for j in range(length + 1)]
+    g = [chain.grad_bytes(j) for j in range(length + 1)]
+    need = 0
+    for k in range(1, length + 1):
+        stage = chain.stage(k)
+        a_previous = x[k - 1] if k >= 2 else 0
+        held = chain.held_bytes if k < length else 0
+        need = max(need, x[0] + held + a_previous + backward_working_set(chain, k))
+        output = stage.saved_bytes if k == length else x[k]
+        # Whichever forward the plan runs first: F_all for the last stage, else the cheaper.
+        temporary = stage.fwd_tmp_bytes
+        if k < length:
+            temporary = min(temporary, stage.nograd_fwd_tmp_bytes)
+        need = max(need, x[0] + g[length] + a_previous + output + temporary)
+    return need
+
+
+def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
+    """A time no plan within ``budget_bytes`` can beat: max(Σf + Σb, what the budget forces).
+
+    Reasoning, on the model of design.md. Every forward runs at least once before the first
+    backward B(L) starts, and every backward once after, so the compute stream spends at least
+    Σf before that instant and Σb after it. When B(L) runs, the GPU holds δ_L, x̄_L, the
+    δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
+    kept; so at most C = budget - (g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept, and
+    E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
+    recomputed by an extra F_all(i) after B(L) starts (≥ f_i more compute), or offloaded
+    before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the
+    h2d channel moves them after). Relaxing the choice to bytes, with recomputation costed by
+    the fractional knapsack over f_i / x̄_i, the step takes at least
+
+        min over E_O in [0, E] of max(Σf, E_O / d2h) + max(Σb + R(E - E_O), E_O / h2d),
+
+    where R(e) is the least recompute time that covers e bytes. The function is convex and
+    piecewise linear, so the minimum is at an end, a kink, or a crossing; all are evaluated.
+    Without a link E_O is 0. Returns ``math.inf`` when even C < 0 (no plan fits) and Σf + Σb
+    without a budget.
+    """
+    compute = chain.compute_time_s
+    if budget_bytes is None:
+        return compute
+    length = chain.length
+    room = budget_bytes - backward_working_set(chain, length)
+    if room < 0:
+        return math.inf
+    earlier = chain.stages[:-1]
+    excess = max(0, sum(s.saved_bytes for s in earlier) - room)
+    if excess == 0:
+        return compute
+    forward = sum(s.fwd_s for s in chain.stages)
+    backward = sum(s.bwd_s for s in chain.stages)
+    # Recompute cost curve R(e): cheapest seconds per byte first.
+    pieces = sorted(
+        ((s.fwd_s / s.saved_bytes, s.saved_bytes) for s in earlier if s.saved_bytes > 0),
+        key=lambda piece: piece[0],
+    )
+    kinks = [0.0]
+    for _, size in pieces:
+        kinks.append(kinks[-1] + size)
+
+    def recompute(covered: float) -> float:
+        total, left = 0.0, covered
+        for rate, size in pieces:
+            part = min(size, left)
+            total += rate * part
+            left -= part
+            if left <= 0:
+                break
+        return total
+
+    if chain.link is None:
+        return forward + backward + recompute(excess)
+    d2h, h2d = chain.link.d2h_bytes_per_s, chain.link.h2d_bytes_per_s
+
+    def step_time(moved: float) -> float:
+        return max(forward, moved / d2h) + max(backward + recompute(excess - moved), moved / h2d)
+
+    candidates = {0.0, float(excess), forward * d2h}
+    candidates.update(excess - k for k in kinks)
+    # Crossing of the backward terms within each linear piece of R, moved = excess - covered.
+    covered_start = 0.0
+    for rate, size in pieces:
+        # backward + R(covered_start) + rate * (c - covered_start) = (excess - c) / h2d
+        c = (excess / h2d - backward - recompute(covered_start) + rate * covered_start) / (
+            rate + 1 / h2d
+        )
+        if covered_start <= c <= covered_start + size:
+            candidates.add(excess - c)
+        covered_start += size
+    return min(step_time(m) for m in candidates if 0 <= m <= excess)
