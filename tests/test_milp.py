@@ -17,7 +17,7 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need, solve_dp
 from solvers.milp import BackendUnavailableError, least_feasible_budget, solve_milp
-from solvers.milp_model import decode, encode
+from solvers.milp_codec import decode, encode
 from solvers.plan import COPY_KINDS, OFFLOAD, PREFETCH, validate
 from solvers.registry import keep_all_peak
 from solvers.simulator import simulate

@@ -14,7 +14,7 @@ from test_milp import random_chain
 from solvers import semantics
 from solvers.baselines import BASELINES
 from solvers.dp import memory_need, solve_dp
-from solvers.milp_model import NotInFamilyError, decode, encode
+from solvers.milp_codec import NotInFamilyError, decode, encode
 from solvers.plan import ACTIVATION, BACKWARD, SAVED, Op, Plan, validate
 from solvers.registry import keep_all_peak
 from solvers.simulator import simulate
