@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from offremat.demo import (
+from offremat.demo import decision_counts
+from offremat.methods import (
     batch_bytes,
     best_checkpoint_sequential,
     checkpoint_sequential_forward,
-    decision_counts,
     optimized_forward,
     plain_forward,
     save_on_cpu_forward,

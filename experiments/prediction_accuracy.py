@@ -12,7 +12,7 @@ memcpy, not a link, so they are left out). Every plan runs through ``offremat.op
 ``--steps`` training steps; the measured step time is the median forward plus backward after a
 warm-up step; the measured peak is independent of the executor (``offremat.measure``):
 ``max_memory_allocated`` above the step's start on CUDA, a dispatch-mode tracker of the live
-storages the step creates on CPU, plus the input (see ``offremat.demo.train``). Writes
+storages the step creates on CPU, plus the input (see ``offremat.methods.train``). Writes
 ``prediction_accuracy.csv`` and ``prediction_accuracy.png`` (measured against predicted).
 """
 
@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-from offremat.demo import optimized_forward, train
+from offremat.methods import optimized_forward, train
 from offremat.models import model_spec
 from offremat.plots import METHOD_STYLE
 from offremat.sweep import profile_named_model

@@ -2,9 +2,10 @@
 
 :class:`offremat.executor.PlanExecutor` makes a :class:`_Step` for each forward; the step runs
 the host actions of the plan's forward half, and, when autograd calls back, those of its
-backward half. The design notes of :mod:`offremat.executor` apply; this module is their
-mechanics: where each plan tensor is (:class:`_PlanTensor`) and what each op does to it; what
-the step measured is in :mod:`offremat._stats`.
+backward half, as the simulator listed them (:mod:`solvers.host`). The design notes of
+:mod:`offremat.executor` apply; this module is their mechanics: where each plan tensor is
+(:class:`~offremat._step_compute.PlanTensor`) and the memory ops; the compute ops are in
+:mod:`offremat._step_compute`, what the step measured in :mod:`offremat._stats`.
 """
 
 from __future__ import annotations
@@ -12,87 +13,37 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack, suppress
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._deferred import DeferringPacker, Refill, StopRecomputation
-from offremat._memory import Residency, StorageRecord, TensorRef
-from offremat._rng import RngState, cuda_device_indices, module_generators, replayed_rng
+from offremat._memory import Residency, TensorRef
+from offremat._rng import RngState, cuda_device_indices, module_generators
 from offremat._stage import (
     AutocastState,
-    GradSlot,
-    SavedTensorPacker,
-    check_unmodified,
-    check_versions,
-    enter_stage,
-    frozen_running_stats,
     norm_layers,
     parameter_storages,
 )
 from offremat._stats import OutOfMemoryAdvice, StepTiming
-from offremat._tensors import Structure, flatten, is_differentiable, storage_key, unflatten
+from offremat._step_compute import Compute, KeptGraph, PlanTensor
+from offremat._tensors import Structure, is_differentiable
 from offremat.measure import StepMemory
 from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
     ACTIVATION,
     BACKWARD,
-    F_ALL,
     FREE,
     OFFLOAD,
     PREFETCH,
-    SAVED,
     Op,
 )
-from solvers.semantics import effect, released, stage_input
+from solvers.semantics import stage_input
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
 
 
-class _PlanTensor:
-    """One of the plan's tensors (a_i, x̄_i or δ_i): references to its tensors, storages held.
-
-    For x̄_i, ``edges`` are the gradient edges of stage i's outputs (the roots of B(i)),
-    ``packer`` holds what autograd saved and ``slot`` receives δ_{i-1}.
-    """
-
-    __slots__ = ("diff", "edges", "packer", "records", "refs", "slot", "structure")
-
-    def __init__(
-        self,
-        refs: list[TensorRef | None],
-        structure: Structure | None,
-        records: tuple[StorageRecord, ...],
-    ):
-        self.refs = refs
-        self.structure = structure
-        self.records = records
-        self.edges: list[GradientEdge | None] = []
-        self.packer: SavedTensorPacker | None = None
-        self.slot: GradSlot | None = None
-        self.diff: list[int] = []
-
-    @property
-    def tensors(self) -> list[torch.Tensor | None]:
-        """The tensors, over the storages resident now."""
-        return [None if ref is None else ref.get() for ref in self.refs]
-
-
-@dataclass
-class _KeptGraph:
-    """The graph of a stage's latest F_ck or F_none, its saved tensors still to recompute."""
-
-    packer: DeferringPacker
-    slot: GradSlot | None
-    diff: list[int]
-    edges: list[GradientEdge | None]
-
-
-class _Step:
+class _Step(Compute):
     """The state of one training step, from the forward to the end of the backward."""
 
     def __init__(
@@ -125,12 +76,12 @@ class _Step:
         }
         # A plan tensor can have a version on the device and another whose bytes are on the
         # host (the same one after a prefetch, a different one after a recomputation).
-        self.on_device: dict[tuple[str, int], _PlanTensor] = {}
-        self.on_host: dict[tuple[str, int], _PlanTensor] = {}
-        self.offloaded_by: dict[int, _PlanTensor] = {}
-        self.grads: dict[int, _PlanTensor] = {}
+        self.on_device: dict[tuple[str, int], PlanTensor] = {}
+        self.on_host: dict[tuple[str, int], PlanTensor] = {}
+        self.offloaded_by: dict[int, PlanTensor] = {}
+        self.grads: dict[int, PlanTensor] = {}
         self.rng: dict[int, RngState] = {}
-        self.kept: dict[int, _KeptGraph] = {}
+        self.kept: dict[int, KeptGraph] = {}
         self.produced: dict[tuple[str, int], Any] = {}
         self.in_backward = False
         self.accumulate = True
@@ -141,7 +92,7 @@ class _Step:
         self.memory = StepMemory(device, tensors) if executor.measure_memory else None
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
-        source = _PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
+        source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
         self.on_device[(ACTIVATION, 0)] = source
 
     # The two halves of the plan.
@@ -186,7 +137,7 @@ class _Step:
             self.in_backward = True
             refs = [None if g is None else TensorRef(g) for g in grads]
             held = self.residency.hold(r for r in refs if r is not None)
-            self.grads[self.length] = _PlanTensor(refs, None, held)
+            self.grads[self.length] = PlanTensor(refs, None, held)
             with self._out_of_memory_advice():
                 self._run(self.executor.backward_actions)
             first_grads = self.grads.pop(0).tensors
@@ -259,7 +210,7 @@ class _Step:
             self.residency.drop(away.records, resident=False)
         self._drop_resident(key)
 
-    def _source(self, i: int) -> _PlanTensor:
+    def _source(self, i: int) -> PlanTensor:
         """Stage i's input a_{i-1} as resident now: by itself, or as the output of x̄_{i-1}."""
         key = stage_input(i, self.on_device)
         if key is None:
@@ -268,183 +219,10 @@ class _Step:
             )
         return self.on_device[key]
 
-    # Compute operations.
-
-    def _forward(self, op: Op) -> None:
-        i = op.index
-        name = self.names[i - 1]
-        stage = self.executor.stages[i - 1]
-        source = self._source(i)
-        gone = released(op, self.on_device)
-        self.residency.use(source.records)
-        # A checkpoint changed in place since it was made would recompute another activation.
-        check_versions(name, source.refs)
-        inputs = source.tensors
-        first = i not in self.flags
-        if first:
-            rng = RngState.capture(self.cuda_devices, self.generators[i - 1])
-        else:
-            rng = self.rng.get(i)
-        versions = [tensor._version for tensor in inputs]
-        packer = slot = None
-        diff: list[int] = []
-        excluded = self.excluded
-        with ExitStack() as stack:
-            if not first:
-                if rng is not None:
-                    stack.enter_context(replayed_rng(rng))
-                copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                excluded = excluded | {storage_key(copy) for copy in copies}
-            for state in self.autocast:
-                state.enter(stack)
-            # F_ck and F_none keep their graph without its saved tensors (see _deferred).
-            grad = op.kind == F_ALL or self.trainable[i - 1] or any(self.flags[i - 1])
-            if grad:
-                stack.enter_context(torch.enable_grad())
-                diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                if op.kind == F_ALL:
-                    packer = SavedTensorPacker(name, inputs, excluded)
-                else:
-                    expected = self.executor.pack_counts.get(i)
-                    packer = DeferringPacker(name, inputs, excluded, expected)
-                slot = GradSlot()
-                inputs = enter_stage(inputs, diff, slot, self.anchor)
-                stack.enter_context(packer.hooks())
-                if isinstance(packer, DeferringPacker):
-                    stack.enter_context(packer.watching())
-            else:
-                stack.enter_context(torch.no_grad())
-            result = stage(unflatten(inputs, source.structure))
-        check_unmodified(name, source.tensors, versions)
-        tensors, structure = flatten(result)
-        del result
-        if first:
-            self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
-            if rng is not None and not rng.unchanged():
-                self.rng[i] = rng
-            del rng
-        del inputs
-        is_output = i == self.length and self.outputs is None and not self.in_backward
-        if is_output:
-            self.outputs, self.output_structure = tensors, structure
-        refs = [TensorRef(t.detach(), original=t) for t in tensors]
-        held = refs + (packer.refs if packer is not None else [])
-        records = self.residency.hold(held, movable=not is_output)
-        produced = _PlanTensor(refs, structure, records)
-        edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
-        if packer is not None:
-            packer.inputs = []  # B(i) binds whichever copy of a_{i-1} is resident then
-        if op.kind == F_ALL:
-            produced.edges = edges
-            produced.packer, produced.slot, produced.diff = packer, slot, diff
-        elif isinstance(packer, DeferringPacker):
-            self.kept[i] = _KeptGraph(packer, slot, diff, edges)
-            self.executor.pack_counts.setdefault(i, len(packer.slots))
-        del edges
-        del tensors
-        key = effect(op).allocates
-        assert key is not None
-        self.on_device[key] = produced
-        if self.streams is not None:
-            self.produced[key] = self.streams.compute.record_event()
-        self.peak = max(self.peak, self.residency.live_bytes)
-        for key in gone:
-            self._drop_resident(key)
-
-    def _gradient_flags(
-        self, i: int, grad: bool, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
-    ) -> list[bool]:
-        """Which of a_i's tensors carry a gradient in plain autograd.
-
-        A grad-enabled forward knows it from autograd. A forward without autograd assumes so
-        for every floating output of a stage with a trainable parameter or a gradient-carrying
-        input, except what it passes on unchanged from an input without one (a target, a mask).
-        """
-        if grad:
-            return [t.requires_grad and is_differentiable(t) for t in outputs]
-        upstream = self.trainable[i - 1] or any(self.flags[i - 1])
-        constant = {
-            storage_key(t) for t, flag in zip(inputs, self.flags[i - 1], strict=True) if not flag
-        }
-        return [
-            upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
-        ]
-
-    def _refill(self, i: int) -> None:
-        """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
-        kept = self.kept.pop(i)
-        name = self.names[i - 1]
-        source = self._source(i)
-        self.residency.use(source.records)
-        check_versions(name, source.refs)
-        refs = []
-        if not kept.packer.empty:
-            refill = Refill(kept.packer)
-            rng = self.rng.get(i)
-            with ExitStack() as stack:
-                if rng is not None:
-                    stack.enter_context(replayed_rng(rng))
-                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                for state in self.autocast:
-                    state.enter(stack)
-                stack.enter_context(torch.enable_grad())
-                inputs = enter_stage(source.tensors, kept.diff, GradSlot(), self.anchor)
-                stack.enter_context(refill.hooks())
-                with suppress(StopRecomputation):
-                    self.executor.stages[i - 1](unflatten(inputs, source.structure))
-                if not refill.complete:
-                    raise refill.incomplete()
-                del inputs
-            refs = refill.refs
-        produced = _PlanTensor([], None, self.residency.hold(refs))
-        produced.edges, produced.packer = kept.edges, kept.packer
-        produced.slot, produced.diff = kept.slot, kept.diff
-        self.on_device[(SAVED, i)] = produced
-        if self.streams is not None:
-            self.produced[(SAVED, i)] = self.streams.compute.record_event()
-        self.peak = max(self.peak, self.residency.live_bytes)
-
     def _drop_resident(self, key: tuple[str, int]) -> None:
         tensor = self.on_device.pop(key, None)
         if tensor is not None:
             self.residency.drop(tensor.records, resident=True)
-
-    def _backward(self, op: Op) -> None:
-        i = op.index
-        saved = self.on_device[(SAVED, i)]
-        grad = self.grads[i]
-        source = self._source(i)
-        self.residency.use(saved.records)
-        self.residency.use(source.records)
-        assert saved.packer is not None and saved.slot is not None
-        saved.packer.inputs = source.tensors
-        pairs = [
-            (edge, g)
-            for edge, g in zip(saved.edges, grad.tensors, strict=True)
-            if g is not None and edge is not None
-        ]
-        if pairs and (self.accumulate or saved.diff):
-            # Without accumulation only the path to the stage's inputs runs: through
-            # StageInput, whose input is the anchor.
-            torch.autograd.backward(
-                [e for e, _ in pairs],
-                [g for _, g in pairs],
-                inputs=None if self.accumulate else [self.anchor],
-            )
-        grads: list[torch.Tensor | None] = [None] * len(source.refs)
-        for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
-            grads[k] = g
-        saved.slot.grads = None
-        refs = [None if g is None else TensorRef(g) for g in grads]
-        del grads, pairs
-        held = self.residency.hold(r for r in refs if r is not None)
-        self.grads[i - 1] = _PlanTensor(refs, None, held)
-        self.peak = max(self.peak, self.residency.live_bytes)
-        gone = self.grads.pop(i)
-        self.residency.drop(gone.records)
-        # Nothing reads them again: their host copies go too.
-        for key in effect(op).dead:
-            self._drop(key)
 
     def _mark(self) -> None:
         if self.streams is not None:

@@ -18,12 +18,10 @@ step, seen by a dispatch-mode tracker; both plus the input batch, which the budg
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +29,18 @@ import torch
 from rich import box
 from rich.table import Table
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
 
-from offremat._tensors import storage_bytes
-from offremat.measure import StepMemory
-from offremat.models import Batch, GPTConfig, build_gpt, gpt_batch
+from offremat.methods import (
+    Measurement,
+    best_checkpoint_sequential,
+    checkpoint_sequential_forward,
+    optimized_forward,
+    plain_forward,
+    save_on_cpu_forward,
+    train,
+)
+from offremat.models import GPTConfig, build_gpt, gpt_batch
 from offremat.profiler import profile_model
-from offremat.wrapper import optimize
 from solvers.baselines import checkpoint_sequential_plan, chen_segments, keep_all
 from solvers.budget import byte_unit, format_bytes
 from solvers.chain import Chain, Link
@@ -52,24 +55,8 @@ DEMO_BATCH_SIZE = 8
 # On CPU there is no host link to measure; this stands in for a PCIe 3.0 x16 link so that the
 # milp can plan offloads, which the CPU executor then runs as synchronous copies.
 CPU_STAND_IN_BANDWIDTH = 1.2e10
-LEARNING_RATE = 0.05
 CUDA_LOSS_TOLERANCE = 1e-4
 """Relative loss difference allowed after the first step on CUDA without deterministic mode."""
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What training with one method measured."""
-
-    losses: tuple[float, ...]
-    step_times_s: tuple[float, ...]
-    peak_bytes: int | None
-
-    @property
-    def step_time_s(self) -> float:
-        """Median forward plus backward time, the first (warm-up) step left out."""
-        timed = self.step_times_s[1:] or self.step_times_s
-        return statistics.median(timed)
 
 
 @dataclass(frozen=True)
@@ -143,99 +130,6 @@ class DemoReport:
     def result(self, method: str) -> MethodResult:
         """The row of ``method``."""
         return next(r for r in self.results if r.method == method)
-
-
-def batch_bytes(batch: Batch) -> int:
-    """Bytes of the input a_0, which the budget counts (distinct storages, as profiled)."""
-    return storage_bytes(batch)
-
-
-# What ``train`` takes as ``make_forward``: from the model, the function a step calls.
-ForwardMaker = Callable[[nn.Module], Callable[[Batch], torch.Tensor]]
-
-
-def plain_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-    """Plain autograd (keep-all): the model itself."""
-    return model
-
-
-def save_on_cpu_forward(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-    """The model under ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (CUDA only)."""
-
-    def forward(batch: Batch) -> torch.Tensor:
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            return model(batch)
-
-    return forward
-
-
-def checkpoint_sequential_forward(segments: int) -> ForwardMaker:
-    """``torch.utils.checkpoint.checkpoint_sequential`` with ``segments`` segments."""
-
-    def make(model: nn.Module) -> Callable[[Batch], torch.Tensor]:
-        return lambda batch: checkpoint_sequential(model, segments, batch, use_reentrant=False)
-
-    return make
-
-
-def optimized_forward(example: Batch, chain: Chain, plan: Plan) -> ForwardMaker:
-    """The model wrapped by :func:`offremat.optimize` to run ``plan`` (no profiling, no solve)."""
-    return lambda model: optimize(model, example, chain=chain, plan=plan)
-
-
-def train(
-    build: Callable[[], nn.Module],
-    make_forward: ForwardMaker,
-    batches: Sequence[Batch],
-    seed: int,
-) -> Measurement:
-    """Train a fresh model with one method for ``len(batches)`` SGD steps; measure each step.
-
-    ``make_forward(model)`` returns the function that maps a batch to the loss. The peak is
-    measured as the module notes say: on CPU the tracker slows the step it watches, so it
-    watches only the untimed warm-up step.
-    """
-    model = build()
-    forward = make_forward(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    # Gradients exist before the first measured step, so they are never counted as activations.
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    torch.manual_seed(seed)
-    if cuda:
-        torch.cuda.manual_seed_all(seed)
-    losses, times, peaks = [], [], []
-    for number, batch in enumerate(batches):
-        optimizer.zero_grad(set_to_none=False)
-        measured = cuda or number == 0
-        memory = StepMemory(device, batch)
-        if cuda:
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        with memory if measured else contextlib.nullcontext():
-            loss = forward(batch)
-            loss.backward()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-        if measured:
-            peaks.append(memory.peak_bytes)
-        losses.append(loss.item())
-        optimizer.step()
-    return Measurement(tuple(losses), tuple(times), max(peaks))
-
-
-def best_checkpoint_sequential(chain: Chain, budget: int) -> Plan | None:
-    """The ``checkpoint_sequential`` segment count whose simulated plan is fastest within
-    ``budget``, as a scored plan (``info["segments"]``); None if no count fits."""
-    best = None
-    for segments in range(1, chain.length + 1):
-        plan = score(checkpoint_sequential_plan(chain, segments), chain, budget)
-        if plan.feasible and (best is None or plan.predicted_time_s < best.predicted_time_s):
-            best = plan
-    return best
 
 
 def run_demo(
