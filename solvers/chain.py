@@ -53,7 +53,7 @@ class Stage:
             object.__setattr__(self, "nograd_fwd_tmp_bytes", self.fwd_tmp_bytes)
         if self.grad_bytes is None:
             object.__setattr__(self, "grad_bytes", self.out_bytes)
-        for attr in _BYTE_FIELDS:
+        for attr in STAGE_BYTE_FIELDS:
             object.__setattr__(
                 self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
             )
@@ -274,21 +274,10 @@ class Chain:
         return cls.from_json(Path(path).read_text())
 
 
-_STAGE_FIELDS = {
-    "name",
-    "fwd_s",
-    "bwd_s",
-    "out_bytes",
-    "saved_bytes",
-    "fwd_tmp_bytes",
-    "bwd_tmp_bytes",
-    "nograd_fwd_tmp_bytes",
-    "grad_bytes",
-}
 LARGEST_BYTES = 2**60
 """One exbibyte: no memory a chain describes is larger, and sizes stay exact integers."""
 
-_BYTE_FIELDS = (
+STAGE_BYTE_FIELDS = (
     "out_bytes",
     "saved_bytes",
     "fwd_tmp_bytes",
@@ -296,6 +285,9 @@ _BYTE_FIELDS = (
     "nograd_fwd_tmp_bytes",
     "grad_bytes",
 )
+"""The sizes a stage gives, in bytes."""
+
+_STAGE_FIELDS = {"name", "fwd_s", "bwd_s", *STAGE_BYTE_FIELDS}
 
 
 def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:

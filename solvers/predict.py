@@ -18,19 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from solvers.chain import Chain, Stage
+from solvers.chain import STAGE_BYTE_FIELDS, Chain, Stage
 
 MIN_POINTS = 3
 """Profiled sizes needed before predicting: three points determine a quadratic."""
 
-_STAGE_BYTES = (
-    "out_bytes",
-    "saved_bytes",
-    "fwd_tmp_bytes",
-    "bwd_tmp_bytes",
-    "nograd_fwd_tmp_bytes",
-    "grad_bytes",
-)
 _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 
 
@@ -61,7 +53,7 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
             field: max(fitted([getattr(s, field) for s in column]), 1e-9)
             for field in ("fwd_s", "bwd_s")
         }
-        for field in _STAGE_BYTES:
+        for field in STAGE_BYTE_FIELDS:
             values = [getattr(s, field) for s in column]
             if all(v is None for v in values):
                 continue
