@@ -3,13 +3,21 @@
 offremat plans a chain in the sense of Herrmann, Beaumont et al. (2019): each stage takes the
 previous stage's output and nothing else. An ``nn.Sequential`` (or a list of modules) is such a
 chain by construction; any other module is refused with advice on how to make it one.
+:func:`check_chain_output` holds a chain to the model's own output, and :func:`untouched`
+leaves a model as it was after a run made only to look at it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
+
+from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
+from offremat._tensors import flatten
 
 
 class NotAChainError(TypeError):
@@ -98,3 +106,74 @@ def stage_module(blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
         return blocks[0][1]
     # Positional: block names are module paths, and a child's name cannot hold a dot.
     return nn.Sequential(*[block for _, block in blocks])
+
+
+def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:
+    """Refuse a chain whose output on ``example_input`` is not the model's own.
+
+    Both run without autograd from the same RNG state, and leave the model as it was; a random
+    draw that recomputation could not replay is refused (:class:`GeneratorWatch`). A model
+    whose ``forward`` does more than run its blocks in order (an ``nn.Sequential`` subclass with
+    its own ``forward``, say) would otherwise train silently as another model.
+    """
+    parameters = [p for stage in stages for p in stage.parameters()]
+    device = parameters[0].device if parameters else flatten(example_input)[0][0].device
+    outputs = []
+    with untouched([model], device), torch.no_grad():
+        generators = module_generators(model)
+        state = RngState.capture(cuda_device_indices(device), generators)
+        for run in ("model", "chain"):
+            state.restore()
+            value = example_input
+            if run == "model":
+                with GeneratorWatch(generators):
+                    value = model(value)
+            else:
+                for stage in stages:
+                    value = stage(value)
+            outputs.append(flatten(value))
+    (model_tensors, model_structure), (chain_tensors, chain_structure) = outputs
+    same = model_structure == chain_structure and all(
+        torch.equal(a, b) for a, b in zip(model_tensors, chain_tensors, strict=True)
+    )
+    if not same:
+        raise NotAChainError(
+            f"the chain of {type(model).__name__}'s blocks, run in order, does not give the "
+            f"model's own output on the example input: its forward does more than run its "
+            f"children one after the other. Pass the blocks that forward runs, in order, as an "
+            f"nn.Sequential or a list (offremat.optimize([block0, block1, ...], ...))"
+        )
+
+
+def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
+    """Refuse an input on another device than the model's parameters, saying how to fix it."""
+    parameter = next((p for module in modules for p in module.parameters()), None)
+    if parameter is not None and parameter.device != device:
+        raise ValueError(
+            f"the input is on {device} but the model's parameters are on {parameter.device}: "
+            f"move the input with x.to({str(parameter.device)!r}) or the model with "
+            f"model.to({str(device)!r})"
+        )
+
+
+@contextmanager
+def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """Restore RNG states (the modules' own generators too), buffers and parameter gradients."""
+    cuda_devices = cuda_device_indices(device)
+    generators = [g for module in modules for g in module_generators(module)]
+    generator_states = [(g, g.get_state()) for g in generators]
+    buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
+    grads = [(p, p.grad) for module in modules for p in module.parameters()]
+    for parameter, _ in grads:  # profiling accumulates into gradients of its own
+        parameter.grad = None
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, copy in buffers:
+                    buffer.copy_(copy)
+            for parameter, grad in grads:
+                parameter.grad = grad
+            for generator, state in generator_states:
+                generator.set_state(state)

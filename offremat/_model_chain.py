@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import NotAChainError
+from offremat._blocks import NotAChainError, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
 from offremat._run import RunInterception, run_blocks
 from offremat._tensors import flatten, is_differentiable, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
-from offremat.profiler import profile_model, stage_modules, untouched
+from offremat.profiler import profile_model, stage_modules
 from solvers.chain import Chain
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import NotAChainError, chain_blocks
+from offremat._blocks import NotAChainError, chain_blocks, check_chain_output, check_device
 from offremat._discover import BlockRun, Call, as_call
 from offremat._model_chain import (
     ModelChain,
@@ -35,12 +35,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
-from offremat.profiler import (
-    check_chain_output,
-    check_device,
-    profile_model,
-    stage_modules,
-)
+from offremat.profiler import profile_model, stage_modules
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
