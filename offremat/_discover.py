@@ -32,16 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
 from torch import nn
 
+from offremat._block_values import cache_in, hidden_output, side_inputs_of
 from offremat._blocks import NotAChainError
-from offremat._record import RecordedCall, capture_call, record_calls, split_hidden
-from offremat._tensors import Structure, flatten, same_structure, unflatten
+from offremat._record import RecordedCall, capture_call, record_calls
+from offremat._tensors import Structure, same_structure
 
 logger = logging.getLogger(__name__)
-
-_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,7 @@ def find_block_run(
             r.path,
             r.module,
             r.hidden_keyword,
-            _hidden_output(r.output_structure),
+            hidden_output(r.output_structure),
             id(r) not in added,
         )
         for r in members
@@ -164,12 +162,12 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
     """
     first = run.calls[0]
     args, kwargs = capture_call(run_model, first.module, run.first_nth)
-    if any(_cache_in(value) for value in (*args, *kwargs.values())):
+    if any(cache_in(value) for value in (*args, *kwargs.values())):
         logger.warning(
             "the blocks' key-value cache is not filled in training steps (as with Hugging "
             "Face's gradient checkpointing): recomputed blocks would fill it twice"
         )
-    hidden, side = side_inputs_of(first, args, kwargs)
+    hidden, side = side_inputs_of(first.path, args, kwargs)
     return (hidden, *side)
 
 
@@ -255,44 +253,6 @@ def _after(records: list[RecordedCall], record: RecordedCall) -> int:
     return k
 
 
-def side_inputs_of(
-    call: BlockCall, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.Tensor, Any]:
-    """The hidden state a call of ``call`` received, and its side inputs made safe."""
-    hidden, side_args, side_kwargs = split_hidden(args, kwargs)
-    if hidden is None:
-        raise NotAChainError(f"{call.path} was called without a tensor for its hidden state")
-    safe_args = tuple(
-        _safe_value(value, f"argument {k + 1}", call.path) for k, value in enumerate(side_args)
-    )
-    safe_kwargs = {
-        key: _safe_value(value, f"argument {key!r}", call.path)
-        for key, value in side_kwargs.items()
-    }
-    if safe_kwargs.get("use_cache") is True:
-        safe_kwargs["use_cache"] = False
-    return hidden, (safe_args, safe_kwargs)
-
-
-def hidden_of(output: Any, path: str) -> torch.Tensor:
-    """The hidden state a block returned; refuse other tensors, which the chain cannot carry."""
-    tensors, _ = flatten(output)
-    if not tensors or not isinstance(tensors[0], torch.Tensor):
-        raise NotAChainError(f"block {path} returned no tensor: a block must return its output")
-    if len(tensors) > 1:
-        raise NotAChainError(
-            f"block {path} returned {len(tensors)} tensors (attention weights or a cache, say); "
-            "offremat chains blocks that return their hidden state alone: call the model "
-            "without output_attentions and with use_cache=False"
-        )
-    return tensors[0]
-
-
-def block_output(call: BlockCall, hidden: torch.Tensor) -> Any:
-    """What ``call``'s module returns, with ``hidden`` as its hidden state."""
-    return unflatten([hidden], call.output)
-
-
 def _container(model: nn.Module, path: str) -> nn.Module:
     try:
         container = model.get_submodule(path.removeprefix("model."))
@@ -345,55 +305,6 @@ def _follows(previous: RecordedCall, record: RecordedCall) -> bool:
         and previous.side[0] == record.side[0]
         and same_structure(previous.side[1], record.side[1])
     )
-
-
-def _safe_value(value: Any, name: str, path: str) -> Any:
-    if isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_safe_value(item, name, path) for item in value)
-    if isinstance(value, dict):
-        return {key: _safe_value(item, name, path) for key, item in value.items()}
-    if _is_kv_cache(value):
-        return None
-    raise NotAChainError(
-        f"{path} takes {name} of type {type(value).__name__}, which offremat cannot "
-        "recompute safely (a block could change it); pass tensors and plain values to the "
-        "blocks, or name other blocks with blocks="
-    )
-
-
-def _cache_in(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_cache_in(item) for item in value)
-    if isinstance(value, dict):
-        return any(_cache_in(item) for item in value.values())
-    return _is_kv_cache(value)
-
-
-def _is_kv_cache(value: Any) -> bool:
-    return any(
-        cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
-        for cls in type(value).__mro__
-    )
-
-
-def _hidden_output(output: Structure) -> Structure:
-    """A block's output structure, checked to hold the hidden state as its only tensor."""
-    count = _tensor_count(output)
-    if count != 1:
-        raise NotAChainError(
-            f"the blocks return {count} tensors; offremat chains blocks that return their "
-            "hidden state alone: call the model without output_attentions and with "
-            "use_cache=False"
-        )
-    return output
-
-
-def _tensor_count(structure: Structure) -> int:
-    if structure.kind == "tensor":
-        return 1
-    return sum(_tensor_count(child) for child in structure.children)
 
 
 def _preference(run: list[RecordedCall]) -> tuple[bool, int, int]:

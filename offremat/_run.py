@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from offremat._block_values import block_output, hidden_of, side_inputs_of
 from offremat._blocks import NotAChainError
-from offremat._discover import BlockCall, BlockRun, block_output, hidden_of, side_inputs_of
+from offremat._discover import BlockCall, BlockRun
 from offremat._tensors import flatten, same_structure
 
 
@@ -125,7 +126,7 @@ class RunInterception:
                 f"{expected.path}: it no longer calls its blocks in the order the chain was "
                 "found in; profile it again"
             )
-        hidden, side = side_inputs_of(expected, args, kwargs)
+        hidden, side = side_inputs_of(expected.path, args, kwargs)
         if self.position == 0:
             self.inside = True
             try:
@@ -145,7 +146,7 @@ class RunInterception:
             self.handed = self.result
         else:
             self.handed = HandedOn.of(self.result, expected.path)
-        return block_output(expected, self.handed)
+        return block_output(expected.output, self.handed)
 
 
 class HandedOn(torch.Tensor):

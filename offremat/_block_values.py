@@ -1,0 +1,106 @@
+"""The values a block call takes and returns: its hidden state, and side inputs made safe.
+
+A block of the chain receives the previous block's hidden state and side inputs that every
+block receives alike (masks, position embeddings, flags). A side input is passed through every
+stage, so it must be a value a block cannot change: tensors and plain values. Hugging Face's
+KV caches are dropped (and ``use_cache`` set False), as its gradient checkpointing does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offremat._blocks import NotAChainError
+from offremat._record import split_hidden
+from offremat._tensors import Structure, flatten, unflatten
+
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def side_inputs_of(
+    path: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, Any]:
+    """The hidden state a call of the block at ``path`` received, and its side inputs made
+    safe."""
+    hidden, side_args, side_kwargs = split_hidden(args, kwargs)
+    if hidden is None:
+        raise NotAChainError(f"{path} was called without a tensor for its hidden state")
+    safe_args = tuple(
+        _safe_value(value, f"argument {k + 1}", path) for k, value in enumerate(side_args)
+    )
+    safe_kwargs = {
+        key: _safe_value(value, f"argument {key!r}", path) for key, value in side_kwargs.items()
+    }
+    if safe_kwargs.get("use_cache") is True:
+        safe_kwargs["use_cache"] = False
+    return hidden, (safe_args, safe_kwargs)
+
+
+def hidden_of(output: Any, path: str) -> torch.Tensor:
+    """The hidden state a block returned; refuse other tensors, which the chain cannot carry."""
+    tensors, _ = flatten(output)
+    if not tensors or not isinstance(tensors[0], torch.Tensor):
+        raise NotAChainError(f"block {path} returned no tensor: a block must return its output")
+    if len(tensors) > 1:
+        raise NotAChainError(
+            f"block {path} returned {len(tensors)} tensors (attention weights or a cache, say); "
+            "offremat chains blocks that return their hidden state alone: call the model "
+            "without output_attentions and with use_cache=False"
+        )
+    return tensors[0]
+
+
+def block_output(output: Structure, hidden: torch.Tensor) -> Any:
+    """What a block whose output has structure ``output`` returns, with ``hidden`` in it."""
+    return unflatten([hidden], output)
+
+
+def _safe_value(value: Any, name: str, path: str) -> Any:
+    if isinstance(value, (torch.Tensor, *_PLAIN_VALUES)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_safe_value(item, name, path) for item in value)
+    if isinstance(value, dict):
+        return {key: _safe_value(item, name, path) for key, item in value.items()}
+    if _is_kv_cache(value):
+        return None
+    raise NotAChainError(
+        f"{path} takes {name} of type {type(value).__name__}, which offremat cannot "
+        "recompute safely (a block could change it); pass tensors and plain values to the "
+        "blocks, or name other blocks with blocks="
+    )
+
+
+def cache_in(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(cache_in(item) for item in value)
+    if isinstance(value, dict):
+        return any(cache_in(item) for item in value.values())
+    return _is_kv_cache(value)
+
+
+def _is_kv_cache(value: Any) -> bool:
+    return any(
+        cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+        for cls in type(value).__mro__
+    )
+
+
+def hidden_output(output: Structure) -> Structure:
+    """A block's output structure, checked to hold the hidden state as its only tensor."""
+    count = _tensor_count(output)
+    if count != 1:
+        raise NotAChainError(
+            f"the blocks return {count} tensors; offremat chains blocks that return their "
+            "hidden state alone: call the model without output_attentions and with "
+            "use_cache=False"
+        )
+    return output
+
+
+def _tensor_count(structure: Structure) -> int:
+    if structure.kind == "tensor":
+        return 1
+    return sum(_tensor_count(child) for child in structure.children)
