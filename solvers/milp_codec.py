@@ -112,6 +112,7 @@ def decode(schedule: Schedule) -> list[Op]:
     for k in range(length, 0, -1):
         on_gpu = {t for t in valid_at(length, k) if schedule.is_resident(k, t)}
         on_gpu.add((ACTIVATION, 0))
+
         recomputed = {i for kk, i, _ in schedule.recompute if kk == k}
         for i, target in sorted((i, t) for kk, i, t in schedule.recompute if kk == k):
             source = (ACTIVATION, i - 1) if (ACTIVATION, i - 1) in on_gpu else None
@@ -128,23 +129,18 @@ def decode(schedule: Schedule) -> list[Op]:
             ):
                 target = ACTIVATION
             if target == SAVED:
-                ops.append(forward_all(i))
+                _emit(ops, on_gpu, forward_all(i))
                 if drop_input:
-                    ops.append(free(ACTIVATION, i - 1))
+                    _emit(ops, on_gpu, free(ACTIVATION, i - 1))
             else:
-                ops.append(forward_none(i) if drop_input else forward_checkpoint(i))
-            if drop_input:
-                on_gpu.discard((ACTIVATION, i - 1))
+                _emit(ops, on_gpu, forward_none(i) if drop_input else forward_checkpoint(i))
             output = (target, i)
-            if i == k or read_later or schedule.carried(k, output):
-                on_gpu.add(output)
-            else:
-                ops.append(free(*output))
-        ops.append(backward(k))
-        on_gpu -= {(SAVED, k), (ACTIVATION, k - 1)}
+            if not (i == k or read_later or schedule.carried(k, output)):
+                _emit(ops, on_gpu, free(*output))
+        _emit(ops, on_gpu, backward(k))
         for tensor in sorted(on_gpu - {(ACTIVATION, 0)}, key=lambda t: (t[1], t[0])):
             if not schedule.carried(k, tensor):
-                ops.append(free(*tensor))
+                _emit(ops, on_gpu, free(*tensor))
         issued = [
             (ready, tensor) for tensor, (issue, ready) in schedule.prefetches.items() if issue == k
         ]
@@ -155,6 +151,12 @@ def decode(schedule: Schedule) -> list[Op]:
         ):
             ops.append(prefetch(*tensor))
     return ops
+
+
+def _emit(ops: list[Op], on_gpu: set[Tensor], op: Op) -> None:
+    """List ``op`` and follow what it leaves on the GPU."""
+    ops.append(op)
+    apply(on_gpu, op, gradients=False)
 
 
 def encode(ops: list[Op] | tuple[Op, ...], length: int) -> Schedule:
