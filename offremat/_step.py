@@ -140,7 +140,7 @@ class _Step(Compute):
             self.grads[self.length] = PlanTensor(refs, None, held)
             with self._out_of_memory_advice():
                 self._run(self.executor.backward_actions)
-            first_grads = self.grads.pop(0).tensors
+            first_grads = self.grads.pop(self.executor.chain.frozen_stages).tensors
         finally:
             self._close()
         self._mark()
@@ -148,6 +148,8 @@ class _Step(Compute):
             self.memory.__exit__(None, None, None)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
+        if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused
+            return [None] * len(wanted)
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
 
     def _close(self) -> None:

@@ -40,6 +40,7 @@ from offremat._stage import (
     SavedTensorPacker,
     check_unmodified,
     enter_stage,
+    has_trainable_parameters,
     parameter_storages,
 )
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
@@ -143,6 +144,7 @@ def profile_model(
         link, metadata["link_measurements"] = measure_link(device)
     return Chain(
         name=name or type(model).__name__,
+        frozen_stages=frozen_prefix([stage_module(group) for group in grouped], input_tensors),
         input_bytes=storage_bytes(input_tensors),
         input_grad_bytes=gradient_bytes(input_tensors),
         # The caller's output and the gradient it seeds stay alive to the end of the backward.
@@ -151,6 +153,14 @@ def profile_model(
         link=link,
         metadata=metadata,
     )
+
+
+def frozen_prefix(stages: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> int:
+    """How many first stages need no backward: with an input that needs no gradient, those
+    before the first with a trainable parameter (all of them: none, as nothing trains)."""
+    if any(t.requires_grad for t in inputs):
+        return 0
+    return next((k for k, stage in enumerate(stages) if has_trainable_parameters(stage)), 0)
 
 
 def stage_modules(model: nn.Module | Sequence[nn.Module], chain: Chain) -> list[nn.Module]:

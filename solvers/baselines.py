@@ -8,7 +8,8 @@
   it is needed, in the style of Rhu et al., "vDNN: virtualized deep neural networks for
   scalable, memory-efficient neural network design" (2016).
 
-The functions return unscored plans; :func:`solvers.registry.solve` scores them.
+The functions return unscored plans; :func:`solvers.registry.solve` scores them. On a chain
+whose first stages are frozen, each plans the trained stages (:mod:`solvers.frozen`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 
 from solvers.chain import Chain
+from solvers.frozen import plans_trained_part
 from solvers.plan import (
     SAVED,
     Op,
@@ -39,6 +41,7 @@ def _plan(chain: Chain, ops: list[Op], solver: str, **info: object) -> Plan:
     )
 
 
+@plans_trained_part
 def keep_all(chain: Chain) -> Plan:
     """Plain autograd: F_all for every stage, then every backward."""
     length = chain.length
@@ -79,6 +82,7 @@ def _segmented_ops(segments: list[tuple[int, int]]) -> list[Op]:
     return ops
 
 
+@plans_trained_part
 def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
     """The plan ``torch.utils.checkpoint.checkpoint_sequential(model, segments, x)`` runs.
 
@@ -89,12 +93,14 @@ def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
     return _plan(chain, ops, f"checkpoint_sequential({count})", segments=count)
 
 
+@plans_trained_part
 def chen(chain: Chain) -> Plan:
     """Chen et al. (2016) √L checkpointing, as ``checkpoint_sequential`` runs it."""
     segments = chen_segments(chain.length)
     return _plan(chain, _segmented_ops(segments), "chen", segments=[list(s) for s in segments])
 
 
+@plans_trained_part
 def checkpoint_every_stage(chain: Chain) -> Plan:
     """Every stage input kept as a checkpoint, every stage recomputed right before its backward.
 
@@ -105,6 +111,7 @@ def checkpoint_every_stage(chain: Chain) -> Plan:
     return _plan(chain, _segmented_ops(segments), "checkpoint-every-stage")
 
 
+@plans_trained_part
 def offload_all(chain: Chain) -> Plan:
     """vDNN-style offloading (Rhu et al. 2016): every saved set the backward does not need at
     once goes to the host during the forward and is prefetched one backward before use.

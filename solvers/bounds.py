@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 from solvers.chain import Chain
+from solvers.frozen import least_budget, prefix_peak, trained_part
 
 
 def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):
@@ -32,6 +33,8 @@ def necessary_budget_bytes(chain: Chain) -> int:
     B(k) holds a_0, δ_k, x̄_k, a_{k-1} and allocates δ_{k-1} and its temporary, whatever else
     the plan does; the first pass's F(q) holds a_0, δ_L, a_{q-1} and its output and temporary.
     """
+    if chain.frozen_stages:
+        return least_budget(chain, necessary_budget_bytes)
     length = chain.length
     x = [chain.activation_bytes(j) for j in range(length + 1)]
     g = [chain.grad_bytes(j) for j in range(length + 1)]
@@ -74,6 +77,14 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     compute = chain.compute_time_s
     if budget_bytes is None:
         return compute
+    if chain.frozen_stages:
+        # The frozen forwards run once; the trained part has what a_0 leaves of the budget.
+        if budget_bytes < prefix_peak(chain):
+            return math.inf
+        frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
+        return frozen_s + lower_bound_s(
+            trained_part(chain), budget_bytes - chain.activation_bytes(0)
+        )
     length = chain.length
     room = budget_bytes - backward_working_set(chain, length)
     if room < 0:

@@ -94,6 +94,9 @@ class Chain:
     ``held_bytes`` is what the caller keeps from B(L) to the end of the step: its output a_L
     (the loss it calls ``backward`` on) and the gradient autograd seeded it with. Before B(L)
     those bytes are a_L inside x̄_L and δ_L; after it, nothing in the plan holds them.
+    ``frozen_stages`` is p when stages 1..p need no backward: neither their parameters nor the
+    input need a gradient (a frozen backbone, fine-tuning), so like plain autograd a plan runs
+    them once, without autograd, and keeps nothing for them (:mod:`solvers.frozen`).
     """
 
     name: str
@@ -103,6 +106,7 @@ class Chain:
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     input_grad_bytes: int | None = None
     held_bytes: int = 0
+    frozen_stages: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -120,6 +124,16 @@ class Chain:
         )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
+        frozen = self.frozen_stages
+        if isinstance(frozen, bool) or not isinstance(frozen, int):
+            raise ChainFormatError(
+                f"chain: field 'frozen_stages' must be an integer, got {frozen!r}"
+            )
+        if not 0 <= frozen < len(self.stages):
+            raise ChainFormatError(
+                f"chain: field 'frozen_stages' is {frozen}; it must be in "
+                f"0..{len(self.stages) - 1} (at least the last stage trains)"
+            )
         object.__setattr__(self, "stages", tuple(self.stages))
         seen: set[str] = set()
         for index, stage in enumerate(self.stages, start=1):
@@ -160,8 +174,10 @@ class Chain:
 
     @property
     def compute_time_s(self) -> float:
-        """Σ f_i + Σ b_i: the step time of plain autograd, the floor of every plan."""
-        return sum(s.fwd_s + s.bwd_s for s in self.stages)
+        """Σ f_i + Σ b_i: the step time of plain autograd, the floor of every plan (frozen
+        stages have no backward)."""
+        trained = self.stages[self.frozen_stages :]
+        return sum(s.fwd_s for s in self.stages) + sum(s.bwd_s for s in trained)
 
     def with_link(self, link: Link | None) -> Chain:
         """The same chain with another link (None: offloading impossible)."""
@@ -201,6 +217,8 @@ class Chain:
             data["input_grad_bytes"] = self.input_grad_bytes
         if self.held_bytes:
             data["held_bytes"] = self.held_bytes
+        if self.frozen_stages:
+            data["frozen_stages"] = self.frozen_stages
         if self.metadata:
             data["metadata"] = self.metadata
         return data
@@ -246,6 +264,7 @@ class Chain:
             input_bytes=data["input_bytes"],
             input_grad_bytes=data.get("input_grad_bytes"),
             held_bytes=data.get("held_bytes", 0),
+            frozen_stages=data.get("frozen_stages", 0),
             stages=tuple(stages),
             link=link,
             metadata=dict(metadata),

@@ -45,6 +45,7 @@ from solvers.baselines import keep_all
 from solvers.bounds import working_set
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
+from solvers.frozen import least_budget, lift, trained_part, with_frozen_prefix
 from solvers.plan import Op, Plan, backward, forward_all, forward_checkpoint, forward_none
 from solvers.simulator import score, simulate
 
@@ -265,6 +266,11 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    if chain.frozen_stages:
+        plan = with_frozen_prefix(
+            chain, budget_bytes, lambda part, room: solve_dp(part, room, slots)
+        )
+        return score(plan, chain, budget_bytes)
     check_table_size(chain, slots)
     if budget_bytes <= 0:  # no memory unit to round sizes to
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
@@ -321,6 +327,10 @@ def memory_need(chain: Chain, unit: float = 1.0) -> int:
 
     It counts a_0, and follows the same recurrence as the DP with min in place of the time.
     """
+    if chain.frozen_stages:
+        if unit != 1.0:
+            raise ValueError("memory_need in units takes a chain without frozen stages")
+        return least_budget(chain, memory_need)
     sizes, need, _ = _least_memory(chain, unit)
     return int(sizes.activation[0] + need[1, chain.length])
 
@@ -331,6 +341,8 @@ def least_memory_plan(chain: Chain) -> Plan:
     The DP rounds sizes up to its slots, so at rotor's exact least memory it may find nothing;
     this plan follows the least-memory recurrence itself and always fits there.
     """
+    if chain.frozen_stages:
+        return score(lift(least_memory_plan(trained_part(chain)), chain), chain, None)
     sizes, _, choice = _least_memory(chain)
     ops = _operations(1, chain.length, 0, lambda s, t, m: int(choice[s, t]), sizes)
     plan = Plan(tuple(ops), chain.stage_names, "least-memory", chain_name=chain.name)
@@ -343,6 +355,8 @@ def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:
     Plain autograd's peak always qualifies, so it bounds the search when rounding to few slots
     keeps the table from fitting anything smaller.
     """
+    if chain.frozen_stages:
+        return least_budget(chain, lambda part: min_feasible_budget(part, slots))
     ceiling = simulate(keep_all(chain), chain).peak_bytes
 
     def fits(budget: int) -> bool:

@@ -23,6 +23,7 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS, least_memory_plan, memory_need, solve_dp
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
+from solvers.frozen import least_budget, with_frozen_prefix
 from solvers.milp_codec import NotInFamilyError, Schedule, decode, encode
 from solvers.milp_model import JointModel
 from solvers.milp_progress import ProgressCallback, ProgressReport
@@ -96,6 +97,22 @@ def solve_milp(
     if gap is not None and not 0 <= gap < 1:
         raise ValueError(f"gap must be in [0, 1), got {gap}")
     require_backend(backend)
+    if chain.frozen_stages:
+        plan = with_frozen_prefix(
+            chain,
+            budget_bytes,
+            lambda part, room: solve_milp(
+                part,
+                room,
+                offload=offload,
+                time_limit_s=max(deadline - time.monotonic(), 0.1),
+                gap=gap,
+                backend=backend,
+                slots=slots,
+                progress=progress,
+            ),
+        )
+        return score(plan, chain, budget_bytes)
     if offload and chain.link is None:
         logger.warning(
             "chain %r has no link, so nothing can be offloaded: solving with recomputation "
@@ -225,6 +242,13 @@ def least_feasible_budget(
     or the best value found within ``time_limit_s`` (never above the recompute-only one).
     """
     require_backend(backend)
+    if chain.frozen_stages:
+        return least_budget(
+            chain,
+            lambda part: least_feasible_budget(
+                part, offload=offload, time_limit_s=time_limit_s, backend=backend
+            ),
+        )
     if not offload or chain.link is None:
         return memory_need(chain)
     least, _ = _least_budget(chain, backend, time.monotonic() + time_limit_s)

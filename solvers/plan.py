@@ -210,10 +210,10 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
     """Every rule of ``offremat.plan/1`` that the plan breaks on this chain (empty: valid).
 
     What each op needs is :func:`solvers.semantics.effect`; the ordering rules (each backward
-    once, no forward after its stage's backward, no recomputation of what is resident) are
-    checked here. A plan belongs to the chain whose stages it names, in order: any other chain
-    is refused here, the one check that every caller (simulator, executor, CLI, API) goes
-    through.
+    once, none for a frozen stage, no forward after its stage's backward, no recomputation of
+    what is resident) are checked here. A plan belongs to the chain whose stages it names, in
+    order: any other chain is refused here, the one check that every caller (simulator,
+    executor, CLI, API) goes through.
     """
     if isinstance(plan, Plan) and plan.stage_names != chain.stage_names:
         return [
@@ -246,6 +246,11 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
         elif op.kind == BACKWARD:
             if i in backward_done:
                 problems.append(f"{where}: backward done twice")
+            if i <= chain.frozen_stages:
+                problems.append(
+                    f"{where}: stage {i} is frozen (the chain's first {chain.frozen_stages} "
+                    "stages need no backward)"
+                )
             backward_done.add(i)
         elif change.from_host is not None:
             if change.from_host not in on_host:
@@ -255,7 +260,7 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
         if change.to_host is not None:
             on_host.add(change.to_host)
         semantics.apply(on_gpu, op)
-    for i in range(1, length + 1):
+    for i in range(chain.frozen_stages + 1, length + 1):
         if i not in backward_done:
             problems.append(f"backward B({i}) is missing")
     return problems

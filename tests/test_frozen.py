@@ -1,0 +1,197 @@
+"""Frozen first stages (fine-tuning, a frozen backbone): no backward and nothing kept for them.
+
+Solver side: a chain with ``frozen_stages = p`` is planned as its trained part with a_0 held
+beside it; every solver's plan runs the frozen forwards once and no backward for them, and a
+named least budget is one at which the same solve succeeds. PyTorch side: the profiler finds
+the frozen prefix, gradients equal plain autograd's (presence and values), no backward runs
+through a frozen block, and the independently measured peak at 100% is at most plain
+autograd's.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from test_milp import random_chain
+from torch import nn
+
+import offremat
+from offremat.measure import StepMemory
+from solvers.budget import InfeasibleBudgetError
+from solvers.chain import Chain, Link
+from solvers.frozen import prefix_peak, trained_part
+from solvers.plan import BACKWARD, F_ALL, backward, forward_checkpoint, forward_none, validate
+from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
+
+
+def frozen_chain(seed: int, length: int = 6, frozen: int = 3) -> Chain:
+    chain = random_chain(random.Random(seed), length)
+    return replace(chain, frozen_stages=frozen, link=Link(2.0, 2.0))
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_every_solver_runs_the_frozen_forwards_once_and_no_backward_for_them(solver) -> None:
+    chain = frozen_chain(0)
+    budget = keep_all_peak(chain)
+    options = {"time_limit_s": 5} if solver == "milp" else {}
+    plan = solve(chain, budget, solver, **options)
+    assert validate(plan, chain) == []
+    assert plan.ops[:3] == (forward_checkpoint(1), forward_none(2), forward_none(3))
+    assert all(op.index > 3 for op in plan.ops[3:] if op.is_compute)
+    assert plan.predicted_peak_bytes <= budget
+
+
+def test_keep_all_holds_nothing_for_frozen_stages() -> None:
+    chain = frozen_chain(1)
+    trained = trained_part(chain)
+    unfrozen = replace(chain, frozen_stages=0)
+    held = max(keep_all_peak(trained) + chain.input_bytes, prefix_peak(chain))
+    assert keep_all_peak(chain) == held
+    assert keep_all_peak(chain) < keep_all_peak(unfrozen)
+
+
+def test_a_backward_of_a_frozen_stage_is_invalid() -> None:
+    chain = frozen_chain(2)
+    ops = list(solve(chain, keep_all_peak(chain), "keep-all").ops)
+    problems = validate([*ops, backward(3)], chain)
+    assert any("stage 3 is frozen" in p for p in problems)
+    unfrozen = replace(chain, frozen_stages=0)
+    assert any("B(1) is missing" in p for p in validate(ops, unfrozen))
+
+
+@pytest.mark.parametrize("solver", ["dp", "milp", "chen"])
+def test_the_named_least_budget_is_one_the_same_solve_reaches(solver) -> None:
+    chain = frozen_chain(3)
+    options = {"time_limit_s": 5} if solver == "milp" else {}
+    least = min_feasible_budget(chain, solver, **options)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        solve(chain, least - 1, solver, **options)
+    assert raised.value.min_budget_bytes == least
+    assert solve(chain, least, solver, **options).predicted_peak_bytes <= least
+
+
+def test_the_frozen_forwards_alone_can_set_the_least_budget() -> None:
+    chain = frozen_chain(4)
+    stages = list(chain.stages)
+    stages[0] = replace(stages[0], nograd_fwd_tmp_bytes=10_000)
+    chain = replace(chain, stages=tuple(stages))
+    least = min_feasible_budget(chain, "dp")
+    assert least == prefix_peak(chain)
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        solve(chain, least - 1, "dp")
+    assert raised.value.min_budget_bytes == least
+
+
+WIDTH, ROWS = 64, 256
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def fine_tuned(frozen: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(6)], nn.Linear(WIDTH, 1))
+    for block in list(model)[:frozen]:
+        block.requires_grad_(False)
+    return model
+
+
+def step(forward, model, x, loss=lambda output: output.pow(2).mean()):
+    for parameter in model.parameters():
+        parameter.grad = None
+    loss(forward(x)).backward()
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_the_profile_finds_the_frozen_blocks() -> None:
+    model = fine_tuned()
+    chain = offremat.profile_model(model, torch.randn(ROWS, WIDTH), warmup=0, repeats=1)
+    assert chain.frozen_stages == 4
+    grad_input = torch.randn(ROWS, WIDTH, requires_grad=True)
+    assert offremat.profile_model(model, grad_input, warmup=0, repeats=1).frozen_stages == 0
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.9])
+def test_frozen_blocks_train_like_plain_autograd_without_a_backward(budget) -> None:
+    model = fine_tuned()
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=budget)
+    assert om.chain.frozen_stages == 4
+    assert not any(op.kind == BACKWARD and op.index <= 4 for op in om.plan.ops)
+    assert not any(op.kind == F_ALL and op.index <= 4 for op in om.plan.ops)
+    ran = []
+    hooks = [
+        block.register_full_backward_hook(lambda *_: ran.append(1)) for block in list(model)[:4]
+    ]
+    grads = step(om, model, x)
+    for hook in hooks:
+        hook.remove()
+    assert ran == []
+    expected = step(reference, reference, x)
+    assert [g is None for g in grads] == [g is None for g in expected]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+
+
+def test_at_a_full_budget_the_peak_is_at_most_plain_autograds() -> None:
+    model = fine_tuned()
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0)
+    peaks = []
+    for forward in (model, om):
+        step(forward, model, x)  # gradients exist before the measured step
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.zero_()
+        with StepMemory("cpu", x) as memory:
+            forward(x).pow(2).mean().backward()
+        peaks.append(memory.peak_bytes)
+    plain, planned = peaks
+    # Within the gradients of one backward of plain autograd, frozen or not: B(i) holds δ_i
+    # until it ends, where autograd frees it once used (a known margin of every plan).
+    chain = om.chain
+    margin = max(chain.grad_bytes(i) + chain.grad_bytes(i - 1) for i in range(1, chain.length + 1))
+    assert planned <= plain + margin
+    assert planned <= om.plan.budget_bytes
+    unfrozen = fine_tuned(frozen=0)
+    full = offremat.optimize(unfrozen, x, budget=1.0)
+    assert om.plan.predicted_peak_bytes < full.plan.predicted_peak_bytes
+
+
+def test_unfreezing_after_optimize_is_refused() -> None:
+    model = fine_tuned()
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0)
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen when its plan was made"):
+        om(x)
+
+
+def test_a_hugging_face_model_with_its_embeddings_and_first_layers_frozen() -> None:
+    pytest.importorskip("transformers")
+    from tests import model_zoo as zoo
+    from tests.test_any_model import LM_BATCH
+
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    model.get_input_embeddings().requires_grad_(False)
+    for layer in model.model.layers[:2]:
+        layer.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    om = offremat.optimize(model, LM_BATCH, budget=1.0)
+    assert om.chain.frozen_stages == 2
+    ours = step(lambda batch: om(**batch).loss, model, LM_BATCH, loss=lambda out: out)
+    theirs = step(lambda batch: reference(**batch).loss, reference, LM_BATCH, loss=lambda out: out)
+    assert [g is None for g in ours] == [g is None for g in theirs]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
