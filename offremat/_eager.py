@@ -26,3 +26,8 @@ class EagerDispatchMode(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._stances.pop().__exit__(*exc)
+
+
+def eager() -> Any:
+    """A context in which compiled code runs eagerly (and keeps its compiled code for later)."""
+    return torch.compiler.set_stance("force_eager")
