@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offremat._eager import eager
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
 from offremat._tensors import flatten
 
@@ -119,7 +120,9 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     parameters = [p for stage in stages for p in stage.parameters()]
     device = parameters[0].device if parameters else flatten(example_input)[0][0].device
     outputs = []
-    with untouched([model], device), torch.no_grad():
+    # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
+    # differently from eager.
+    with untouched([model], device), torch.no_grad(), eager():
         generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(device), generators)
         for run in ("model", "chain"):

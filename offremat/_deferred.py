@@ -26,12 +26,12 @@ kept graph, as under ``torch.utils.checkpoint``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
 from offremat._stage import SavedTensorPacker, check_versions
 from offremat._tensors import storage_key
@@ -61,6 +61,8 @@ class DeferringPacker(SavedTensorPacker):
         self.saved_keys: set[int] = set()
         self.changed_after_saving = False
         self.expected_packs = expected_packs
+        # Watched from its start, this forward ran compiled blocks eagerly (offremat._eager).
+        self.eager = expected_packs is None
         self.armed: MutationWatch | None = None
 
     @contextmanager
@@ -86,6 +88,7 @@ class DeferringPacker(SavedTensorPacker):
         if len(self.slots) != self.expected_packs:
             self.changed_after_saving = True
 
+    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         packed = super().pack(tensor)
         if self.refs and self.refs[-1] is packed:  # a saved tensor the step would hold
@@ -104,6 +107,7 @@ class DeferringPacker(SavedTensorPacker):
             self.armed = MutationWatch(self)
             self.armed.__enter__()
 
+    @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Placeholder):
             if packed.ref is None:
@@ -121,7 +125,7 @@ class DeferringPacker(SavedTensorPacker):
         return all(slot is None for slot in self.slots)
 
 
-class MutationWatch(TorchDispatchMode):
+class MutationWatch(EagerDispatchMode):
     """Marks ``packer`` when an operation writes in place to a storage it saved.
 
     A reused storage address can only make it mark a stage that changed nothing, which costs
@@ -154,6 +158,7 @@ class Refill:
 
     def __init__(self, packer: DeferringPacker):
         self.stage = packer.stage
+        self.eager = packer.eager
         self.slots = packer.slots
         self.last_placeholder = max(k for k, slot in enumerate(self.slots) if slot is not None)
         # Past the end: run the whole forward, so that unpacking sees the in-place change.
@@ -162,10 +167,22 @@ class Refill:
         self.position = 0
         self.refs: list[TensorRef] = []
 
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Run the refilling forward inside: eagerly if the kept graph's forward was.
+
+        A compiled block saves other tensors than its eager form, so a refill must run the way
+        the forward that kept the graph ran.
+        """
+        stance = torch.compiler.set_stance("force_eager") if self.eager else nullcontext()
+        with stance, self.hooks():
+            yield
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the filling hooks."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
 
+    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> None:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
         self.position += 1

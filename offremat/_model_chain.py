@@ -29,6 +29,7 @@ from torch import nn
 
 from offremat._blocks import NotAChainError, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
+from offremat._eager import eager
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices, module_generators
 from offremat._run import RunInterception, run_blocks
 from offremat._tensors import flatten, is_differentiable, storage_bytes
@@ -130,7 +131,9 @@ def check_model_chain_output(
     """Refuse a chain whose model output differs from the model's own on ``batch``, and a
     random draw that recomputation could not replay (:class:`GeneratorWatch`)."""
     outputs = []
-    with untouched([model], _device(model, batch)), torch.no_grad():
+    # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
+    # differently from eager.
+    with untouched([model], _device(model, batch)), torch.no_grad(), eager():
         generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(_device(model, batch)), generators)
         for chained in (False, True):

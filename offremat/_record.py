@@ -146,7 +146,8 @@ def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[Recorde
         )
         handles.append(module.register_forward_hook(recorder.after, with_kwargs=True))
     try:
-        with _as_in_training():
+        # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
+        with _as_in_training(), torch.compiler.set_stance("force_eager"):
             run_model()
     finally:
         for handle in handles:
@@ -165,7 +166,8 @@ def capture_call(
     capture = _Capture(nth)
     handle = module.register_forward_pre_hook(capture, with_kwargs=True)
     try:
-        with _as_in_training():
+        # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
+        with _as_in_training(), torch.compiler.set_stance("force_eager"):
             run_model()
     except _Captured:
         pass

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from offremat._eager import EagerDispatchMode
 
 
 class UnreplayableRandomnessError(RuntimeError):
@@ -97,7 +98,7 @@ def replayed_rng(state: RngState) -> Iterator[None]:
         current.restore()
 
 
-class GeneratorWatch(TorchDispatchMode):
+class GeneratorWatch(EagerDispatchMode):
     """Raises on a random draw from a generator that is not global and not a module's.
 
     Aten ops take their generator as a keyword (``generator=``), so every draw is seen here.

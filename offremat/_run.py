@@ -17,6 +17,10 @@ Design notes.
 - Hooks. A forward hook on a block would see the handed-on output at every block after the
   first, so blocks with hooks are refused (this is how Hugging Face records
   ``output_hidden_states``: ask for those from a model run without offremat).
+- torch.compile. A compiled block (``block.compile()``) calls the interception from inside
+  its compiled wrapper; dynamo never traces it (it would guard on this step's objects and
+  recompile every step), and while the chain runs the blocks have their own ``forward`` back,
+  so the chain calls their compiled code.
 """
 
 from __future__ import annotations
@@ -81,7 +85,6 @@ class RunInterception:
         self.run = run
         self.execute = execute
         self.position = 0
-        self.inside = False
         self.result: torch.Tensor | None = None
         self.handed: torch.Tensor | None = None
         self.side: Any = None
@@ -89,19 +92,25 @@ class RunInterception:
 
     def __enter__(self) -> RunInterception:
         _refuse_hooks(self.run)
+        self._install()
+        return self
+
+    def _install(self) -> None:
         for module in {id(c.module): c.module for c in self.run.calls}.values():
             self._installed.append((module, module.__dict__.get("forward")))
             original = module.forward
             module.forward = _Forward(self, module, original)
-        return self
 
-    def __exit__(self, kind: Any, *rest: Any) -> None:
+    def _uninstall(self) -> None:
         for module, own in self._installed:
             if own is None:
                 del module.forward
             else:
                 module.forward = own
         self._installed = []
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        self._uninstall()
         if kind is None and 0 < self.position < len(self.run.calls):
             raise NotAChainError(
                 f"the model called {self.position} of its {len(self.run.calls)} blocks "
@@ -117,7 +126,7 @@ class RunInterception:
     def call(self, module: nn.Module, original: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
         """A call of one of the run's modules by the model (or by the chain)."""
         calls = self.run.calls
-        if self.inside or self.position == len(calls):
+        if self.position == len(calls):
             return original(*args, **kwargs)
         expected = calls[self.position]
         if module is not expected.module:
@@ -128,11 +137,11 @@ class RunInterception:
             )
         hidden, side = side_inputs_of(expected.path, args, kwargs)
         if self.position == 0:
-            self.inside = True
+            self._uninstall()
             try:
                 output = self.execute((hidden, *side))
             finally:
-                self.inside = False
+                self._install()
             self.result = output[0]
             self.side = side
         elif hidden is not self.handed or (expected.side and not _same_values(side, self.side)):
@@ -205,6 +214,7 @@ class _Forward:
         self.module = module
         self.original = original
 
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.interception.call(self.module, self.original, args, kwargs)
 

@@ -22,6 +22,9 @@ Design notes (the invariants that make a plan's gradients those of plain autogra
   under the autocast state that was active when the step's forward ran, with autocast's
   weight cache off: the cache would keep each stage's low-precision weight copies alive until
   the caller's autocast region ends, and nothing counts them.
+- torch.compile. The pack and unpack hooks run inside compiled blocks (their saved tensors
+  are packed by the compiled function) and are never traced: dynamo would guard on offremat's
+  bookkeeping and recompile the hooks every step.
 - In-place changes. Saved-tensor hooks switch off autograd's version check, so
   :class:`SavedTensorPacker` records each saved tensor's version and compares it when
   unpacking, raising autograd's own error with the stage's name.
@@ -151,6 +154,7 @@ class SavedTensorPacker:
         """The context manager that installs the packing hooks."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         """Describe input aliases; hold the rest through a :class:`TensorRef`."""
         key = storage_key(tensor)
@@ -172,6 +176,7 @@ class SavedTensorPacker:
             self.refs.append(ref)
         return ref
 
+    @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""
         check_versions(self.stage, [packed])

@@ -145,7 +145,8 @@ class Compute:
             produced.packer, produced.slot, produced.diff = packer, slot, diff
         elif isinstance(packer, DeferringPacker):
             self.kept[i] = KeptGraph(packer, slot, diff, edges)
-            self.executor.pack_counts.setdefault(i, len(packer.slots))
+            # The latest count: a compiled stage's first forward runs eagerly (_deferred).
+            self.executor.pack_counts[i] = len(packer.slots)
         del edges
         del tensors
         key = effect(op).allocates
@@ -195,7 +196,7 @@ class Compute:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())
                 inputs = enter_stage(source.tensors, kept.diff, GradSlot(), self.anchor)
-                stack.enter_context(refill.hooks())
+                stack.enter_context(refill.running())
                 with suppress(StopRecomputation):
                     self.executor.stages[i - 1](unflatten(inputs, source.structure))
                 if not refill.complete:

@@ -201,7 +201,9 @@ def _parameter_probe(stages: Sequence[nn.Module]) -> torch.Tensor | None:
     parameters = [p for stage in stages for p in stage.parameters() if p.requires_grad]
     if not parameters:
         return None
-    return torch.cat([p.as_strided((0,), (1,)).float() for p in parameters])
+    # A sharded parameter (FSDP2's DTensor) has no as_strided: its local shard reaches it.
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]
+    return torch.cat([p.as_strided((0,), (1,)).float() for p in local])
 
 
 class _PlanFunction(torch.autograd.Function):

@@ -15,6 +15,11 @@ already allocated) are not counted; :class:`StepMemory` adds the step's input, w
 budget counts as a_0. Host copies made by offloads are host memory: on CUDA they are pinned
 memory outside the device allocator, and on CPU the executor's host arena is allocated outside
 any dispatch mode for the same reason.
+
+Compiled code (``torch.compile``) runs eagerly while the CPU tracker is active
+(:mod:`offremat._eager`): a dispatch mode cannot see the allocations inside compiled kernels.
+On CPU the tracker therefore measures the eager form of compiled blocks; the process's
+resident memory is the check of the compiled form (``experiments/compose_cpu.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from offremat._eager import EagerDispatchMode
 from offremat._tensors import storage_bytes
 
 
-class LiveStorageTracker(TorchDispatchMode):
+class LiveStorageTracker(EagerDispatchMode):
     """Live bytes of the storages created while active, after each op, and their peak.
 
     A storage is created by an op when it is among the op's outputs and none of the op's

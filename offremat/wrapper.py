@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from offremat._plan_cache import PlanCache, model_fingerprint
 from offremat._planning import QUICK, Request, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
+from offremat._stage import AutocastState
 from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
 from offremat.profiler import profile_model, stage_modules
@@ -54,6 +56,8 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_run", run)
         object.__setattr__(self, "_plans", plans)
+        object.__setattr__(self, "_autocast", None)
+        object.__setattr__(self, "_forced_autocast", False)
 
     @property
     def model(self) -> nn.Module:
@@ -116,6 +120,22 @@ class OptimizedModule(nn.Module):
         """The model's output; with a gradient wanted, the step follows :attr:`plan`."""
         if not self.training or not torch.is_grad_enabled():
             return self._model(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            _refuse_compile()
+        return self._training_step(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A training step that follows the plan; dynamo never traces offremat's bookkeeping."""
+        planned: AutocastState | None = self._autocast
+        with ExitStack() as stack:
+            if planned is not None and self._forced_autocast:
+                planned.enter(stack)
+            elif planned is not None and AutocastState.capture(planned.device_type) != planned:
+                _warn_autocast(planned, AutocastState.capture(planned.device_type))
+            return self._planned_step(args, kwargs)
+
+    def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._run is None:
             if len(args) != 1 or kwargs:
                 raise TypeError(
@@ -142,6 +162,38 @@ class OptimizedModule(nn.Module):
         plan = self.plan
         budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
         return f"plan={plan.solver}, budget={budget}, stages={plan.length}"
+
+
+_warned_autocast: set[tuple[AutocastState, AutocastState]] = set()
+
+
+def _warn_autocast(planned: AutocastState, now: AutocastState) -> None:
+    if (planned, now) in _warned_autocast:
+        return
+    _warned_autocast.add((planned, now))
+
+    def describe(state: AutocastState) -> str:
+        return f"autocast {state.dtype}" if state.enabled else "no autocast"
+
+    logger.warning(
+        "the plan was profiled under %s but this step runs under %s, so its activation sizes "
+        "are not the plan's; call offremat.optimize inside the same autocast, or pass "
+        "autocast=dtype to have the optimized model run under it",
+        describe(planned),
+        describe(now),
+    )
+
+
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    # Called where dynamo traces the forward: not traced itself, it raises when the compiled
+    # code runs.
+    raise RuntimeError(
+        "torch.compile of an offremat-optimized model cannot compile its training step: "
+        "offremat runs the blocks itself, keeping, offloading and recomputing their "
+        "activations. Compile the blocks instead, before offremat.optimize: "
+        "`for block in blocks: block.compile()`"
+    )
 
 
 def _refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
@@ -171,6 +223,7 @@ def optimize(
     measure_memory: bool = False,
     blocks: str | None = None,
     cache_dir: str | Path | None = None,
+    autocast: torch.dtype | None = None,
     **solver_options: Any,
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step keeps, offloads or recomputes activations.
@@ -191,38 +244,82 @@ def optimize(
     (``stats.measured_peak_bytes``; on CUDA this resets the process-wide peak statistics, on
     CPU it slows the step). Each new input shape gets its own plan (:mod:`offremat._shapes`);
     with ``cache_dir``, plans are kept on disk and read back by a later run
-    (:mod:`offremat._plan_cache`). Raises :class:`solvers.budget.InfeasibleBudgetError` when
-    no plan fits.
+    (:mod:`offremat._plan_cache`). The profile is taken under the autocast the training steps
+    run under: ``autocast`` (a dtype such as ``torch.bfloat16``), under which the optimized
+    model then runs its training steps, or else the autocast active around this call (for the
+    batch's device type). Raises :class:`solvers.budget.InfeasibleBudgetError` when no plan
+    fits.
     """
     if stages is not None:
         check_count("stages", stages)
     tensors, _ = flatten(example_batch)
     if not tensors:
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
-    if isinstance(chain, (str, Path)):
-        chain = Chain.load(chain)
-    disk = None
-    if cache_dir is not None:
-        if chain is not None or plan is not None:
-            logger.warning("chain= or plan= is given, so cache_dir= is not used")
-        else:
-            modules_of = model if isinstance(model, nn.Module) else nn.ModuleList(model)
-            disk = PlanCache(
-                cache_dir,
-                {
-                    "model": model_fingerprint(modules_of),
-                    "example": repr(input_signature(example_batch)),
-                    "budget": repr(budget),
-                    "solver": solver,
-                    "options": repr(sorted(solver_options.items())),
-                    "bandwidth": repr(bandwidth),
-                    "stages": stages,
-                    "blocks": blocks,
-                },
-            )
-    request = Request(
-        budget, solver, bandwidth, stages, chain, plan, measure_memory, solver_options, disk
-    )
+    device_type = tensors[0].device.type
+    if autocast is None:
+        planned = AutocastState.capture(device_type)
+    elif isinstance(autocast, torch.dtype):
+        planned = AutocastState(device_type, True, autocast)
+    else:
+        raise TypeError(f"autocast= takes a dtype such as torch.bfloat16, got {autocast!r}")
+    with ExitStack() as stack:
+        planned.enter(stack)  # weight cache off, as the executor runs its stages
+        optimized = _optimize(
+            model,
+            example_batch,
+            Request(
+                budget,
+                solver,
+                bandwidth,
+                stages,
+                chain if not isinstance(chain, (str, Path)) else Chain.load(chain),
+                plan,
+                measure_memory,
+                solver_options,
+                _disk(
+                    cache_dir,
+                    model,
+                    chain is not None or plan is not None,
+                    {
+                        "example": repr(input_signature(example_batch)),
+                        "budget": repr(budget),
+                        "solver": solver,
+                        "options": repr(sorted(solver_options.items())),
+                        "bandwidth": repr(bandwidth),
+                        "stages": stages,
+                        "blocks": blocks,
+                        "autocast": repr(planned) if planned.enabled else None,
+                    },
+                ),
+            ),
+            blocks,
+        )
+    object.__setattr__(optimized, "_autocast", planned)
+    object.__setattr__(optimized, "_forced_autocast", autocast is not None)
+    return optimized
+
+
+def _disk(
+    cache_dir: str | Path | None,
+    model: nn.Module | Sequence[nn.Module],
+    given_chain_or_plan: bool,
+    key: dict[str, Any],
+) -> PlanCache | None:
+    """The disk cache of plans, keyed by the model and everything else a plan depends on."""
+    if cache_dir is None:
+        return None
+    if given_chain_or_plan:
+        logger.warning("chain= or plan= is given, so cache_dir= is not used")
+        return None
+    modules_of = model if isinstance(model, nn.Module) else nn.ModuleList(model)
+    return PlanCache(cache_dir, {"model": model_fingerprint(modules_of), **key})
+
+
+def _optimize(
+    model: nn.Module | Sequence[nn.Module], example_batch: Any, request: Request, blocks: str | None
+) -> OptimizedModule:
+    tensors, _ = flatten(example_batch)
+    stages, bandwidth = request.stages, request.bandwidth
     if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
         return _optimize_sequential(model, example_batch, request)
     if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):

@@ -1,0 +1,64 @@
+"""bf16 autocast: the plan is made for what runs, and gradients are plain autograd's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offremat
+from offremat.measure import StepMemory
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+CONFIG = GPTConfig(layers=4, hidden=64, heads=2, seq=64, vocab=128)
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("how", "solver"), [("argument", "dp"), ("context", "milp")])
+def test_bf16_autocast_plan_matches_measured_and_gradients_equal(how: str, solver: str) -> None:
+    batch = gpt_batch(CONFIG, 4)
+    plain, ours = build_gpt(CONFIG), build_gpt(CONFIG)
+    options = {"time_limit_s": 5} if solver == "milp" else {}
+    if how == "argument":
+        om = offremat.optimize(
+            ours, batch, budget=0.5, solver=solver, autocast=torch.bfloat16, **options
+        )
+    else:
+        with torch.autocast("cpu", torch.bfloat16):
+            om = offremat.optimize(ours, batch, budget=0.5, solver=solver, **options)
+    assert "recompute" in om.plan.decisions.values()
+    for step in range(2):
+        step_batch = gpt_batch(CONFIG, 4, seed=step)
+        torch.manual_seed(step)  # the same dropout masks in both
+        with torch.autocast("cpu", torch.bfloat16):
+            plain_loss = plain(step_batch)
+        plain_loss.backward()  # outside autocast, as recommended (and as ours)
+        torch.manual_seed(step)
+        with StepMemory("cpu", inputs=step_batch) as memory:
+            if how == "argument":  # the optimized model runs its steps under the autocast
+                loss = om(step_batch)
+            else:
+                with torch.autocast("cpu", torch.bfloat16):
+                    loss = om(step_batch)
+            loss.backward()
+        assert loss.dtype == torch.float32  # the loss is computed in fp32 under autocast
+        for a, b in zip(_grads(ours), _grads(plain), strict=True):
+            assert torch.equal(a, b)
+    predicted = om.plan.predicted_peak_bytes
+    assert abs(predicted - memory.peak_bytes) <= 0.1 * memory.peak_bytes, (
+        predicted,
+        memory.peak_bytes,
+    )
+    assert memory.peak_bytes <= om.plan.budget_bytes
+
+
+def test_a_step_under_another_autocast_than_planned_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    batch = gpt_batch(CONFIG, 2)
+    om = offremat.optimize(build_gpt(CONFIG), batch, budget=1.0)
+    with torch.autocast("cpu", torch.bfloat16):
+        om(batch).backward()
+    assert "profiled under no autocast but this step runs under autocast" in caplog.text

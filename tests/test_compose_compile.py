@@ -1,0 +1,137 @@
+"""Compiled blocks under offremat: no recompiles of its code, gradients of plain autograd.
+
+The blocks are compiled with a counting AOT-autograd backend (no inductor, so the test is
+quick): the count shows that the compiled code itself runs in every step, and the graphs it
+saves tensors from are those of AOT autograd, as with inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+
+import offremat
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _MLP(nn.Module):
+    """Six blocks in a ModuleList, looped over in forward: found by watching one call."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(6))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+class _Recompiles(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def recompiles() -> Iterator[_Recompiles]:
+    torch._dynamo.reset()
+    handler = _Recompiles()
+    torch._logging.set_logs(recompiles=True)
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+
+
+def _counting_backend() -> tuple[object, list[int]]:
+    runs: list[int] = []
+
+    def compiler(graph: torch.fx.GraphModule, _: object) -> object:
+        def run(args: list[object]) -> object:
+            runs.append(1)
+            return graph(*args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler), runs
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("kind", "budget"), [("mlp", 0.4), ("gpt", 0.5)])
+def test_compiled_blocks_no_recompiles_and_equal_gradients(
+    recompiles: _Recompiles, kind: str, budget: float
+) -> None:
+    backend, runs = _counting_backend()
+
+    def build() -> tuple[nn.Module, list[nn.Module], list[object]]:
+        if kind == "mlp":
+            torch.manual_seed(0)
+            model = _MLP()
+            seeds = [torch.Generator().manual_seed(s) for s in range(3)]
+            batches = [torch.randn(64, 32, generator=g) for g in seeds]
+            return model, list(model.blocks), batches
+        config = GPTConfig(layers=4, hidden=32, heads=2, seq=16, vocab=64, dropout=0.0)
+        model = build_gpt(config)
+        blocks = [m for n, m in model.named_children() if n.startswith("block")]
+        return model, blocks, [gpt_batch(config, 4, seed=s) for s in range(3)]
+
+    plain, plain_blocks, batches = build()
+    ours, our_blocks, _ = build()
+    for block in (*plain_blocks, *our_blocks):
+        block.compile(backend=backend)
+    om = offremat.optimize(ours, batches[0], budget=budget)
+    assert "recompute" in om.plan.decisions.values()
+    for step, batch in enumerate(batches):
+        if step == 1:
+            recompiles.messages.clear()
+            runs.clear()
+        plain(batch).backward()
+        om(batch).backward()
+        for a, b in zip(_grads(ours), _grads(plain), strict=True):
+            assert torch.equal(a, b)
+    assert recompiles.messages == [], "\n".join(recompiles.messages)
+    assert runs, "the compiled code did not run after the first step"
+
+
+def test_torch_compile_of_the_optimized_model_says_to_compile_the_blocks() -> None:
+    config = GPTConfig(layers=2, hidden=32, heads=2, seq=16, vocab=64, dropout=0.0)
+    model = build_gpt(config)
+    batch = gpt_batch(config, 2)
+    om = offremat.optimize(model, batch, budget=1.0)
+    compiled = torch.compile(om, backend="eager")
+    try:
+        with pytest.raises(RuntimeError, match=r"block\.compile\(\)"):
+            compiled(batch)
+        om.eval()
+        with torch.no_grad():
+            assert torch.equal(compiled(batch), model(batch))
+    finally:
+        torch._dynamo.reset()
