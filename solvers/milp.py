@@ -11,20 +11,18 @@ the decisions outside the window fixed), widening the windows up to the whole mo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from typing import Any
 
-from solvers.baselines import BASELINES
-from solvers.bounds import lower_bound_s, necessary_budget_bytes
+from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.dp import DEFAULT_SLOTS, least_memory_plan, memory_need, solve_dp
+from solvers.dp import DEFAULT_SLOTS, memory_need
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.frozen import least_budget, with_frozen_prefix
-from solvers.milp_codec import NotInFamilyError, Schedule, decode, encode
+from solvers.milp_codec import decode
 from solvers.milp_model import JointModel
 from solvers.milp_progress import ProgressCallback, ProgressReport
 from solvers.milp_search import (
@@ -36,30 +34,20 @@ from solvers.milp_search import (
 
 # Raised by solve_milp: importable from here.
 from solvers.milp_search import BackendUnavailableError as BackendUnavailableError
+from solvers.milp_warm import (
+    FINER_SLOTS,
+    first_in_family,
+    least_budget_with_offloading,
+    scored_plan,
+    tight_budget_candidates,
+    warm_start_candidates,
+)
 from solvers.plan import (
-    BACKWARD,
-    SAVED,
-    Op,
     Plan,
-    backward,
-    forward_all,
-    forward_checkpoint,
-    offload,
-    prefetch,
 )
 from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
-
-# The offloaded-prefix warm start: a coarse DP grid, reserves in units of the largest saved
-# set, and how many backwards ahead a prefetch is issued.
-_PREFIX_SLOTS = 200
-_PREFIX_SHARE = 0.2
-_PREFIX_RESERVES = 5
-_PREFIX_LEADS = (1, 2, 3)
-# How much finer than asked the DP's memory grid gets when the budget is just above rotor's
-# least memory.
-_FINER_SLOTS = (10, 100)
 
 
 def solve_milp(
@@ -121,11 +109,9 @@ def solve_milp(
         )
         offload = False
 
-    candidates = _warm_start_candidates(chain, budget_bytes, slots, offload, deadline)
+    candidates = warm_start_candidates(chain, budget_bytes, slots, offload, deadline)
     if not candidates:
-        candidates = _tight_budget_candidates(
-            chain, budget_bytes, slots, offload, backend, deadline
-        )
+        candidates = tight_budget_candidates(chain, budget_bytes, slots, offload, backend, deadline)
     fallback_name, fallback_plan = candidates[0] if candidates else (None, None)
     if candidates and time.monotonic() + estimated_build_s(chain.length) > deadline:
         # Building the model alone would overrun the limit: the best warm start is the answer.
@@ -158,7 +144,7 @@ def solve_milp(
         )
         report(result.predicted_time_s, None, force=True)
         return result
-    warm_schedule, warm_name, warm_time = _first_in_family(candidates, chain.length)
+    warm_schedule, warm_name, warm_time = first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
     model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
     # A bound valid for every plan (solvers.bounds.lower_bound_s) tightens the relaxation.
@@ -174,7 +160,7 @@ def solve_milp(
 
     plan, fallback, own_time = fallback_plan, True, None
     if search.schedule is not None:
-        own = _plan(decode(search.schedule), chain, budget_bytes)
+        own = scored_plan(decode(search.schedule), chain, budget_bytes)
         own_time = own.predicted_time_s
         if own.feasible and (
             fallback_plan is None
@@ -184,7 +170,7 @@ def solve_milp(
     if plan is None:
         # Rotor's exact least memory is below the budget, yet neither the DP with finer slots
         # nor the MILP within its time found a plan: name the budget the finer DP needs.
-        finer = dp_min_feasible_budget(chain, slots * _FINER_SLOTS[-1])
+        finer = dp_min_feasible_budget(chain, slots * FINER_SLOTS[-1])
         raise InfeasibleBudgetError(budget_bytes, finer, "milp")
     objective = search.objective_s
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
@@ -251,183 +237,5 @@ def least_feasible_budget(
         )
     if not offload or chain.link is None:
         return memory_need(chain)
-    least, _ = _least_budget(chain, backend, time.monotonic() + time_limit_s)
+    least, _ = least_budget_with_offloading(chain, backend, time.monotonic() + time_limit_s)
     return least
-
-
-# ---------------------------------------------------------------------- warm starts
-def _warm_start_candidates(
-    chain: Chain, budget_bytes: int, slots: int, offload: bool, deadline: float
-) -> list[tuple[str, Plan]]:
-    """Rotor's DP, every baseline and the offloaded-prefix plans that fit, fastest first."""
-    found: list[tuple[str, Plan]] = []
-    with contextlib.suppress(InfeasibleBudgetError):
-        found.append(("dp", solve_dp(chain, budget_bytes, slots)))
-    for name, build in BASELINES.items():
-        if name == "offload-all" and not offload:
-            continue
-        scored = score(build(chain), chain, budget_bytes)
-        if scored.feasible:
-            found.append((name, scored))
-    if offload:
-        prefix = _offloaded_prefix_plan(chain, budget_bytes, slots, deadline)
-        if prefix is not None:
-            found.append(("offloaded prefix + dp", prefix))
-    found.sort(key=lambda item: item[1].predicted_time_s)
-    return found
-
-
-def _offloaded_prefix_plan(
-    chain: Chain, budget_bytes: int, slots: int, deadline: float
-) -> Plan | None:
-    """A quick joint plan to start from: offload the saved sets of stages 1..m-1, keep a_m as
-    a checkpoint, run rotor's DP on stages m+1..L with ``reserve`` bytes set aside for the
-    copies in flight, and prefetch each x̄_i ``lead`` backwards before B(i+1) reads it.
-
-    The best (m, reserve, lead) by simulated time: every few m first, then the others nearest
-    the best first, until a fifth of the time left is spent; None if none fits. Early stages
-    go first because the first pass starts with an empty GPU, where the device-to-host
-    backlog costs least.
-    """
-    length = chain.length
-    stop = time.monotonic() + _PREFIX_SHARE * (deadline - time.monotonic())
-    largest = max(s.saved_bytes for s in chain.stages)
-    coarse = min(slots, _PREFIX_SLOTS)
-    splits = list(range(2, length - 1))
-    stride = max(1, len(splits) // 8)
-    first_round = splits[::stride]
-    best: Plan | None = None
-    best_split = first_round[0] if first_round else 0
-    for round_splits in (first_round, None):
-        if round_splits is None:
-            round_splits = sorted(
-                (m for m in splits if m not in first_round), key=lambda m: abs(m - best_split)
-            )
-        for split in round_splits:
-            suffix = Chain(
-                chain.name,
-                chain.activation_bytes(split),
-                chain.stages[split:],
-                chain.link,
-                input_grad_bytes=chain.grad_bytes(split),
-                held_bytes=chain.held_bytes,
-            )
-            for reserve in range(_PREFIX_RESERVES):
-                if time.monotonic() > stop:
-                    return best
-                try:
-                    rest = solve_dp(suffix, budget_bytes - reserve * largest, coarse)
-                except InfeasibleBudgetError:
-                    continue
-                for lead in _PREFIX_LEADS:
-                    plan = _plan(_prefix_ops(split, rest, lead, length), chain, budget_bytes)
-                    if plan.feasible and (
-                        best is None or plan.predicted_time_s < best.predicted_time_s
-                    ):
-                        best, best_split = plan, split
-    return best
-
-
-def _prefix_ops(split: int, rest: Plan, lead: int, length: int) -> list[Op]:
-    ops: list[Op] = []
-    for i in range(1, split):
-        ops.append(forward_all(i))
-        if i >= 2:
-            ops.append(offload(SAVED, i - 1))
-    ops.append(forward_checkpoint(split))
-    if split >= 2:
-        ops.append(offload(SAVED, split - 1))
-    ops += [Op(op.kind, op.index + split, op.target) for op in rest.ops]
-    ops += [forward_all(split), backward(split)]
-    ops += [backward(i) for i in range(split - 1, 0, -1)]
-    issue_after: dict[int, list[int]] = {}
-    for i in range(1, split):
-        issue_after.setdefault(min(length, i + 1 + lead), []).append(i)
-    result: list[Op] = []
-    for op in ops:
-        result.append(op)
-        if op.kind == BACKWARD:
-            result += [
-                prefetch(SAVED, i) for i in sorted(issue_after.get(op.index, ()), reverse=True)
-            ]
-    return result
-
-
-def _first_in_family(
-    candidates: list[tuple[str, Plan]], length: int
-) -> tuple[Schedule | None, str | None, float | None]:
-    """The fastest candidate the MILP can express, to be its starting solution, with its time
-    (or, when none can be expressed, the fastest candidate's time)."""
-    for name, plan in candidates:
-        try:
-            return encode(plan.ops, length), name, plan.predicted_time_s
-        except NotInFamilyError as error:
-            logger.debug("warm start %s is outside the MILP's family: %s", name, error)
-    return None, None, candidates[0][1].predicted_time_s if candidates else None
-
-
-def _tight_budget_candidates(
-    chain: Chain, budget_bytes: int, slots: int, offload: bool, backend: str, deadline: float
-) -> list[tuple[str, Plan]]:
-    """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
-
-    Between rotor's exact least memory and the DP's rounded one, the DP with finer slots
-    usually finds a plan, and the least-memory plan always does; below it only offloading can,
-    and the least-memory MILP says whether it does. Raises :class:`InfeasibleBudgetError`
-    when nothing fits.
-    """
-    recompute_least = memory_need(chain)
-    if budget_bytes >= recompute_least:
-        for factor in _FINER_SLOTS:
-            try:
-                finer = slots * factor
-                return [(f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer))]
-            except InfeasibleBudgetError:
-                continue
-        return [("least-memory plan", _plan(least_memory_plan(chain).ops, chain, budget_bytes))]
-    least, schedule = recompute_least, None
-    if offload:
-        least, schedule = _least_budget(chain, backend, deadline, wanted=budget_bytes)
-    if schedule is None or least > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, least, "milp")
-    return [("least-memory milp", _plan(decode(schedule), chain, budget_bytes))]
-
-
-def _plan(ops: list, chain: Chain, budget_bytes: int) -> Plan:
-    plan = Plan(
-        ops=tuple(ops),
-        stage_names=tuple(s.name for s in chain.stages),
-        solver="milp",
-        chain_name=chain.name,
-    )
-    return score(plan, chain, budget_bytes)
-
-
-def _least_budget(
-    chain: Chain, backend: str, deadline: float, wanted: int | None = None
-) -> tuple[int, Schedule | None]:
-    """The least budget with offloading: the MILP with the budget as its objective, and the
-    schedule that reaches it (None and rotor's exact least memory if it finds nothing lower).
-
-    A least budget is named only where the same search will reach it again: proven optimal,
-    or, when a plan within ``wanted`` bytes is all that is asked, any schedule within them. A
-    lower peak found before the time limit cut the search short depends on how far the search
-    got, so it is logged, and rotor's exact least memory (which the least-memory plan always
-    reaches) is named instead.
-    """
-    recompute_least = memory_need(chain)
-    model = JointModel(chain, None, offload=True)
-    search = (search_highs if backend == "highs" else search_cbc)(model, None, None, deadline)
-    least = model.least_budget_bytes() if search.schedule is not None else None
-    if least is None or math.ceil(least - 1e-6) >= recompute_least:
-        return recompute_least, None
-    reachable = wanted is not None and math.ceil(least - 1e-6) <= wanted
-    if search.status != "optimal" and not reachable:
-        logger.info(
-            "the least-memory milp found a plan with offloading in %d B before its time limit, "
-            "without proving it least; a longer time limit may name it",
-            math.ceil(least - 1e-6),
-        )
-        return recompute_least, None
-    # Floats, not the model, can land a hair under the true peak: take the next byte up.
-    return max(math.ceil(least - 1e-6), necessary_budget_bytes(chain)), search.schedule
