@@ -62,3 +62,12 @@ def test_a_step_under_another_autocast_than_planned_is_warned(
     with torch.autocast("cpu", torch.bfloat16):
         om(batch).backward()
     assert "profiled under no autocast but this step runs under autocast" in caplog.text
+
+
+def test_a_step_without_the_autocast_it_was_planned_under_is_refused() -> None:
+    """Planned under bf16, the fp32 activations of a step without autocast would not fit."""
+    batch = gpt_batch(CONFIG, 2)
+    with torch.autocast("cpu", torch.bfloat16):
+        om = offremat.optimize(build_gpt(CONFIG), batch, budget=0.5)
+    with pytest.raises(RuntimeError, match=r"profiled under autocast torch\.bfloat16"):
+        om(batch)

@@ -285,3 +285,8 @@ def test_the_named_least_budget_is_one_at_which_the_same_solve_succeeds():
     assert raised.value.min_budget_bytes == least
     plan = solve(chain, least, "milp", time_limit_s=3)
     assert plan.feasible and plan.predicted_peak_bytes <= least
+    # The DP's plan at its own (rounded) least budget peaks lower than that budget: where it
+    # fits here, the milp is never slower than it.
+    rounded = solve(chain, min_feasible_budget(chain, "dp"), "dp")
+    assert rounded.predicted_peak_bytes <= least
+    assert plan.predicted_time_s <= rounded.predicted_time_s * (1 + 1e-9)
