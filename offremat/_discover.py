@@ -255,7 +255,7 @@ def _after(records: list[RecordedCall], record: RecordedCall) -> int:
 
 def _container(model: nn.Module, path: str) -> nn.Module:
     try:
-        container = model.get_submodule(path.removeprefix("model."))
+        container = model.get_submodule(path)
     except AttributeError:
         raise NotAChainError(
             f"blocks={path!r}: {type(model).__name__} has no submodule {path!r}; name a "

@@ -244,3 +244,13 @@ def test_a_model_list_of_blocks_still_profiles_as_a_list(tmp_path) -> None:
     argv = ["profile", f"{tmp_path / 'lists.py'}:build", "--out", str(out), "--repeats", "1"]
     assert main(argv) == 0
     assert main([*argv, "--blocks", "x"]) == 2
+
+
+def test_the_container_the_error_suggests_is_the_one_that_works() -> None:
+    """Block paths are the model's own (named_modules): a Llama's layers are model.layers."""
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    om = offremat.optimize(model, LM_BATCH, budget=0.5, blocks="model.layers")
+    assert om.chain.stage_names[0] == "model.layers.0"
+    with pytest.raises(offremat.NotAChainError, match=r"such as \['model.layers'\]"):
+        offremat.optimize(model, LM_BATCH, budget=0.5, blocks="layers")
