@@ -169,7 +169,10 @@ METHOD_STYLE = {
     "chen": ("#8c8c8c", "v"),
     "checkpoint-every-stage": ("#b07aa1", "^"),
     "offload-all": ("#55a868", "D"),
+    "min-peak": ("#dd8452", "<"),
+    "dtr": ("#937860", "X"),
     "dp": ("#4c72b0", "o"),
+    "checkmate": ("#da8bc3", "P"),
     "milp": ("#c44e52", "*"),
 }
 

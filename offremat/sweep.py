@@ -84,7 +84,7 @@ def budget_range(chain: Chain, count: int = 12, slots: int = DEFAULT_SLOTS) -> l
     """
     top = keep_all_peak(chain)
     floor = min_feasible_budget(chain, "dp", slots=slots)
-    for method in ("chen", "checkpoint-every-stage", "offload-all"):
+    for method in ("chen", "checkpoint-every-stage", "offload-all", "min-peak"):
         if method not in NEEDS_LINK or chain.link is not None:
             floor = min(floor, min_feasible_budget(chain, method))
     if count < 2 or floor >= top:
@@ -102,12 +102,14 @@ def run_sweep(
 ) -> list[SweepPoint]:
     """Solve every method at every budget; ``options[method]`` goes to that solver.
 
-    The milp's time limit is :data:`DEFAULT_MILP_TIME_LIMIT_S` unless ``options`` sets one.
+    The time limit of milp and checkmate is :data:`DEFAULT_MILP_TIME_LIMIT_S` unless
+    ``options`` sets one.
     A method that cannot plan within a budget gives an infeasible point rather than an error.
     ``on_point`` is called after each solve (for a progress bar).
     """
     options = {method: dict(given) for method, given in (options or {}).items()}
-    options.setdefault("milp", {}).setdefault("time_limit_s", DEFAULT_MILP_TIME_LIMIT_S)
+    for milp_like in ("milp", "checkmate"):
+        options.setdefault(milp_like, {}).setdefault("time_limit_s", DEFAULT_MILP_TIME_LIMIT_S)
     methods = list(methods)
     unknown = set(methods) - set(METHODS)
     if unknown:

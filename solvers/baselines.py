@@ -7,6 +7,8 @@
 - offload-all: every saved set goes to the host during the forward and comes back just before
   it is needed, in the style of Rhu et al., "vDNN: virtualized deep neural networks for
   scalable, memory-efficient neural network design" (2016).
+- min-peak: the checkpoints of least peak memory, Hong et al., "GPU memory usage optimization
+  for backward propagation in deep network training" (JPDC 2025).
 
 The functions return unscored plans; :func:`solvers.registry.solve` scores them. On a chain
 whose first stages are frozen, each plans the trained stages (:mod:`solvers.frozen`).
@@ -18,6 +20,7 @@ import math
 
 from solvers.chain import Chain
 from solvers.frozen import plans_trained_part
+from solvers.min_peak import least_peak_segments
 from solvers.plan import (
     SAVED,
     Op,
@@ -67,7 +70,7 @@ def chen_segments(length: int) -> list[tuple[int, int]]:
     return sequential_segments(length, max(1, round(math.sqrt(length))))
 
 
-def _segmented_ops(segments: list[tuple[int, int]]) -> list[Op]:
+def segmented_ops(segments: list[tuple[int, int]]) -> list[Op]:
     """Forward: each segment but the last runs without autograd, keeping only its input (F_ck
     on its first stage, F_none on the rest); the last segment runs with autograd. Backward:
     the last segment's backwards, then each earlier segment is recomputed with F_all from its
@@ -89,7 +92,7 @@ def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
     ``segments`` is clamped to 1..L; the plan's ``info["segments"]`` is the count used.
     """
     count = max(1, min(segments, chain.length))
-    ops = _segmented_ops(sequential_segments(chain.length, count))
+    ops = segmented_ops(sequential_segments(chain.length, count))
     return _plan(chain, ops, f"checkpoint_sequential({count})", segments=count)
 
 
@@ -97,7 +100,7 @@ def checkpoint_sequential_plan(chain: Chain, segments: int) -> Plan:
 def chen(chain: Chain) -> Plan:
     """Chen et al. (2016) √L checkpointing, as ``checkpoint_sequential`` runs it."""
     segments = chen_segments(chain.length)
-    return _plan(chain, _segmented_ops(segments), "chen", segments=[list(s) for s in segments])
+    return _plan(chain, segmented_ops(segments), "chen", segments=[list(s) for s in segments])
 
 
 @plans_trained_part
@@ -108,7 +111,7 @@ def checkpoint_every_stage(chain: Chain) -> Plan:
     autograd straight away, since recomputing it at once would only cost time.
     """
     segments = [(i, i) for i in range(1, chain.length + 1)]
-    return _plan(chain, _segmented_ops(segments), "checkpoint-every-stage")
+    return _plan(chain, segmented_ops(segments), "checkpoint-every-stage")
 
 
 @plans_trained_part
@@ -144,9 +147,18 @@ def offload_all(chain: Chain) -> Plan:
     return _plan(chain, ops, "offload-all")
 
 
+@plans_trained_part
+def min_peak(chain: Chain) -> Plan:
+    """Hong et al.'s (2025) checkpoints of least peak memory (:mod:`solvers.min_peak`)."""
+    peak, segments = least_peak_segments(chain)
+    info = {"segments": [list(s) for s in segments], "least_peak_bytes": peak}
+    return _plan(chain, segmented_ops(segments), "min-peak", **info)
+
+
 BASELINES = {
     "keep-all": keep_all,
     "chen": chen,
     "checkpoint-every-stage": checkpoint_every_stage,
     "offload-all": offload_all,
+    "min-peak": min_peak,
 }

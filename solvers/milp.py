@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from solvers.bounds import lower_bound_s
@@ -211,6 +212,17 @@ def solve_milp(
 BUILD_S_PER_STAGE_SQUARED = 2e-3
 """Model building and loading time per squared stage count, measured on a 2-core machine
 (200 stages: 51 s to build, 21 s to load into HiGHS); a conservative estimate elsewhere."""
+
+
+def solve_checkmate(chain: Chain, budget_bytes: int, **options: Any) -> Plan:
+    """Checkmate's problem (Jain et al. 2020) on a chain: :func:`solve_milp` with
+    recomputation only, named as the literature names it (``options`` as for it, less
+    ``offload``)."""
+    try:
+        plan = solve_milp(chain, budget_bytes, offload=False, **options)
+    except InfeasibleBudgetError as error:
+        raise InfeasibleBudgetError(budget_bytes, error.min_budget_bytes, "checkmate") from None
+    return replace(plan, solver="checkmate")
 
 
 def estimated_build_s(length: int) -> float:

@@ -2,7 +2,9 @@
 :func:`solvers.bounds.lower_bound_s` (re-exported here).
 
 The solvers are rotor's recompute DP (Herrmann, Beaumont et al. 2019), the joint keep /
-offload / recompute MILP, and the baselines of :mod:`solvers.baselines`. Whatever the solver,
+offload / recompute MILP, Checkmate's recompute-only MILP (Jain et al. 2020) under its own
+name, DTR's online eviction (Kirisame et al. 2021, :mod:`solvers.dtr`) and the fixed plans of
+:mod:`solvers.baselines`. Whatever the solver,
 the figures on the returned plan come from :func:`solvers.simulator.simulate`.
 """
 
@@ -19,21 +21,39 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
+from solvers.dtr import dtr_least_budget
 from solvers.plan import OFFLOAD, Plan
 from solvers.simulator import score, simulate
 
 logger = logging.getLogger(__name__)
 
-SOLVERS = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp", "milp")
+SOLVERS = (
+    "keep-all",
+    "chen",
+    "checkpoint-every-stage",
+    "offload-all",
+    "min-peak",
+    "dtr",
+    "dp",
+    "checkmate",
+    "milp",
+)
 
 # The keyword options each solver takes; an option passed as None counts as not passed.
 SOLVER_OPTIONS: dict[str, frozenset[str]] = {
     **{name: frozenset() for name in BASELINES},
+    "dtr": frozenset(),
     "dp": frozenset({"slots"}),
+    "checkmate": frozenset({"time_limit_s", "gap", "backend", "slots", "progress"}),
     "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots", "progress"}),
 }
 # Imported on first use, so that loading the registry does not load PuLP.
-_OPTIMIZERS = {"dp": ("solvers.dp", "solve_dp"), "milp": ("solvers.milp", "solve_milp")}
+_OPTIMIZERS = {
+    "dtr": ("solvers.dtr", "dtr"),
+    "dp": ("solvers.dp", "solve_dp"),
+    "checkmate": ("solvers.milp", "solve_checkmate"),
+    "milp": ("solvers.milp", "solve_milp"),
+}
 
 
 def check_count(name: str, value: Any) -> int:
@@ -47,7 +67,8 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     """The plan ``solver`` picks for ``chain`` within ``budget_bytes``, scored by the simulator.
 
     ``options`` go to the solver: ``slots`` for dp; ``offload``, ``time_limit_s``, ``gap``,
-    ``backend`` and ``slots`` for milp; none for the baselines. Raises
+    ``backend`` and ``slots`` for milp, the same less ``offload`` for checkmate; none for dtr
+    and the baselines. Raises
     :class:`InfeasibleBudgetError` (with ``min_budget_bytes``) when the plan does not fit, and
     ``ValueError`` for an unknown solver, a bad option or an offload baseline on a chain
     without a link.
@@ -118,7 +139,8 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     """The least budget at which ``solver`` finds a plan.
 
     For dp this is :func:`solvers.dp.min_feasible_budget` at the given ``slots``; for a
-    baseline, the least budget at which its fixed plan fits; for milp,
+    baseline, the least budget at which its fixed plan fits; for dtr,
+    :func:`solvers.dtr.dtr_least_budget`; for milp and checkmate (no offloading),
     :func:`solvers.milp.least_feasible_budget` (``offload``, ``time_limit_s`` and ``backend``
     pass through), which with offloading is the best found within the time limit.
     """
@@ -127,11 +149,15 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     if solver == "dp":
         slots = options.get("slots")
         return dp_min_feasible_budget(chain, DEFAULT_SLOTS if slots is None else slots)
-    if solver == "milp":
+    if solver == "dtr":
+        return dtr_least_budget(chain)
+    if solver in ("milp", "checkmate"):
         # Imported here so that the registry loads without PuLP until the MILP is asked for.
         from solvers.milp import least_feasible_budget
 
         given = {k: v for k, v in options.items() if v is not None and k != "slots"}
+        if solver == "checkmate":
+            given["offload"] = False
         return least_feasible_budget(chain, **given)
     raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 

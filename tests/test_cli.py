@@ -46,7 +46,7 @@ def solve_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dic
 
 def _solver_args(solver: str) -> list[str]:
     # Keep the MILP short in tests; its quality is tested in its own files.
-    return ["--time-limit", "2"] if solver == "milp" else []
+    return ["--time-limit", "2"] if solver in ("milp", "checkmate") else []
 
 
 @pytest.mark.parametrize("solver", SOLVERS)

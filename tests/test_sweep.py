@@ -20,7 +20,15 @@ from solvers.chain import Chain, Link, Stage
 from solvers.registry import keep_all_peak, min_feasible_budget
 
 MiB = 2**20
-RECOMPUTE_AND_BASELINES = ("keep-all", "chen", "checkpoint-every-stage", "offload-all", "dp")
+RECOMPUTE_AND_BASELINES = (
+    "keep-all",
+    "chen",
+    "checkpoint-every-stage",
+    "offload-all",
+    "min-peak",
+    "dtr",
+    "dp",
+)
 
 
 FAST_LINK = Link(4e9, 4e9)
@@ -39,7 +47,7 @@ def test_budget_range_spans_least_feasible_to_keep_all():
     budgets = budget_range(chain, count=5)
     assert budgets == sorted(budgets) and len(budgets) == 5
     assert budgets[-1] == keep_all_peak(chain)
-    least = min(min_feasible_budget(chain, m) for m in ("dp", "chen", "offload-all"))
+    least = min(min_feasible_budget(chain, m) for m in ("dp", "chen", "offload-all", "min-peak"))
     assert budgets[0] == least
 
 
@@ -168,9 +176,11 @@ def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):
 
     monkeypatch.setattr(sweep, "solve", fake_solve)
     chain = _chain(length=3)
-    points = run_sweep(chain, [keep_all_peak(chain)], ["milp", "dp"], {"milp": {"slots": 50}})
-    assert [p.feasible for p in points] == [False, False]
+    methods = ["milp", "dp", "checkmate"]
+    points = run_sweep(chain, [keep_all_peak(chain)], methods, {"milp": {"slots": 50}})
+    assert [p.feasible for p in points] == [False, False, False]
     assert received == [
         ("milp", {"slots": 50, "time_limit_s": sweep.DEFAULT_MILP_TIME_LIMIT_S}),
         ("dp", {}),
+        ("checkmate", {"time_limit_s": sweep.DEFAULT_MILP_TIME_LIMIT_S}),
     ]

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     budget = resolve_budget(args.budget, chain)
     try:
-        with _search_line(args.solver == "milp" and sys.stderr.isatty()) as progress:
+        with _search_line(args.solver in ("milp", "checkmate") and sys.stderr.isatty()) as progress:
             options = _options(args) | ({"progress": progress} if progress else {})
             plan = solve(chain, budget, args.solver, **options)
     except InfeasibleBudgetError as error:

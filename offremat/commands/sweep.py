@@ -43,9 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "sweep",
         help="solve every method across budgets; write sweep.csv and sweep.png",
-        description="Solve keep-all, chen, checkpoint-every-stage, offload-all, dp and milp at "
-        "evenly spaced budgets from the least feasible one to the keep-all peak, and write "
-        "DIR/sweep.csv and DIR/sweep.png (predicted time against budget).",
+        description="Solve every method (keep-all, chen, checkpoint-every-stage, offload-all, "
+        "min-peak, dtr, dp, checkmate and milp) at evenly spaced budgets from the least "
+        "feasible one to the keep-all peak, and write DIR/sweep.csv and DIR/sweep.png "
+        "(predicted time against budget).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("chain", metavar="CHAIN", nargs="?", help=chain_help())
@@ -74,7 +75,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_number,
         default=DEFAULT_MILP_TIME_LIMIT_S,
         metavar="S",
-        help=f"MILP time limit per budget in seconds (default {DEFAULT_MILP_TIME_LIMIT_S:g})",
+        help="time limit per budget of milp and checkmate, in seconds "
+        f"(default {DEFAULT_MILP_TIME_LIMIT_S:g})",
     )
     parser.add_argument(
         "--slots", type=integer_at_least(1), metavar="N", help="dp/milp memory discretization"
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # An option given as None counts as not given, so the solvers' defaults apply.
     options = {
         "milp": {"time_limit_s": args.milp_time_limit, "slots": args.slots},
+        "checkmate": {"time_limit_s": args.milp_time_limit, "slots": args.slots},
         "dp": {"slots": args.slots},
     }
     if keep_all_peak(chain) == 0:
