@@ -32,7 +32,7 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Link
 from solvers.registry import keep_all_peak, solve
 
-SOLVERS = ("dp", "milp", "chen", "checkpoint-every-stage", "offload-all")
+SOLVERS = ("dp", "milp", "chen", "checkpoint-every-stage", "offload-all", "min-peak", "dtr")
 FRACTIONS = (0.3, 0.5, 0.7)
 LINK = Link(1.2e10, 1.2e10)
 
