@@ -190,8 +190,10 @@ def search_highs(
     gap: float | None,
     deadline: float,
     report: ProgressReport | None = None,
+    floor_s: float | None = None,
 ) -> Search:
-    """Windows of growing width around the incumbent, then the whole model."""
+    """Windows of growing width around the incumbent, then the whole model; it stops as soon
+    as the incumbent meets ``floor_s``, a lower bound on every plan's time."""
     session = _HighsSession(model, gap, report)
     incumbent: np.ndarray | None = None
     if warm is not None:
@@ -210,7 +212,11 @@ def search_highs(
     decisions = int(session.decisions.sum())
     width = length if decisions <= _WHOLE_MODEL_BINARIES else _FIRST_WINDOW
     status, whole_bound, proven = "time limit", None, False
+    floor = -math.inf if floor_s is None else floor_s / model.time_unit * (1 + 1e-9)
     while time.monotonic() < deadline:
+        if best is not None and best <= floor:
+            status, whole_bound, proven = "Optimal", best, True
+            break
         if width >= length or incumbent is None:
             whole = np.ones(len(session.index), dtype=bool)
             status, objective, whole_bound, values = session.run(
@@ -243,6 +249,8 @@ def search_highs(
             )
             if values is not None and objective < best - 1e-9:
                 incumbent, best, improved = values, objective, True
+            if best <= floor:
+                break
         if not improved:
             width *= 2
     scale = 1.0 if isinstance(model.budget, pulp.LpVariable) else model.time_unit

@@ -299,7 +299,8 @@ def test_a_milp_model_too_large_for_its_time_limit_is_not_built() -> None:
     from solvers.registry import keep_all_peak, solve
 
     stages = tuple(Stage(f"s{i}", 1.0, 2.0, 1000, 4000) for i in range(120))
-    chain = Chain("long", 1000, stages, Link(1e6, 1e6))
+    # A copy takes two forwards: no plan meets the lower bound, which would end the search.
+    chain = Chain("long", 1000, stages, Link(2e3, 2e3))
     assert estimated_build_s(chain.length) > 3.0
     budget = int(0.3 * keep_all_peak(chain))
     plan = solve_milp(chain, budget, time_limit_s=3.0)
