@@ -1,17 +1,26 @@
-"""The joint MILP against rotor's DP on Llama-7B-shaped chains of 8 to 64 stages.
+"""Every solver against the lower bound on Llama-style and ResNet-style chains of 8 to 200 stages.
 
 Usage:
-    python experiments/ilp_vs_dp.py [--lengths 8 16 24 34 48 64] [--budgets 0.2 0.25 0.35 0.5]
-        [--time-limit 30] [--out experiments/results]
+    python experiments/ilp_vs_dp.py [--lengths 8 16 24 34 48 64 100 200]
+        [--resnets 50 101 152 200] [--budgets 0.2 0.25 0.3 0.35 0.5] [--time-limit 30]
+        [--long-time-limit 60] [--checkmate-time-limit 10] [--out experiments/results]
 
-Each chain is the embedding, n Llama-7B blocks and the LM head of
-``offremat/examples/llama7b.json`` (so 34 stages is that chain itself: h=4096, seq 4096, bf16,
-400 TFLOP/s, a 50 GB/s link). Budgets are fractions of each chain's keep-all peak; a budget
-below the DP's least feasible one is skipped. For every point it records the DP's and the
-MILP's simulated step time, their overheads over Σf + Σb, the share of the DP's overhead the
-MILP removes, the most any plan could remove (from ``solvers.registry.lower_bound_s``), the
-MILP's solve time, status and gap. Writes ``ilp_vs_dp.csv`` and ``ilp_vs_dp.png`` under
-``--out``. Every point is solved in this one run, so the ratios are side by side.
+Llama chains are the embedding, n Llama-7B blocks and the LM head of
+``offremat/examples/llama7b.json`` (34 stages is that chain: h=4096, seq 4096, bf16,
+400 TFLOP/s, a 50 GB/s link). ResNet chains are ``offremat/examples/cnn.json``'s (ResNet-50) stem,
+bottleneck blocks and head with each layer's repeated block repeated to He et al.'s depths
+(ResNet-50, -101, -152 and -200: 18, 35, 52 and 68 stages), on a 12 GB/s link. Budgets are
+fractions of each chain's keep-all peak; a budget below the DP's least feasible one is skipped.
+
+For every point: the simulated step time of rotor's DP, the joint MILP (``milp``; a time limit
+of ``--time-limit`` s, ``--long-time-limit`` s from 150 stages), Checkmate's recompute-only
+MILP, DTR and Hong et al.'s min-peak (empty where they have no plan), the lower bound
+``solvers.bounds.lower_bound_s``, the share of the DP's overhead over Σf + Σb that the joint
+plan removes, the most any plan could remove (by the bound) and their ratio, the "reached
+fraction of the bound", and the same against the MILP's proven bound (its dual bound or, when
+it proves its plan optimal, that plan's time) where that is tighter. Writes ``ilp_vs_dp.csv``,
+``ilp_vs_dp.png`` and the table of ``ilp_vs_dp_table.md`` under ``--out``. Every point is
+solved in this one run, one solve at a time.
 """
 
 from __future__ import annotations
@@ -19,8 +28,12 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import platform
+import subprocess
+import sys
 import time
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
@@ -30,13 +43,16 @@ import matplotlib.pyplot as plt
 
 from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
-from solvers.chain import Chain
-from solvers.dp import solve_dp
-from solvers.milp import solve_milp
-from solvers.registry import keep_all_peak
+from solvers.chain import Chain, Link
+from solvers.registry import keep_all_peak, solve
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "offremat" / "examples" / "llama7b.json"
+EXAMPLES = Path(__file__).resolve().parent.parent / "offremat" / "examples"
+RESNET_BLOCKS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3), 200: (3, 24, 36, 3)}
+RESNET_LINK = Link(12e9, 12e9)
+LONG_CHAIN = 150
+OTHERS = ("checkmate", "dtr", "min-peak")
 FIELDS = (
+    "family",
     "stages",
     "budget_fraction",
     "budget_bytes",
@@ -44,173 +60,213 @@ FIELDS = (
     "lower_bound_s",
     "dp_time_s",
     "milp_time_s",
-    "dp_overhead_s",
-    "milp_overhead_s",
+    "checkmate_time_s",
+    "dtr_time_s",
+    "min_peak_time_s",
     "overhead_removed",
     "most_removable",
+    "bound_reached",
+    "milp_proven_bound_s",
+    "proven_bound_reached",
+    "milp_time_limit_s",
     "milp_solve_time_s",
     "milp_status",
-    "milp_objective_s",
-    "milp_best_bound_s",
-    "milp_gap",
     "milp_warm_start",
-    "milp_fallback",
-    "milp_binaries",
+    "checkmate_solve_time_s",
 )
 
 
 def llama_chain(stages: int) -> Chain:
     """The Llama-7B example with ``stages - 2`` blocks between its embedding and head."""
-    full = Chain.load(EXAMPLE)
+    full = Chain.load(EXAMPLES / "llama7b.json")
     embed, block, head = full.stages[0], full.stages[1], full.stages[-1]
     blocks = tuple(replace(block, name=f"block{n}") for n in range(stages - 2))
     return Chain(f"llama7b-{stages}", full.input_bytes, (embed, *blocks, head), full.link)
 
 
-def run(lengths: list[int], fractions: list[float], time_limit_s: float) -> list[dict]:
-    rows = []
-    for stages in lengths:
-        chain = llama_chain(stages)
-        compute = chain.compute_time_s
-        peak = keep_all_peak(chain)
-        for fraction in fractions:
-            budget = int(fraction * peak)
-            try:
-                dp = solve_dp(chain, budget)
-            except InfeasibleBudgetError:
-                logging.info(
-                    "%d stages at %.0f%%: no DP plan fits, skipped", stages, fraction * 100
-                )
-                continue
-            started = time.monotonic()
-            milp = solve_milp(chain, budget, time_limit_s=time_limit_s)
-            solve_time = time.monotonic() - started
-            info = milp.info
-            bound = lower_bound_s(chain, budget)
-            dp_overhead = dp.predicted_time_s - compute
-            milp_overhead = milp.predicted_time_s - compute
-            row = {
-                "stages": stages,
-                "budget_fraction": fraction,
-                "budget_bytes": budget,
-                "compute_s": compute,
-                "lower_bound_s": bound,
-                "dp_time_s": dp.predicted_time_s,
-                "milp_time_s": milp.predicted_time_s,
-                "dp_overhead_s": dp_overhead,
-                "milp_overhead_s": milp_overhead,
-                "overhead_removed": 1 - milp_overhead / dp_overhead if dp_overhead > 0 else 0.0,
-                "most_removable": 1 - (bound - compute) / dp_overhead if dp_overhead > 0 else 0.0,
-                "milp_solve_time_s": solve_time,
-                "milp_status": info["solver_status"],
-                "milp_objective_s": info["objective"],
-                "milp_best_bound_s": info["best_bound"],
-                "milp_gap": info["gap"],
-                "milp_warm_start": info["warm_start"],
-                "milp_fallback": info["fallback"],
-                "milp_binaries": info["model"]["binaries"],
-            }
-            logging.info(
-                "%d stages at %.0f%%: dp %.1f ms over, milp %.1f ms over (%.0f%% removed, at "
-                "most %.0f%%), %.1f s, %s",
-                stages,
-                fraction * 100,
-                dp_overhead * 1e3,
-                milp_overhead * 1e3,
-                row["overhead_removed"] * 100,
-                row["most_removable"] * 100,
-                solve_time,
-                info["solver_status"],
-            )
-            rows.append(row)
-    return rows
+def resnet_chain(depth: int) -> Chain:
+    """ResNet-``depth`` from the ResNet-50 example: each layer's first block, then its second
+    block repeated to the layer's count of blocks, on a 12 GB/s link."""
+    base = Chain.load(EXAMPLES / "cnn.json")
+    by_name = {stage.name: stage for stage in base.stages}
+    stages = [by_name["stem"]]
+    for layer, count in enumerate(RESNET_BLOCKS[depth], start=1):
+        stages.append(by_name[f"layer{layer}.0"])
+        repeated = by_name[f"layer{layer}.1"]
+        stages += [replace(repeated, name=f"layer{layer}.{n}") for n in range(1, count)]
+    stages.append(by_name["head"])
+    return Chain(f"resnet{depth}", base.input_bytes, tuple(stages), RESNET_LINK)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+def _time(chain: Chain, budget: int, solver: str, **options: float) -> tuple[float | None, float]:
+    started = time.monotonic()
+    try:
+        plan = solve(chain, budget, solver, **options)
+    except InfeasibleBudgetError:
+        return None, time.monotonic() - started
+    return plan.predicted_time_s, time.monotonic() - started
+
+
+def point(family: str, chain: Chain, fraction: float, limits: argparse.Namespace) -> dict | None:
+    """Every solver at one budget of one chain; None when the DP has no plan."""
+    budget = int(fraction * keep_all_peak(chain))
+    try:
+        dp = solve(chain, budget, "dp")
+    except InfeasibleBudgetError:
+        logging.info("%s at %.0f%%: no DP plan fits, skipped", chain.name, fraction * 100)
+        return None
+    limit = limits.long_time_limit if chain.length >= LONG_CHAIN else limits.time_limit
+    started = time.monotonic()
+    milp = solve(chain, budget, "milp", time_limit_s=limit)
+    milp_seconds = time.monotonic() - started
+    times = {"checkmate": _time(chain, budget, "checkmate", time_limit_s=limits.checkmate_limit)}
+    times |= {name: _time(chain, budget, name) for name in ("dtr", "min-peak")}
+    compute, bound = chain.compute_time_s, lower_bound_s(chain, budget)
+    dp_overhead = dp.predicted_time_s - compute
+    removed = 1 - (milp.predicted_time_s - compute) / dp_overhead if dp_overhead > 0 else 0.0
+    removable = (dp.predicted_time_s - bound) / dp_overhead if dp_overhead > 0 else 0.0
+    # The MILP's own proven bound (its dual bound, or its plan when optimal) may be tighter.
+    proven = max(milp.info.get("best_bound") or bound, bound)
+    provable = (dp.predicted_time_s - proven) / dp_overhead if dp_overhead > 0 else 0.0
+    row = {
+        "family": family,
+        "stages": chain.length,
+        "budget_fraction": fraction,
+        "budget_bytes": budget,
+        "compute_s": compute,
+        "lower_bound_s": bound,
+        "dp_time_s": dp.predicted_time_s,
+        "milp_time_s": milp.predicted_time_s,
+        "checkmate_time_s": times["checkmate"][0],
+        "dtr_time_s": times["dtr"][0],
+        "min_peak_time_s": times["min-peak"][0],
+        "overhead_removed": removed,
+        "most_removable": removable,
+        "bound_reached": removed / removable if removable > 1e-12 else 1.0,
+        "milp_proven_bound_s": proven,
+        "proven_bound_reached": removed / provable if provable > 1e-12 else 1.0,
+        "milp_time_limit_s": limit,
+        "milp_solve_time_s": milp_seconds,
+        "milp_status": milp.info["solver_status"],
+        "milp_warm_start": milp.info["warm_start"],
+        "checkmate_solve_time_s": times["checkmate"][1],
+    }
+    logging.info(
+        "%s at %.0f%%: %.0f%% removed of at most %.0f%% (%.0f%% of the bound) in %.1f s",
+        chain.name,
+        fraction * 100,
+        removed * 100,
+        removable * 100,
+        row["bound_reached"] * 100,
+        milp_seconds,
+    )
+    return row
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def write_table(rows: list[dict], path: Path, command: str) -> None:
+    """The rows as a markdown table, under the command, machine, versions and date."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    lines = [
+        f"Command: `{command}`; git {commit or 'unknown'}; "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; {platform.machine()}, "
+        f"Python {platform.python_version()}. Times in ms, simulated.",
+        "",
+        "| chain | stages | budget | dp | milp | checkmate | dtr | min-peak | bound | removed "
+        "| at most | reached | proven bound | reached (proven) | solve (s) | milp status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['family']} | {r['stages']} | {r['budget_fraction']:.0%} | "
+            f"{_ms(r['dp_time_s'])} | {_ms(r['milp_time_s'])} | {_ms(r['checkmate_time_s'])} | "
+            f"{_ms(r['dtr_time_s'])} | {_ms(r['min_peak_time_s'])} | "
+            f"{_ms(r['lower_bound_s'])} | {r['overhead_removed']:.0%} | "
+            f"{r['most_removable']:.0%} | {r['bound_reached']:.0%} | "
+            f"{_ms(r['milp_proven_bound_s'])} | {r['proven_bound_reached']:.0%} | "
+            f"{r['milp_solve_time_s']:.1f} | {r['milp_status']} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    fractions = sorted({row["budget_fraction"] for row in rows})
-    figure, (overheads, removed, seconds) = plt.subplots(1, 3, figsize=(15, 4.5))
-    for fraction in fractions:
-        points = sorted((r for r in rows if r["budget_fraction"] == fraction), key=_stages)
-        lengths = [r["stages"] for r in points]
-        label = f"{fraction:.0%} of keep-all"
-        line = overheads.plot(
-            lengths, [r["dp_overhead_s"] * 1e3 for r in points], "--", marker="o"
-        )[0]
-        overheads.plot(
-            lengths,
-            [r["milp_overhead_s"] * 1e3 for r in points],
-            "-",
-            marker="s",
-            color=line.get_color(),
-            label=label,
-        )
-        removed.plot(
-            lengths,
-            [r["overhead_removed"] * 100 for r in points],
-            "-",
-            marker="s",
-            color=line.get_color(),
-            label=label,
-        )
-        removed.plot(
-            lengths,
-            [r["most_removable"] * 100 for r in points],
-            ":",
-            color=line.get_color(),
-        )
-        seconds.plot(
-            lengths,
-            [r["milp_solve_time_s"] for r in points],
-            "-",
-            marker="s",
-            color=line.get_color(),
-            label=label,
-        )
-    overheads.set(
-        xlabel="stages", ylabel="overhead over Σf+Σb (ms)", title="DP (dashed) vs MILP (solid)"
-    )
-    removed.axhline(50, color="grey", linewidth=0.8)
-    removed.set(
+    """The reached fraction of the bound and the solve time against the chain length."""
+    figure, (reached, seconds) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for family, marker in (("llama", "o"), ("resnet", "s")):
+        for fraction in sorted({r["budget_fraction"] for r in rows}):
+            points = sorted(
+                (r for r in rows if r["family"] == family and r["budget_fraction"] == fraction),
+                key=lambda r: r["stages"],
+            )
+            if not points:
+                continue
+            lengths = [r["stages"] for r in points]
+            label = f"{family}, {fraction:.0%} of keep-all"
+            line = reached.plot(
+                lengths, [100 * r["bound_reached"] for r in points], marker=marker, label=label
+            )[0]
+            seconds.plot(
+                lengths,
+                [r["milp_solve_time_s"] for r in points],
+                marker=marker,
+                color=line.get_color(),
+            )
+    reached.axhline(80, color="grey", linewidth=0.8, linestyle=":")
+    reached.set(
         xlabel="stages",
-        ylabel="% of the DP's overhead removed",
-        title="MILP (solid); most any plan could (dotted)",
+        ylabel="% of the removable overhead removed",
+        title="milp: (dp − plan) ÷ (dp − lower bound)",
+        ylim=(0, 105),
     )
-    seconds.set(xlabel="stages", ylabel="MILP solve time (s)", title="solve time")
-    for axes in (overheads, removed, seconds):
+    seconds.set(xlabel="stages", ylabel="solve time (s)", title="milp solve time")
+    for axes in (reached, seconds):
         axes.grid(alpha=0.3)
-    removed.legend(fontsize=8)
-    figure.suptitle("Joint MILP vs rotor's DP on Llama-7B-shaped chains (50 GB/s link)")
+    reached.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-def _stages(row: dict) -> int:
-    return row["stages"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8, 16, 24, 34, 48, 64])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[8, 16, 24, 34, 48, 64, 100, 200])
     parser.add_argument(
-        "--budgets", type=float, nargs="+", default=[0.2, 0.25, 0.35, 0.5], metavar="FRACTION"
+        "--resnets", type=int, nargs="*", default=sorted(RESNET_BLOCKS), choices=RESNET_BLOCKS
+    )
+    parser.add_argument(
+        "--budgets", type=float, nargs="+", default=[0.2, 0.25, 0.3, 0.35, 0.5], metavar="FRACTION"
     )
     parser.add_argument("--time-limit", type=float, default=30.0, metavar="S")
+    parser.add_argument("--long-time-limit", type=float, default=60.0, metavar="S")
+    parser.add_argument(
+        "--checkmate-time-limit", dest="checkmate_limit", type=float, default=10.0, metavar="S"
+    )
     parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("solvers.milp", "solvers.milp_search", "solvers.milp_warm"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run(args.lengths, args.budgets, args.time_limit)
-    write_csv(rows, args.out / "ilp_vs_dp.csv")
+    chains = [("llama", llama_chain(n)) for n in args.lengths]
+    chains += [("resnet", resnet_chain(depth)) for depth in args.resnets]
+    rows = [
+        row
+        for family, chain in chains
+        for fraction in args.budgets
+        if (row := point(family, chain, fraction, args)) is not None
+    ]
+    with (args.out / "ilp_vs_dp.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_table(rows, args.out / "ilp_vs_dp_table.md", "python " + " ".join(sys.argv))
     plot(rows, args.out / "ilp_vs_dp.png")
-    logging.info("wrote %s and %s", args.out / "ilp_vs_dp.csv", args.out / "ilp_vs_dp.png")
+    logging.info("wrote ilp_vs_dp.csv, ilp_vs_dp_table.md and ilp_vs_dp.png in %s", args.out)
 
 
 if __name__ == "__main__":
