@@ -53,6 +53,15 @@ def necessary_budget_bytes(chain: Chain) -> int:
     return need
 
 
+def absent_saved_bytes(chain: Chain, budget_bytes: int) -> int | None:
+    """E, the bytes of saved sets x̄_i (i < L, no frozen stages) that cannot be on the GPU when
+    B(L) runs (see :func:`lower_bound_s`); None when B(L)'s own working set does not fit."""
+    room = budget_bytes - backward_working_set(chain, chain.length)
+    if room < 0:
+        return None
+    return max(0, sum(s.saved_bytes for s in chain.stages[:-1]) - room)
+
+
 def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     """A time no plan within ``budget_bytes`` can beat: max(Σf + Σb, what the budget forces).
 
@@ -85,14 +94,12 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
         return frozen_s + lower_bound_s(
             trained_part(chain), budget_bytes - chain.activation_bytes(0)
         )
-    length = chain.length
-    room = budget_bytes - backward_working_set(chain, length)
-    if room < 0:
+    excess = absent_saved_bytes(chain, budget_bytes)
+    if excess is None:
         return math.inf
-    earlier = chain.stages[:-1]
-    excess = max(0, sum(s.saved_bytes for s in earlier) - room)
     if excess == 0:
         return compute
+    earlier = chain.stages[:-1]
     forward = sum(s.fwd_s for s in chain.stages)
     backward = sum(s.bwd_s for s in chain.stages)
     # Recompute cost curve R(e): cheapest seconds per byte first.

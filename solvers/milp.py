@@ -9,7 +9,8 @@ of consecutive stages (:mod:`solvers.coarsen`) and expands its plan, a two-level
 decomposition: the coarse MILP decides where the memory goes, and the fine model, when it can
 be built in time, improves that plan window by window (a large neighbourhood search whose every
 step is the same MILP with the decisions outside the window fixed), widening the windows up to
-the whole model. It stops as soon as a plan meets :func:`solvers.bounds.lower_bound_s`.
+the whole model. It stops as soon as a plan meets the lower bound of
+:func:`solvers.milp_bound.whole_tensor_bound_s`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.coarsen import balanced_groups, coarsen, expand
 from solvers.dp import DEFAULT_SLOTS, memory_need
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.frozen import least_budget, with_frozen_prefix
+from solvers.milp_bound import whole_tensor_bound_s
 from solvers.milp_codec import decode
 from solvers.milp_model import JointModel
 from solvers.milp_progress import ProgressCallback, ProgressReport
@@ -117,7 +118,9 @@ def solve_milp(
     candidates = warm_start_candidates(chain, budget_bytes, slots, offload, deadline)
     if not candidates:
         candidates = tight_budget_candidates(chain, budget_bytes, slots, offload, backend, deadline)
-    floor = lower_bound_s(chain, budget_bytes)
+    # A bound valid for every plan: whole-tensor lower_bound_s. A plan meeting it ends the
+    # search; in the model it tightens the relaxation.
+    floor = whole_tensor_bound_s(chain, budget_bytes, offload)
     if chain.length >= COARSE_FROM and not _meets(candidates, floor):
         coarse = coarse_candidate(chain, budget_bytes, offload, backend, slots, deadline)
         if coarse is not None:
@@ -149,7 +152,6 @@ def solve_milp(
     warm_schedule, warm_name, warm_time = first_in_family(candidates, chain.length)
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
     model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
-    # A bound valid for every plan (solvers.bounds.lower_bound_s) tightens the relaxation.
     report(warm_time, floor, force=True)
     if math.isfinite(floor):
         model.problem += model.makespan >= floor / model.time_unit * (1 - 1e-9), "lower_bound"

@@ -79,7 +79,7 @@ def require_backend(backend: str) -> None:
 
 
 @contextlib.contextmanager
-def _native_stdout_silenced() -> Iterator[None]:
+def native_stdout_silenced() -> Iterator[None]:
     """Point file descriptor 1 at /dev/null: native code's prints would corrupt ``--json``."""
     sys.stdout.flush()
     saved = os.dup(1)
@@ -110,7 +110,7 @@ class _HighsSession:
         self.report = report
         self.whole = False  # whether the run under way is of the whole model
         solver = pulp.HiGHS(msg=False, gapRel=gap)
-        with _native_stdout_silenced():  # HiGHS prints its banner from C, before msg applies
+        with native_stdout_silenced():  # HiGHS prints its banner from C, before msg applies
             solver.createAndConfigureSolver(model.problem)
         solver.buildSolverModel(model.problem)
         self.highs = model.problem.solverModel

@@ -157,7 +157,7 @@ def test_checkmate_is_the_milp_without_offloading() -> None:
     # rotor's DP is exact for recomputation on a chain (up to its rounding), so the two agree.
     dp = solve(chain, budget, "dp", slots=2000)
     assert plan.predicted_time_s == pytest.approx(dp.predicted_time_s)
-    assert plan.info["solver_status"] == "optimal"
+    assert plan.info["solver_status"].startswith("optimal")
     assert min_feasible_budget(chain, "checkmate") == memory_need(chain)
     with pytest.raises(InfeasibleBudgetError, match="no checkmate plan") as caught:
         solve(chain, memory_need(chain) - 1, "checkmate", time_limit_s=5)

@@ -1,0 +1,81 @@
+"""A tighter lower bound on the step time: :func:`solvers.bounds.lower_bound_s`'s argument with
+whole tensors.
+
+``lower_bound_s`` relaxes the choice of which saved sets are absent when B(L) starts to bytes
+(a fractional knapsack). A saved set is absent whole, though: each x̄_i (i < L) is kept, or
+recomputed after B(L) starts (f_i more compute), or offloaded before and prefetched after
+(its bytes on each channel). With binaries r_i and o_i (r_i + o_i <= 1) covering the absent
+bytes E,
+
+    minimise  max(Σf, Σ o_i x̄_i / d2h) + max(Σb + Σ r_i f_i, Σ o_i x̄_i / h2d),
+
+a MILP of 2(L - 1) binaries that HiGHS closes in milliseconds. Its optimum (or, if cut short,
+its proven dual bound) is a lower bound on every plan's time, never below ``lower_bound_s``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pulp
+
+from solvers.bounds import absent_saved_bytes, lower_bound_s
+from solvers.chain import Chain
+from solvers.frozen import prefix_peak, trained_part
+from solvers.milp_search import native_stdout_silenced
+
+
+def whole_tensor_bound_s(
+    chain: Chain, budget_bytes: int, offload: bool = True, time_limit_s: float = 5.0
+) -> float:
+    """The least step time any plan within ``budget_bytes`` can reach, with whole tensors
+    (recomputing only, with ``offload`` False)."""
+    fractional = lower_bound_s(chain, budget_bytes)
+    if not math.isfinite(fractional):
+        return fractional
+    if chain.frozen_stages:
+        if budget_bytes < prefix_peak(chain):
+            return math.inf
+        frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
+        part = whole_tensor_bound_s(
+            trained_part(chain), budget_bytes - chain.activation_bytes(0), offload, time_limit_s
+        )
+        return max(fractional, frozen_s + part)
+    excess = absent_saved_bytes(chain, budget_bytes)
+    if not excess:
+        return fractional
+    earlier = list(enumerate(chain.stages[:-1]))
+    scale = chain.compute_time_s or 1.0  # times in units of Σf + Σb, for the solver
+    problem = pulp.LpProblem("whole_tensor_bound", pulp.LpMinimize)
+    recompute = [problem.add_variable(f"r{i}", cat=pulp.LpBinary) for i, _ in earlier]
+    moved = [problem.add_variable(f"o{i}", cat=pulp.LpBinary) for i, _ in earlier]
+    first_pass = problem.add_variable("first_pass")
+    rest = problem.add_variable("rest")
+    problem += first_pass + rest
+    forward = sum(s.fwd_s for s in chain.stages) / scale
+    backward = sum(s.bwd_s for s in chain.stages) / scale
+    problem += first_pass >= forward
+    problem += rest >= backward + pulp.lpSum(
+        r * s.fwd_s / scale for r, (_, s) in zip(recompute, earlier, strict=True)
+    )
+    if chain.link is None or not offload:
+        problem += pulp.lpSum(moved) == 0
+    else:
+        offloaded = pulp.lpSum(o * s.saved_bytes for o, (_, s) in zip(moved, earlier, strict=True))
+        problem += first_pass >= offloaded / (chain.link.d2h_bytes_per_s * scale)
+        problem += rest >= offloaded / (chain.link.h2d_bytes_per_s * scale)
+    for r, o in zip(recompute, moved, strict=True):
+        problem += r + o <= 1
+    unit = max(s.saved_bytes for _, s in earlier)
+    problem += (
+        pulp.lpSum(
+            (r + o) * (s.saved_bytes / unit)
+            for r, o, (_, s) in zip(recompute, moved, earlier, strict=True)
+        )
+        >= excess / unit
+    )
+    with native_stdout_silenced():  # HiGHS prints its banner from C
+        problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+    info = problem.solverModel.getInfo()
+    proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
+    return max(fractional, proven * scale * (1 - 1e-9))

@@ -1,0 +1,60 @@
+"""The whole-tensor lower bound: never above an optimal plan's time, tighter than the
+fractional one where a saved set cannot be split."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+pytest.importorskip("highspy")
+
+from solvers.bounds import lower_bound_s
+from solvers.chain import Chain, Link, Stage
+from solvers.dp import memory_need
+from solvers.milp import solve_milp
+from solvers.milp_bound import whole_tensor_bound_s
+from solvers.registry import keep_all_peak
+from tests.test_dp import exhaustive_optimum, random_chain
+
+
+def test_a_saved_set_is_absent_whole_by_hand() -> None:
+    # Three stages, x̄ = 10 each, a = δ = 1, a_0 = 1, f = 1, b = 2, no link. B(3)'s working
+    # set is δ3 + x̄3 + δ2 = 12, so a budget of 29 leaves 17 for x̄1 + x̄2 = 20: 3 bytes must
+    # be absent when B(3) starts. The fractional bound recomputes 3/10 of a stage (0.3 s
+    # more than Σf + Σb = 9 s); with whole tensors, a whole stage (1 s more).
+    stages = tuple(Stage(f"s{i}", 1.0, 2.0, 1, 10) for i in range(1, 4))
+    chain = Chain("hand", 1, stages)
+    assert lower_bound_s(chain, 29) == pytest.approx(9.3)
+    assert whole_tensor_bound_s(chain, 29) == pytest.approx(10.0)
+    assert whole_tensor_bound_s(chain, 40) == lower_bound_s(chain, 40) == 9.0
+    assert whole_tensor_bound_s(chain, 11) == math.inf
+
+
+def test_never_above_the_optimum_recomputing_only() -> None:
+    tighter = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        chain = random_chain(rng, rng.randint(1, 5))
+        least, top = memory_need(chain), keep_all_peak(chain)
+        for budget in {least, (least + top) // 2, top}:
+            optimum = exhaustive_optimum(chain, budget)
+            bound = whole_tensor_bound_s(chain, budget)
+            assert lower_bound_s(chain, budget) <= bound <= optimum * (1 + 1e-9), seed
+            tighter += bound > lower_bound_s(chain, budget) * (1 + 1e-9)
+    assert tighter > 0
+
+
+def test_never_above_the_milps_proven_optimum_with_offloading() -> None:
+    for seed in range(12):
+        rng = random.Random(seed)
+        stages = tuple(
+            Stage(f"s{i}", rng.uniform(0.5, 2), rng.uniform(1, 4), 4, rng.randint(8, 40))
+            for i in range(1, rng.randint(3, 6))
+        )
+        chain = Chain("offload", 4, stages, Link(rng.uniform(5, 40), rng.uniform(5, 40)))
+        budget = int(keep_all_peak(chain) * rng.uniform(0.5, 0.9))
+        plan = solve_milp(chain, max(budget, memory_need(chain)), time_limit_s=20)
+        bound = whole_tensor_bound_s(chain, max(budget, memory_need(chain)))
+        assert bound <= plan.predicted_time_s * (1 + 1e-9), seed
