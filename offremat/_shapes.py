@@ -6,8 +6,8 @@ optimized model keeps a plan per input signature (the shapes, dtypes and devices
 tensor inputs, and its other arguments) and makes one, before the step runs, the first time a
 signature is seen. The budget stays the same number of bytes for every shape: it is the
 memory the device has. A new shape that differs from profiled ones in one size (a batch or a
-sequence length) inside their range, with three sizes profiled, gets a chain predicted from
-theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
+sequence length) and lies between two of them, or near three of them, gets a chain predicted
+from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules.
 """
