@@ -11,6 +11,7 @@ from torch import nn
 import offremat
 from offremat.measure import StepMemory
 from solvers.chain import Chain
+from solvers.registry import solve
 from tests import model_zoo as zoo
 
 
@@ -172,7 +173,12 @@ def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
         chains = [profile_model(model, batch(n), warmup=1, repeats=3) for _ in range(3)]
         return min(chains, key=lambda chain: chain.compute_time_s)
 
-    return {n: quickest(n) for n in sizes}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # threads contending with another process's time out of step
+    try:
+        return {n: quickest(n) for n in sizes}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -210,3 +216,49 @@ def test_the_predictor_declines_shapes_far_from_profiled_ones() -> None:
     assert predict_chain(two, 4) is None and predict_chain(two, 36) is None  # outside two
     assert predict_chain(three, 1) is None and predict_chain(three, 39) is None  # beyond reach
     assert predict_chain(three, 2) is not None and predict_chain(three, 38) is not None
+
+
+def test_with_the_milp_a_new_shape_runs_on_the_dps_plan_then_on_the_milps(tmp_path) -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    om = offremat.optimize(
+        model,
+        torch.randn(64, 64),
+        budget=2_000_000,
+        solver="milp",
+        bandwidth=1e12,  # copies cost next to nothing: the MILP offloads, the DP recomputes
+        cache_dir=tmp_path,
+    )
+    plans, files = [], []
+    for rows in (64, 128, 128, 128):
+        x = torch.randn(rows, 64, generator=generator)
+        check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
+        plans.append(om.plan)
+        files.append(len(list(tmp_path.glob("*.json"))))
+    # Which solver's plan a step runs on depends on the order of shapes only, never on timing.
+    assert [plan.solver for plan in plans] == ["milp", "dp", "milp", "milp"]
+    assert files == [1, 1, 2, 2]  # the disk keeps the MILP's plans, not the DP's stand-in
+    dp, milp = plans[1], plans[2]
+    assert "recompute" in dp.decisions.values() and "recompute" not in milp.decisions.values()
+    assert milp.predicted_time_s < dp.predicted_time_s
+    assert plans[3] is milp  # improved once, then reused
+    assert om.cache_info()["improved"] == 1
+
+
+def test_with_the_milp_a_shape_only_offloading_fits_gets_the_milps_plan_at_once() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(4)
+    # At 128 rows the DP's least budget is about 726 kB and the MILP's, offloading, 721 kB.
+    om = offremat.optimize(
+        model, torch.randn(64, 64), budget=723_000, solver="milp", bandwidth=1e12
+    )
+    x = torch.randn(128, 64, generator=generator)
+    # Profiling 128 rows takes more than the budget, so the step that plans is not measured.
+    step(om, x, torch.zeros(128, 64))
+    check_step(om, model, reference, x, torch.randn(128, 64, generator=generator))
+    assert om.plan.solver == "milp" and any(op.kind == "offload" for op in om.plan.ops)
+    with pytest.raises(offremat.InfeasibleBudgetError):
+        solve(om.chain, 723_000, "dp")
+    assert om.cache_info()["improved"] == 0
