@@ -63,7 +63,14 @@ class Request:
     ) -> ShapePlans:
         """The plans by input shape, starting with the example's."""
         solve_shape = _solver_for(plan, self.solver, self.solver_options)
-        plans = ShapePlans(modules, profile_shape, solve_shape, self.measure_memory, self.disk)
+        plans = ShapePlans(
+            modules,
+            profile_shape,
+            solve_shape,
+            self.measure_memory,
+            self.disk,
+            _quick_for(plan, self.solver, self.solver_options),
+        )
         plans.add(example, chain, plan)
         return plans
 
@@ -90,6 +97,18 @@ def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Call
     if plan.budget_bytes is None:
         return lambda chain: score(plan, chain, None)
     return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
+
+
+def _quick_for(
+    plan: Plan, solver: str, solver_options: dict[str, Any]
+) -> Callable[[Chain], Plan] | None:
+    """The MILP takes seconds, so a new shape's first step runs on the DP's plan (at the same
+    ``slots``) and the MILP's replaces it at the next one; other solvers are quick already."""
+    if solver != "milp" or plan.budget_bytes is None:
+        return None
+    budget = plan.budget_bytes
+    slots = solver_options.get("slots")
+    return lambda chain: solve(chain, budget, "dp", slots=slots)
 
 
 def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:

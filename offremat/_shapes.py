@@ -6,10 +6,11 @@ optimized model keeps a plan per input signature (the shapes, dtypes and devices
 tensor inputs, and its other arguments) and makes one, before the step runs, the first time a
 signature is seen. The budget stays the same number of bytes for every shape: it is the
 memory the device has. A new shape that differs from profiled ones in one size (a batch or a
-sequence length) inside their range, with three sizes profiled, gets a chain predicted from
-theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
+sequence length) and lies between two of them, or near three of them, gets a chain predicted
+from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
-runs the same stage modules.
+runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
+quick solver's plan (the DP's) and the slow one replaces it at the shape's next step.
 """
 
 from __future__ import annotations
@@ -97,14 +98,16 @@ class ShapeCache:
     misses: int = 0
     from_disk: int = 0
     predicted: int = 0
+    improved: int = 0
     planning_s: float = 0.0
 
 
 class ShapePlans:
     """The executors of an optimized model, one per input signature, made on first sight.
 
-    ``profile`` profiles a batch of a new shape into a chain of the same stages; the plan is
-    solved by ``solver`` at ``budget_bytes`` (None: the first plan's ops, scored).
+    ``profile`` profiles a batch of a new shape into a chain of the same stages; ``solve``
+    makes its plan. With ``quick``, a new shape's first plan is ``quick``'s where it fits, and
+    ``solve`` replaces it at the shape's next step.
     """
 
     def __init__(
@@ -114,14 +117,17 @@ class ShapePlans:
         solve: Callable[[Chain], Plan],
         measure_memory: bool,
         disk: PlanCache | None = None,
+        quick: Callable[[Chain], Plan] | None = None,
     ):
         self.stages = list(stages)
         self.profile = profile
         self.solve = solve
+        self.quick = quick
         self.measure_memory = measure_memory
         self.disk = disk
         self.executors: dict[Signature, PlanExecutor] = {}
         self.profiled: dict[Signature, Chain] = {}
+        self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
 
@@ -161,6 +167,8 @@ class ShapePlans:
         executor = self.executors.get(signature)
         if executor is not None:
             self.cache.hits += 1
+            if signature in self.provisional:
+                executor = self._improve(signature, executor.chain)
         else:
             self.cache.misses += 1
             began = time.perf_counter()
@@ -170,37 +178,70 @@ class ShapePlans:
                 self.cache.from_disk += 1
             else:
                 chain = self._chain(signature, batch)
-                try:
-                    plan = self.solve(chain)
-                except InfeasibleBudgetError as error:
-                    shape = describe(signature)
-                    raise InfeasibleBudgetError(
-                        error.budget_bytes, error.min_budget_bytes, error.solver, shape
-                    ) from None
-                if self.disk is not None:
+                plan = self._plan(signature, chain)
+                # The disk keeps the final solver's plans only.
+                if self.disk is not None and signature not in self.provisional:
                     self.disk.store(repr(signature), chain, plan)
-            executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
-            self.executors[signature] = executor
-            self.cache.planning_s += time.perf_counter() - began
-            logger.info(
-                "planned input %s in %.2f s: %s plan, predicted peak %s",
-                describe(signature),
-                time.perf_counter() - began,
-                plan.solver,
-                format_bytes(plan.predicted_peak_bytes or 0),
-            )
+            executor = self._install(signature, chain, plan, began, "planned")
         self.last = executor
+        return executor
+
+    def _plan(self, signature: Signature, chain: Chain) -> Plan:
+        """``quick``'s plan (then provisional) where it fits, else ``solve``'s; the error of a
+        budget too small names the shape."""
+        try:
+            if self.quick is not None:
+                try:
+                    plan = self.quick(chain)
+                except InfeasibleBudgetError:
+                    pass  # the final solver may fit where the quick one does not (offloading)
+                else:
+                    self.provisional.add(signature)
+                    return plan
+            return self.solve(chain)
+        except InfeasibleBudgetError as error:
+            raise InfeasibleBudgetError(
+                error.budget_bytes, error.min_budget_bytes, error.solver, describe(signature)
+            ) from None
+
+    def _improve(self, signature: Signature, chain: Chain) -> PlanExecutor:
+        """The final solver's plan in place of the provisional one, stored on disk."""
+        began = time.perf_counter()
+        self.provisional.discard(signature)
+        plan = self.solve(chain)
+        if self.disk is not None:
+            self.disk.store(repr(signature), chain, plan)
+        self.cache.improved += 1
+        return self._install(signature, chain, plan, began, "improved the plan for")
+
+    def _install(
+        self, signature: Signature, chain: Chain, plan: Plan, began: float, done: str
+    ) -> PlanExecutor:
+        executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
+        self.executors[signature] = executor
+        seconds = time.perf_counter() - began
+        self.cache.planning_s += seconds
+        logger.info(
+            "%s input %s in %.2f s: %s plan, predicted peak %s",
+            done,
+            describe(signature),
+            seconds,
+            plan.solver,
+            format_bytes(plan.predicted_peak_bytes or 0),
+        )
         return executor
 
     def info(self) -> dict[str, Any]:
         """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read
         from the disk cache (``from_disk``) or planned on a predicted chain (``predicted``),
-        and seconds spent planning."""
+        provisional plans replaced by the final solver's (``improved``), and seconds spent
+        planning."""
         return {
             "hits": self.cache.hits,
             "misses": self.cache.misses,
             "plans": len(self.executors),
             "from_disk": self.cache.from_disk,
             "predicted": self.cache.predicted,
+            "improved": self.cache.improved,
             "planning_s": self.cache.planning_s,
         }

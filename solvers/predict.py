@@ -3,11 +3,15 @@
 Mimose (Liao et al. 2022) predicts each layer's memory from the input size with a small
 regression, fitted online from the sizes already seen. Here every per-stage figure of the
 cost model (times, and the bytes of outputs, saved sets, gradients and temporaries) and the
-chain-wide ones are fitted as a polynomial of degree at most two in one size ``n`` (a batch
-size or a sequence length): activation bytes are exactly such a polynomial (linear layers
-scale with n, attention scores with n²), and times nearly so. A prediction is made only
-between the smallest and the largest profiled size, from three profiled sizes or more;
-anything else is left to a real profile.
+chain-wide ones are fitted as a polynomial in one size ``n`` (a batch size or a sequence
+length): activation bytes are such a polynomial of degree at most two (linear layers scale
+with n, attention scores with n²), and times nearly so.
+
+From two profiled sizes the fit is a line, used only between them: exact for a figure linear
+in n, and for a convex quadratic (n² with a positive coefficient) the chord lies above the
+curve there, so bytes are never underestimated. From three sizes or more it is a quadratic,
+used between them and up to :data:`REACH` of their span beyond. Anything else is left to a
+real profile.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ import numpy as np
 
 from solvers.chain import STAGE_BYTE_FIELDS, Chain, Stage
 
-MIN_POINTS = 3
-"""Profiled sizes needed before predicting: three points determine a quadratic."""
+MIN_POINTS = 2
+"""Profiled sizes needed before predicting between them: two points determine a line."""
+
+REACH = 0.25
+"""How far beyond the profiled sizes a quadratic fit (three sizes or more) predicts, as a
+fraction of their span: a quadratic through three exact points of a quadratic is exact
+everywhere, but a figure that changes regime (another kernel chosen above some size) is not
+one, so the prediction stays near what was measured."""
 
 _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 
@@ -29,20 +39,24 @@ _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain | None:
     """The chain at ``size`` fitted from ``(size, chain)`` pairs, or None when unsure.
 
-    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` outside their range, or
-    chains whose stages differ.
+    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` outside their range (two
+    sizes) or more than :data:`REACH` of their span outside it (three or more), or chains
+    whose stages differ.
     """
     sizes = sorted({float(n) for n, _ in profiled})
-    if len(sizes) < MIN_POINTS or not sizes[0] <= size <= sizes[-1]:
+    if len(sizes) < MIN_POINTS:
+        return None
+    reach = REACH * (sizes[-1] - sizes[0]) if len(sizes) > MIN_POINTS else 0.0
+    if not sizes[0] - reach <= size <= sizes[-1] + reach:
         return None
     chains = [chain for _, chain in profiled]
     names = chains[0].stage_names
     if any(chain.stage_names != names for chain in chains):
         return None
     xs = np.array([float(n) for n, _ in profiled])
+    degree = min(2, len(sizes) - 1)
 
     def fitted(values: Sequence[float]) -> float:
-        degree = min(2, len(set(xs.tolist())) - 1)
         coefficients = np.polyfit(xs, np.array(values, dtype=float), degree)
         return float(np.polyval(coefficients, size))
 

@@ -10,6 +10,8 @@ from torch import nn
 
 import offremat
 from offremat.measure import StepMemory
+from solvers.chain import Chain
+from solvers.registry import solve
 from tests import model_zoo as zoo
 
 
@@ -123,23 +125,34 @@ def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog
     assert "ignoring" not in caplog.text  # another budget is another entry, not a foreign one
 
 
-def test_a_shape_between_three_profiled_ones_is_planned_on_a_predicted_chain() -> None:
+def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
     model = mlp()
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(2)
-    om = offremat.optimize(model, torch.randn(64, 64), budget=2_000_000)
-    for rows in (256, 128, 192):
+    # Room for profiling 320 rows inside the measured step (a stage run as plain autograd).
+    om = offremat.optimize(model, torch.randn(64, 64), budget=2_300_000)
+    sources = {}
+    # 32 lies outside the two profiled sizes: profiled. 288 lies beyond three profiled sizes
+    # by less than a quarter of their span: predicted. 320 lies too far: profiled.
+    for rows in (256, 128, 192, 32, 288, 320):
         x = torch.randn(rows, 64, generator=generator)
         check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
-    assert om.cache_info()["predicted"] == 1
-    assert om.chain.metadata["predicted_from"] == [64.0, 128.0, 256.0]
+        sources[rows] = om.chain.metadata.get("predicted_from")
+    assert sources == {
+        256: None,
+        128: [64.0, 256.0],
+        192: [64.0, 256.0],
+        32: None,
+        288: [32.0, 64.0, 256.0],
+        320: None,
+    }
+    assert om.cache_info()["predicted"] == 3
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "resnet"])
-def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name) -> None:
+def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
+    """Real profiles of the in-repo GPT (by sequence length) or ResNet (by batch size)."""
     from offremat import models
     from offremat.profiler import profile_model
-    from solvers.predict import predict_chain
 
     if model_name == "gpt":
         config = models.GPTConfig(layers=2, hidden=64, heads=4, seq=256, vocab=128, dropout=0.0)
@@ -148,7 +161,6 @@ def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name) -> N
         def batch(n):
             return models.gpt_batch(models.GPTConfig(**{**config.__dict__, "seq": n}), 4)
 
-        sizes, unseen = (64, 128, 256), 192
     else:
         config = models.ResNetConfig(blocks=(1, 1), width=8, image=16)
         model = models.build_resnet(config)
@@ -156,10 +168,34 @@ def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name) -> N
         def batch(n):
             return models.resnet_batch(config, n)
 
-        sizes, unseen = (8, 16, 32), 24
-    profiled = [(n, profile_model(model, batch(n), warmup=1, repeats=5)) for n in sizes]
-    predicted = predict_chain(profiled, unseen)
-    real = profile_model(model, batch(unseen), warmup=1, repeats=5)
+    def quickest(n: int) -> Chain:
+        # Of three profiles, the least loaded: another process's load only ever adds time.
+        chains = [profile_model(model, batch(n), warmup=1, repeats=3) for _ in range(3)]
+        return min(chains, key=lambda chain: chain.compute_time_s)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # threads contending with another process's time out of step
+    try:
+        return {n: quickest(n) for n in sizes}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "sizes", "unseen"),
+    [
+        ("gpt", (64, 256), 192),  # between two: a line
+        ("gpt", (64, 128, 256), 32),  # below three: a quadratic
+        ("resnet", (8, 32), 24),
+        ("resnet", (8, 16, 24), 28),  # above three
+    ],
+)
+def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name, sizes, unseen):
+    from solvers.predict import predict_chain
+
+    chains = _profiles(model_name, (*sizes, unseen))
+    real = chains.pop(unseen)
+    predicted = predict_chain(list(chains.items()), unseen)
     assert predicted is not None
     for field in ("input_bytes", "held_bytes"):
         assert getattr(predicted, field) == pytest.approx(getattr(real, field), rel=0.1)
@@ -167,5 +203,62 @@ def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name) -> N
         for field in ("out_bytes", "saved_bytes", "grad_bytes", "bwd_tmp_bytes"):
             assert getattr(guess, field) == pytest.approx(getattr(truth, field), rel=0.1, abs=64)
     # Times are noisy on a shared 2-core machine; the whole step's is compared.
-    total = sum(s.fwd_s + s.bwd_s for s in real.stages)
-    assert sum(s.fwd_s + s.bwd_s for s in predicted.stages) == pytest.approx(total, rel=0.2)
+    assert predicted.compute_time_s == pytest.approx(real.compute_time_s, rel=0.2)
+
+
+def test_the_predictor_declines_shapes_far_from_profiled_ones() -> None:
+    from solvers.predict import predict_chain
+
+    chains = _profiles("resnet", (8, 16, 32))
+    two = [(8, chains[8]), (32, chains[32])]
+    three = list(chains.items())
+    assert predict_chain(two[:1], 16) is None  # one size: nothing to fit
+    assert predict_chain(two, 4) is None and predict_chain(two, 36) is None  # outside two
+    assert predict_chain(three, 1) is None and predict_chain(three, 39) is None  # beyond reach
+    assert predict_chain(three, 2) is not None and predict_chain(three, 38) is not None
+
+
+def test_with_the_milp_a_new_shape_runs_on_the_dps_plan_then_on_the_milps(tmp_path) -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    om = offremat.optimize(
+        model,
+        torch.randn(64, 64),
+        budget=2_000_000,
+        solver="milp",
+        bandwidth=1e12,  # copies cost next to nothing: the MILP offloads, the DP recomputes
+        cache_dir=tmp_path,
+    )
+    plans, files = [], []
+    for rows in (64, 128, 128, 128):
+        x = torch.randn(rows, 64, generator=generator)
+        check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
+        plans.append(om.plan)
+        files.append(len(list(tmp_path.glob("*.json"))))
+    # Which solver's plan a step runs on depends on the order of shapes only, never on timing.
+    assert [plan.solver for plan in plans] == ["milp", "dp", "milp", "milp"]
+    assert files == [1, 1, 2, 2]  # the disk keeps the MILP's plans, not the DP's stand-in
+    dp, milp = plans[1], plans[2]
+    assert "recompute" in dp.decisions.values() and "recompute" not in milp.decisions.values()
+    assert milp.predicted_time_s < dp.predicted_time_s
+    assert plans[3] is milp  # improved once, then reused
+    assert om.cache_info()["improved"] == 1
+
+
+def test_with_the_milp_a_shape_only_offloading_fits_gets_the_milps_plan_at_once() -> None:
+    model = mlp()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(4)
+    # At 128 rows the DP's least budget is about 726 kB and the MILP's, offloading, 721 kB.
+    om = offremat.optimize(
+        model, torch.randn(64, 64), budget=723_000, solver="milp", bandwidth=1e12
+    )
+    x = torch.randn(128, 64, generator=generator)
+    # Profiling 128 rows takes more than the budget, so the step that plans is not measured.
+    step(om, x, torch.zeros(128, 64))
+    check_step(om, model, reference, x, torch.randn(128, 64, generator=generator))
+    assert om.plan.solver == "milp" and any(op.kind == "offload" for op in om.plan.ops)
+    with pytest.raises(offremat.InfeasibleBudgetError):
+        solve(om.chain, 723_000, "dp")
+    assert om.cache_info()["improved"] == 0
