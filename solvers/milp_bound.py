@@ -9,7 +9,10 @@ bytes E,
 
     minimise  max(Σf, Σ o_i x̄_i / d2h) + max(Σb + Σ r_i f_i, Σ o_i x̄_i / h2d),
 
-a MILP of 2(L - 1) binaries that HiGHS closes in milliseconds. Its optimum (or, if cut short,
+and, since the copy of x̄_i leaves only once F(i) has run and must be back before B(i) starts,
+for every k the first pass lasts at least f_1 + ... + f_k + Σ_{i >= k} o_i x̄_i / d2h and the
+rest at least Σ_{i >= k} o_i x̄_i / h2d + b_k + ... + b_1: a MILP of 2(L - 1) binaries that
+HiGHS closes in milliseconds. Its optimum (or, if cut short,
 its proven dual bound) is a lower bound on every plan's time, never below ``lower_bound_s``.
 """
 
@@ -61,9 +64,19 @@ def whole_tensor_bound_s(
     if chain.link is None or not offload:
         problem += pulp.lpSum(moved) == 0
     else:
-        offloaded = pulp.lpSum(o * s.saved_bytes for o, (_, s) in zip(moved, earlier, strict=True))
-        problem += first_pass >= offloaded / (chain.link.d2h_bytes_per_s * scale)
-        problem += rest >= offloaded / (chain.link.h2d_bytes_per_s * scale)
+        d2h = chain.link.d2h_bytes_per_s * scale
+        h2d = chain.link.h2d_bytes_per_s * scale
+        first_forwards = 0.0  # f_1 + ... + f_k
+        for k in range(1, len(earlier) + 1):
+            # The copies of x̄_i, i >= k: out after F(k) ends, back before B(k) starts.
+            later = pulp.lpSum(
+                o * s.saved_bytes
+                for o, (_, s) in zip(moved[k - 1 :], earlier[k - 1 :], strict=True)
+            )
+            first_forwards += chain.stage(k).fwd_s / scale
+            last_backwards = sum(chain.stage(j).bwd_s for j in range(1, k + 1)) / scale
+            problem += first_pass >= first_forwards + later / d2h
+            problem += rest >= later / h2d + last_backwards
     for r, o in zip(recompute, moved, strict=True):
         problem += r + o <= 1
     unit = max(s.saved_bytes for _, s in earlier)
