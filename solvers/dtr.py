@@ -61,13 +61,13 @@ class _Run:
         size = semantics.tensor_bytes
         return sum(size(tensor, self.chain) for tensor in self.resident) + self.held
 
-    def run(self, op: Op) -> None:
-        """Evict until ``op`` fits, then emit it."""
+    def run(self, op: Op, keep: frozenset[Tensor] = frozenset()) -> None:
+        """Evict until ``op`` fits, never what it reads or ``keep``, then emit it."""
         change = semantics.effect(op)
         assert change.allocates is not None
         holder = semantics.stage_input(op.index, self.resident)
         assert holder is not None, f"{op} has no input"
-        pinned = {*change.reads, holder}
+        pinned = {*change.reads, holder, *keep}
         needed = semantics.tensor_bytes(change.allocates, self.chain)
         needed += semantics.temporary_bytes(op, self.chain)
         while self.resident_bytes() + needed > self.budget_bytes:
@@ -75,7 +75,7 @@ class _Run:
         self.ops.append(op)
         semantics.apply(self.resident, op)
         self.clock += semantics.duration_s(op, self.chain)
-        for tensor in (*pinned, change.allocates):
+        for tensor in (*change.reads, holder, change.allocates):
             self.last_use[tensor] = self.clock
         if op.kind == BACKWARD and op.index == self.chain.length:
             self.held = self.chain.held_bytes
@@ -112,12 +112,13 @@ class _Run:
             j -= 1
         return j
 
-    def bring_back_input(self, i: int) -> None:
-        """Recompute a_{i-1} with F_ck from the nearest resident activation, if it is gone."""
+    def bring_back_input(self, i: int, keep: frozenset[Tensor] = frozenset()) -> None:
+        """Recompute a_{i-1} with F_ck from the nearest resident activation, if it is gone,
+        never evicting ``keep``."""
         if semantics.stage_input(i, self.resident) is not None:
             return
         for m in range(self.nearest_below(i - 1) + 1, i):
-            self.run(forward_checkpoint(m))
+            self.run(forward_checkpoint(m), keep)
 
 
 def _dtr_ops(chain: Chain, budget_bytes: int) -> list[Op]:
@@ -129,7 +130,7 @@ def _dtr_ops(chain: Chain, budget_bytes: int) -> list[Op]:
         run.bring_back_input(i)
         if (SAVED, i) not in run.resident:
             run.run(forward_all(i))
-            run.bring_back_input(i)
+            run.bring_back_input(i, keep=frozenset({(SAVED, i)}))
         run.run(backward(i))
     return run.ops
 
