@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.coarsen import balanced_groups, coarsen, expand
@@ -153,8 +154,12 @@ def solve_milp(
     cap = None if warm_time is None else warm_time * (1 + 1e-6)
     model = JointModel(chain, budget_bytes, offload, time_cap_s=cap)
     report(warm_time, floor, force=True)
-    if math.isfinite(floor):
-        model.problem += model.makespan >= floor / model.time_unit * (1 - 1e-9), "lower_bound"
+    relaxation_floor = lower_bound_s(chain, budget_bytes)
+    if math.isfinite(relaxation_floor):
+        model.problem += (
+            model.makespan >= relaxation_floor / model.time_unit * (1 - 1e-9),
+            "lower_bound",
+        )
     if backend == "highs":
         search = search_highs(model, warm_schedule, gap, deadline, report, floor_s=floor)
     else:
