@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 
 from solvers.chain import Chain
-from solvers.frozen import least_budget, prefix_peak, trained_part
+from solvers.frozen import least_budget, trained_part
 
 
 def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):
@@ -87,13 +87,10 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     if budget_bytes is None:
         return compute
     if chain.frozen_stages:
-        # The frozen forwards run once; the trained part has what a_0 leaves of the budget.
-        if budget_bytes < prefix_peak(chain):
-            return math.inf
+        # The frozen forwards run at least once. No backward reads a_0, so a plan may drop it
+        # after them: the trained part is bounded with the whole budget.
         frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
-        return frozen_s + lower_bound_s(
-            trained_part(chain), budget_bytes - chain.activation_bytes(0)
-        )
+        return frozen_s + lower_bound_s(trained_part(chain), budget_bytes)
     excess = absent_saved_bytes(chain, budget_bytes)
     if excess is None:
         return math.inf

@@ -10,9 +10,11 @@ Design note, conservative groups. A group G = stages p..q is a stage whose outpu
 saved set the union of x̄_p..x̄_q, gradient δ_q, times the sums, and temporaries chosen so
 that at every instant of the expanded operations the fine chain holds no more than the group
 chain does at the matching instant (``docs/plan-format.md``'s rules, worked out per field in
-:func:`group_stage`). So an expanded plan's peak is at most the group plan's, and with the
-copies of a group issued together, its makespan no later. The simulator scores the expanded
-plan on the fine chain anyway; nothing is taken on trust.
+:func:`group_stage`). So, replayed without a budget, an expanded plan's peak is at most the
+group plan's and its makespan no later. Under a budget the simulator admits allocations in
+list order, and a prefetch listed ahead of a group's later backwards can take the memory
+they need: the expanded plan is scored on the fine chain, and :func:`expand` can list the
+prefetches after the group's backwards instead. Nothing is taken on trust.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def coarsen(chain: Chain, groups: Groups) -> Chain:
     )
 
 
-def expand(plan: Plan, chain: Chain, groups: Groups) -> Plan:
+def expand(plan: Plan, chain: Chain, groups: Groups, prefetch_late: bool = False) -> Plan:
     """A plan of the group chain as a plan of ``chain`` (unscored).
 
     Each op of group p..q becomes the ops of its stages. An offload during the first pass
@@ -113,8 +115,13 @@ def expand(plan: Plan, chain: Chain, groups: Groups) -> Plan:
     start (and in the MILP's family of plans); any other copy listed after a compute op is
     issued when that op starts, so it is listed after the first op of the op's expansion, to
     start when the group's would. A saved set's stages come back in the order the backward
-    reads them.
+    reads them. With ``prefetch_late``, prefetches go after the last op of a group's
+    backward instead: later copies, but under a budget none is admitted ahead of the
+    group's own backwards.
     """
+    starts = [1, *(last + 1 for _, last in groups[:-1])]
+    if [first for first, _ in groups] != starts or groups[-1][1] != chain.length:
+        raise ValueError(f"groups {groups} do not tile stages 1..{chain.length} in order")
     ops: list[Op] = []
     first_pass_offloads: set[tuple[str, int]] = set()
     copies_at = 0  # where the copies listed after the last compute op go
@@ -123,6 +130,8 @@ def expand(plan: Plan, chain: Chain, groups: Groups) -> Plan:
         if op.is_compute:
             copies_at = len(ops) + 1
             ops += _compute(op.kind, first, last)
+            if prefetch_late and op.kind == BACKWARD:
+                copies_at = len(ops)
             continue
         if op.target == ACTIVATION:
             moved = [Op(op.kind, last, ACTIVATION)]

@@ -127,10 +127,10 @@ def _dtr_ops(chain: Chain, budget_bytes: int) -> list[Op]:
     for i in range(1, chain.length + 1):
         run.run(forward_all(i))
     for i in range(chain.length, 0, -1):
-        run.bring_back_input(i)
+        # B(i)'s saved set, once resident, is locked while its input is rebuilt.
+        run.bring_back_input(i, keep=frozenset({(SAVED, i)} & run.resident))
         if (SAVED, i) not in run.resident:
             run.run(forward_all(i))
-            run.bring_back_input(i, keep=frozenset({(SAVED, i)}))
         run.run(backward(i))
     return run.ops
 

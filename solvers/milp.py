@@ -116,13 +116,19 @@ def solve_milp(
         )
         offload = False
 
-    candidates = warm_start_candidates(chain, budget_bytes, slots, offload, deadline)
+    # A long chain's offloaded prefix is searched on its groups, in a fraction of the time.
+    long_chain = chain.length >= COARSE_FROM
+    candidates = warm_start_candidates(
+        chain, budget_bytes, slots, offload, deadline, with_prefix=not long_chain
+    )
     if not candidates:
         candidates = tight_budget_candidates(chain, budget_bytes, slots, offload, backend, deadline)
     # A bound valid for every plan: whole-tensor lower_bound_s. A plan meeting it ends the
     # search; in the model it tightens the relaxation.
-    floor = whole_tensor_bound_s(chain, budget_bytes, offload)
-    if chain.length >= COARSE_FROM and not _meets(candidates, floor):
+    floor = whole_tensor_bound_s(
+        chain, budget_bytes, offload, time_limit_s=min(1.0, 0.05 * time_limit_s)
+    )
+    if long_chain and not _meets(candidates, floor):
         coarse = coarse_candidate(chain, budget_bytes, offload, backend, slots, deadline)
         if coarse is not None:
             candidates = sorted([*candidates, coarse], key=lambda item: item[1].predicted_time_s)
@@ -250,6 +256,10 @@ def coarse_candidate(
     except InfeasibleBudgetError:
         return None
     expanded = scored_plan(list(expand(plan, chain, groups).ops), chain, budget_bytes)
+    if not expanded.feasible:
+        # Prefetches admitted ahead of the group's later backwards can crowd them out.
+        late = expand(plan, chain, groups, prefetch_late=True)
+        expanded = scored_plan(list(late.ops), chain, budget_bytes)
     logger.info(
         "milp on %d groups: %.4g s in %.1f s (%s)",
         len(groups),

@@ -24,7 +24,7 @@ import pulp
 
 from solvers.bounds import absent_saved_bytes, lower_bound_s
 from solvers.chain import Chain
-from solvers.frozen import prefix_peak, trained_part
+from solvers.frozen import trained_part
 from solvers.milp_search import native_stdout_silenced
 
 
@@ -37,12 +37,9 @@ def whole_tensor_bound_s(
     if not math.isfinite(fractional):
         return fractional
     if chain.frozen_stages:
-        if budget_bytes < prefix_peak(chain):
-            return math.inf
+        # As in lower_bound_s: a plan may drop a_0 after the frozen forwards.
         frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
-        part = whole_tensor_bound_s(
-            trained_part(chain), budget_bytes - chain.activation_bytes(0), offload, time_limit_s
-        )
+        part = whole_tensor_bound_s(trained_part(chain), budget_bytes, offload, time_limit_s)
         return max(fractional, frozen_s + part)
     excess = absent_saved_bytes(chain, budget_bytes)
     if not excess:

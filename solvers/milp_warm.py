@@ -54,9 +54,15 @@ FINER_SLOTS = (10, 100)
 
 
 def warm_start_candidates(
-    chain: Chain, budget_bytes: int, slots: int, offload: bool, deadline: float
+    chain: Chain,
+    budget_bytes: int,
+    slots: int,
+    offload: bool,
+    deadline: float,
+    with_prefix: bool = True,
 ) -> list[tuple[str, Plan]]:
-    """Rotor's DP, every baseline and the offloaded-prefix plans that fit, fastest first."""
+    """Rotor's DP, every baseline and (``with_prefix``) the offloaded-prefix plans that fit,
+    fastest first."""
     found: list[tuple[str, Plan]] = []
     with contextlib.suppress(InfeasibleBudgetError):
         found.append(("dp", solve_dp(chain, budget_bytes, slots)))
@@ -66,7 +72,7 @@ def warm_start_candidates(
         scored = score(build(chain), chain, budget_bytes)
         if scored.feasible:
             found.append((name, scored))
-    if offload:
+    if offload and with_prefix:
         prefix = _offloaded_prefix_plan(chain, budget_bytes, slots, deadline)
         if prefix is not None:
             found.append(("offloaded prefix + dp", prefix))

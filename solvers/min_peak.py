@@ -67,8 +67,8 @@ def segment_peaks(chain: Chain, first: int) -> list[tuple[int, int]]:
 
 def least_peak_segments(chain: Chain) -> tuple[int, list[tuple[int, int]]]:
     """The least peak of a segmented plan and its segments (first, last), by the recurrence
-    of the module's design note; among segmentations of equal peak, fewer recomputed stages
-    are preferred at each step."""
+    of the module's design note; among segmentations of equal peak, less recomputation
+    time is preferred at each step."""
     length = chain.length
     # best[f] = (peak of stages f..L with f starting a segment, recomputed seconds, segment end)
     best: list[tuple[float, float, int]] = [(-math.inf, 0.0, length)] * (length + 2)

@@ -155,7 +155,8 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
         # Imported here so that the registry loads without PuLP until the MILP is asked for.
         from solvers.milp import least_feasible_budget
 
-        given = {k: v for k, v in options.items() if v is not None and k != "slots"}
+        taken = ("time_limit_s", "backend", "offload")  # least_feasible_budget's options
+        given = {k: v for k, v in options.items() if v is not None and k in taken}
         if solver == "checkmate":
             given["offload"] = False
         return least_feasible_budget(chain, **given)

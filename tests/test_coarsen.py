@@ -1,5 +1,6 @@
-"""Group chains and the two-level MILP: an expanded plan never holds more, nor ends later,
-than its group plan, as the simulator (which coarsen does not use) measures both."""
+"""Group chains and the two-level MILP: replayed without a budget, an expanded plan never
+holds more, nor ends later, than its group plan, as the simulator (which coarsen does not use)
+measures both."""
 
 from __future__ import annotations
 
@@ -117,3 +118,11 @@ def test_a_plan_that_meets_the_lower_bound_ends_the_search_at_once() -> None:
     assert plan.info["model"] is None  # no model was built
     assert plan.info["gap"] == 0.0
     assert plan.predicted_time_s == pytest.approx(lower_bound_s(chain, keep_all_peak(chain)))
+
+
+def test_groups_that_do_not_tile_the_chain_are_refused() -> None:
+    stages = tuple(Stage(f"s{i}", 1.0, 2.0, 1, 2) for i in range(1, 5))
+    chain = Chain("four", 1, stages)
+    plan = BASELINES["keep-all"](coarsen(chain, ((1, 2), (3, 4))))
+    with pytest.raises(ValueError, match="do not tile"):
+        expand(plan, chain, ((1, 1), (3, 4)))

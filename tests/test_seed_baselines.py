@@ -109,6 +109,22 @@ def test_dtr_by_hand() -> None:
     assert solve(chain, 9, "dtr").ops == keep_all(chain).ops
 
 
+def test_dtr_keeps_a_stale_tensor_that_is_dear_to_recompute() -> None:
+    # Before B(4), x̄_1 was last read 2 s ago and x̄_2 1 s ago (F_all(2) ends at 51, F_all(3)
+    # at 52, F_all(4) at 53), both 4 bytes; x̄_3 holds B(4)'s input. x̄_1 costs 50 s to bring
+    # back, x̄_2 1 s: h = 50 / (4 × 2) against 1 / (4 × 1), so DTR frees x̄_2, where least
+    # recently used (or lowest index) would free x̄_1.
+    stages = (
+        Stage("dear", 50.0, 1.0, 1, 4),
+        Stage("cheap", 1.0, 1.0, 1, 4),
+        Stage("s3", 1.0, 1.0, 1, 4),
+        Stage("s4", 1.0, 1.0, 1, 4),
+    )
+    chain = Chain("stale-but-dear", 1, stages)
+    plan = solve(chain, keep_all_peak(chain) - 1, "dtr")
+    assert next(str(op) for op in plan.ops if op.kind == FREE) == "free(x̄2)"
+
+
 def test_dtr_evicts_the_least_cost_per_byte_and_staleness() -> None:
     # Stage 1 is cheap to recompute and stage 2 dear; both saved sets are the same size and
     # stage 1's is staler: DTR evicts x̄_1 first however the budget is cut.
