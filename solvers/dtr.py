@@ -21,6 +21,7 @@ The result is an ordinary plan (forwards, backwards and ``free``), scored by
 from __future__ import annotations
 
 from solvers import semantics
+from solvers.baselines import keep_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.frozen import least_budget, with_frozen_prefix
@@ -37,7 +38,7 @@ from solvers.plan import (
     free,
 )
 from solvers.semantics import Tensor
-from solvers.simulator import score
+from solvers.simulator import score, simulate
 
 
 class _OutOfMemory(Exception):
@@ -145,12 +146,14 @@ def _fits(chain: Chain, budget_bytes: int) -> bool:
 
 def dtr_least_budget(chain: Chain, above: int = 0) -> int:
     """The least budget greater than ``above`` at which DTR completes the step, by bisection
-    below a budget at which it never evicts. DTR is greedy, so its success is not monotone in
-    the budget: the budget named is one at which it does succeed, with none found between
-    ``above`` and it."""
+    below plain autograd's peak, at which it never evicts. DTR is greedy, so its success is
+    not monotone in the budget: the budget named is one at which it does succeed, with none
+    found between ``above`` and it."""
     if chain.frozen_stages:
         return least_budget(chain, dtr_least_budget)
-    low, high = above, max(_keep_all_need(chain), above + 1)
+    # At plain autograd's peak DTR never evicts: it runs keep-all's operations.
+    ceiling = simulate(keep_all(chain), chain).peak_bytes
+    low, high = above, max(ceiling, above + 1)
     while high - low > 1:
         middle = (low + high) // 2
         if _fits(chain, middle):
@@ -158,16 +161,6 @@ def dtr_least_budget(chain: Chain, above: int = 0) -> int:
         else:
             low = middle
     return high
-
-
-def _keep_all_need(chain: Chain) -> int:
-    """A budget at which DTR never evicts: every saved set, gradient and temporary at once."""
-    saved = sum(chain.saved_bytes(i) for i in range(1, chain.length + 1))
-    gradients = sum(chain.grad_bytes(i) for i in range(chain.length + 1))
-    temporaries = max(
-        max(s.fwd_tmp_bytes, s.bwd_tmp_bytes, s.nograd_fwd_tmp_bytes) for s in chain.stages
-    )
-    return chain.activation_bytes(0) + saved + gradients + chain.held_bytes + temporaries
 
 
 def dtr(chain: Chain, budget_bytes: int) -> Plan:
