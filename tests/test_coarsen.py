@@ -14,7 +14,7 @@ from solvers.baselines import BASELINES, offload_all
 from solvers.bounds import lower_bound_s
 from solvers.chain import Chain, Link, Stage
 from solvers.coarsen import balanced_groups, coarsen, expand, group_stage
-from solvers.dp import solve_dp
+from solvers.dp import memory_need, solve_dp
 from solvers.milp_codec import NotInFamilyError, encode
 from solvers.plan import validate
 from solvers.registry import keep_all_peak
@@ -126,3 +126,28 @@ def test_groups_that_do_not_tile_the_chain_are_refused() -> None:
     plan = BASELINES["keep-all"](coarsen(chain, ((1, 2), (3, 4))))
     with pytest.raises(ValueError, match="do not tile"):
         expand(plan, chain, ((1, 1), (3, 4)))
+
+
+def test_under_a_budget_late_prefetches_fit_where_early_ones_crowd_out_a_backward() -> None:
+    # Replayed under the budget, a group's prefetches listed after its first backward can be
+    # admitted ahead of its later backwards and push them past the budget; listed after the
+    # group's last backward, they fit (the fallback solve_milp uses).
+    crowded = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        chain = random_chain(rng, rng.randint(3, 10))
+        groups = balanced_groups(chain, rng.randint(2, chain.length))
+        grouped = coarsen(chain, groups)
+        budget = rng.randint(
+            memory_need(grouped), max(memory_need(grouped), keep_all_peak(grouped))
+        )
+        plan = offload_all(grouped)
+        if not simulate(plan, grouped, budget).feasible:
+            continue
+        if simulate(expand(plan, chain, groups), chain, budget).feasible:
+            continue
+        crowded += 1
+        late = expand(plan, chain, groups, prefetch_late=True)
+        assert validate(late, chain) == []
+        assert simulate(late, chain, budget).peak_bytes <= budget, seed
+    assert crowded > 0
