@@ -125,11 +125,13 @@ def expand(plan: Plan, chain: Chain, groups: Groups, prefetch_late: bool = False
     ops: list[Op] = []
     first_pass_offloads: set[tuple[str, int]] = set()
     copies_at = 0  # where the copies listed after the last compute op go
+    in_first_pass = True
     for op in plan.ops:
         first, last = groups[op.index - 1] if op.index >= 1 else (0, 0)
         if op.is_compute:
             copies_at = len(ops) + 1
             ops += _compute(op.kind, first, last)
+            in_first_pass = in_first_pass and op.kind != BACKWARD
             if prefetch_late and op.kind == BACKWARD:
                 copies_at = len(ops)
             continue
@@ -140,7 +142,7 @@ def expand(plan: Plan, chain: Chain, groups: Groups, prefetch_late: bool = False
             moved = [Op(op.kind, i, op.target) for i in order]
         if op.kind == FREE:
             ops += moved
-        elif op.kind == OFFLOAD and not any(o.kind == BACKWARD for o in ops):
+        elif op.kind == OFFLOAD and in_first_pass:
             first_pass_offloads.update(o.tensor for o in moved)
         else:
             ops[copies_at:copies_at] = moved
