@@ -10,8 +10,9 @@ with n, attention scores with n²), and times nearly so.
 From two profiled sizes the fit is a line, used only between them: exact for a figure linear
 in n, and for a convex quadratic (n² with a positive coefficient) the chord lies above the
 curve there, so bytes are never underestimated. From three sizes or more it is a quadratic,
-used between them and up to :data:`REACH` of their span beyond. Anything else is left to a
-real profile.
+used between them and up to :data:`REACH` of their span above the largest (never below the
+smallest: there fixed per-operation costs, which no quadratic in n captures, dominate the
+time). Anything else is left to a real profile.
 """
 
 from __future__ import annotations
@@ -39,15 +40,15 @@ _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain | None:
     """The chain at ``size`` fitted from ``(size, chain)`` pairs, or None when unsure.
 
-    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` outside their range (two
-    sizes) or more than :data:`REACH` of their span outside it (three or more), or chains
-    whose stages differ.
+    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` below them, above them
+    (two sizes) or more than :data:`REACH` of their span above them (three or more), or
+    chains whose stages differ.
     """
     sizes = sorted({float(n) for n, _ in profiled})
     if len(sizes) < MIN_POINTS:
         return None
     reach = REACH * (sizes[-1] - sizes[0]) if len(sizes) > MIN_POINTS else 0.0
-    if not sizes[0] - reach <= size <= sizes[-1] + reach:
+    if not sizes[0] <= size <= sizes[-1] + reach:
         return None
     chains = [chain for _, chain in profiled]
     names = chains[0].stage_names

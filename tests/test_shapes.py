@@ -185,7 +185,7 @@ def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
     ("model_name", "sizes", "unseen"),
     [
         ("gpt", (64, 256), 192),  # between two: a line
-        ("gpt", (64, 128, 256), 32),  # below three: a quadratic
+        ("gpt", (64, 128, 256), 96),  # between three: a quadratic
         ("resnet", (8, 32), 24),
         ("resnet", (8, 16, 24), 28),  # above three
     ],
@@ -214,8 +214,9 @@ def test_the_predictor_declines_shapes_far_from_profiled_ones() -> None:
     three = list(chains.items())
     assert predict_chain(two[:1], 16) is None  # one size: nothing to fit
     assert predict_chain(two, 4) is None and predict_chain(two, 36) is None  # outside two
-    assert predict_chain(three, 1) is None and predict_chain(three, 39) is None  # beyond reach
-    assert predict_chain(three, 2) is not None and predict_chain(three, 38) is not None
+    assert predict_chain(three, 7) is None  # below the smallest: fixed costs dominate
+    assert predict_chain(three, 39) is None  # beyond reach
+    assert predict_chain(three, 38) is not None
 
 
 def test_with_the_milp_a_new_shape_runs_on_the_dps_plan_then_on_the_milps(tmp_path) -> None:
