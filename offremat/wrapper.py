@@ -58,6 +58,8 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_plans", plans)
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
+        # Autocast mismatches already warned about, once per optimized model.
+        object.__setattr__(self, "_warned_autocast", set())
 
     @property
     def model(self) -> nn.Module:
@@ -135,7 +137,9 @@ class OptimizedModule(nn.Module):
                 now = AutocastState.capture(planned.device_type)
                 if planned.enabled:
                     _refuse_autocast(planned, now)
-                _warn_autocast(planned, now)
+                if (planned, now) not in self._warned_autocast:
+                    self._warned_autocast.add((planned, now))
+                    _warn_autocast(planned, now)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -167,14 +171,7 @@ class OptimizedModule(nn.Module):
         return f"plan={plan.solver}, budget={budget}, stages={plan.length}"
 
 
-_warned_autocast: set[tuple[AutocastState, AutocastState]] = set()
-
-
 def _warn_autocast(planned: AutocastState, now: AutocastState) -> None:
-    if (planned, now) in _warned_autocast:
-        return
-    _warned_autocast.add((planned, now))
-
     def describe(state: AutocastState) -> str:
         return f"autocast {state.dtype}" if state.enabled else "no autocast"
 
