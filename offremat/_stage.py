@@ -8,7 +8,9 @@ Design notes (the invariants that make a plan's gradients those of plain autogra
   what autograd saves from a_{i-1} is packed as a description (:class:`InputView`) and
   unpacked from whichever copy of a_{i-1} is resident when B(i) runs, a recomputed one or a
   prefetched one. This is rotor's x̄_i, which excludes a_{i-1} (Herrmann, Beaumont et al.
-  2019).
+  2019). A forward that the plan leaves in place until its backward packs nothing: its graph
+  keeps its saved tensors, a_{i-1} included (see "Direct forwards" in
+  :mod:`offremat.executor`).
 - Saved set. Everything else autograd saves, except parameters and buffers, is recorded by
   storage: with the stage's outputs, that is x̄_i, what the profiler measures as
   ``saved_bytes`` and what the executor offloads. Packing returns a detached alias: packing a

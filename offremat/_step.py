@@ -173,7 +173,7 @@ class _Step(Compute):
             elif action.position in self.executor.refills and op.index in self.kept:
                 self._refill(op.index)
             else:
-                self._forward(op)
+                self._forward(op, direct=action.position in self.executor.direct)
 
     # Memory operations.
 

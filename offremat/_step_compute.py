@@ -76,7 +76,8 @@ class KeptGraph:
 class Compute:
     """F(i), the refill of F_all(i) right before B(i), and B(i) on a step's state."""
 
-    def _forward(self, op: Op) -> None:
+    def _forward(self, op: Op, direct: bool = False) -> None:
+        """Run F(i); a ``direct`` F_all leaves its saved set to autograd's graph (no hooks)."""
         i = op.index
         name = self.names[i - 1]
         stage = self.executor.stages[i - 1]
@@ -109,13 +110,14 @@ class Compute:
                 stack.enter_context(torch.enable_grad())
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
                 if op.kind == F_ALL:
-                    packer = SavedTensorPacker(name, inputs, excluded)
+                    packer = None if direct else SavedTensorPacker(name, inputs, excluded)
                 else:
                     expected = self.executor.pack_counts.get(i)
                     packer = DeferringPacker(name, inputs, excluded, expected)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
-                stack.enter_context(packer.hooks())
+                if packer is not None:
+                    stack.enter_context(packer.hooks())
                 if isinstance(packer, DeferringPacker):
                     stack.enter_context(packer.watching())
             else:
@@ -218,8 +220,9 @@ class Compute:
         source = self._source(i)
         self.residency.use(saved.records)
         self.residency.use(source.records)
-        assert saved.packer is not None and saved.slot is not None
-        saved.packer.inputs = source.tensors
+        assert saved.slot is not None
+        if saved.packer is not None:
+            saved.packer.inputs = source.tensors
         pairs = [
             (edge, g)
             for edge, g in zip(saved.edges, grad.tensors, strict=True)

@@ -15,6 +15,12 @@ Design notes.
 - Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
   :mod:`solvers.host` (what the host issues around each compute op, and where the
   simulator's memory admission becomes a wait on an offload's event).
+- Direct forwards. Saved-tensor hooks let the step hold, move and rebuild what autograd
+  saves, at a Python call per saved tensor. An F_all(i) after which the plan neither moves
+  nor recomputes a_{i-1}, x̄_{i-1} or x̄_i before B(i)
+  (:func:`solvers.semantics.undisturbed_forwards`) needs none of that: it runs without hooks,
+  its graph keeps what it saves exactly as long as the plan keeps x̄_i, and autograd checks
+  in-place changes itself. Every other forward packs through :mod:`offremat._stage`.
 - Graph roots. B(i) starts from the gradient edges of stage i's outputs, not from the output
   tensors: the step keeps a_i only through references it can drop when the plan offloads it.
 - Measurement, opt-in: with ``measure_memory=True`` each step is measured independently of
@@ -61,6 +67,7 @@ from solvers.plan import (
     PlanError,
     validate,
 )
+from solvers.semantics import undisturbed_forwards
 from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
@@ -111,6 +118,9 @@ class PlanExecutor:
             for position, (op, after) in enumerate(itertools.pairwise(plan.ops))
             if op.kind == F_ALL and after.kind == BACKWARD and after.index == op.index
         )
+        # F_all(i) whose input and saved set stay on the device as they are until B(i): their
+        # graph keeps what it saves, with autograd's own checks and no saved-tensor hooks.
+        self.direct = undisturbed_forwards(plan.ops)
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
         self.forward_actions = actions[:first_backward]

@@ -12,7 +12,7 @@ a_{i-1} from whichever holds it: a_{i-1} by itself or x̄_{i-1} (:func:`stage_in
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from solvers.chain import Chain
@@ -116,6 +116,31 @@ def apply(resident: set[Tensor], op: Op, gradients: bool = True) -> None:
     made = effect(op).allocates
     if made is not None and (gradients or made[0] != GRAD):
         resident.add(made)
+
+
+def undisturbed_forwards(ops: Sequence[Op]) -> frozenset[int]:
+    """Positions of the F_all(i) after which, until B(i), no operation moves, frees or
+    recomputes stage i's input a_{i-1} or saved set x̄_i (nor touches stage i-1 or i again).
+
+    Between such an F_all and its backward both stay on the GPU as they are, so an executor
+    may leave them to autograd's own graph instead of holding them itself.
+    """
+    found = set()
+    for position, op in enumerate(ops):
+        if op.kind != F_ALL:
+            continue
+        i = op.index
+        watched = {(ACTIVATION, i - 1), (SAVED, i - 1), (ACTIVATION, i), (SAVED, i)}
+        for later in ops[position + 1 :]:
+            if later.kind == BACKWARD and later.index == i:
+                found.add(position)
+                break
+            if later.kind in (OFFLOAD, PREFETCH, FREE):
+                if later.tensor in watched:
+                    break
+            elif later.index in (i - 1, i):
+                break
+    return frozenset(found)
 
 
 def tensor_bytes(tensor: Tensor, chain: Chain) -> int:

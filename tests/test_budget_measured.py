@@ -30,7 +30,9 @@ from offremat.models import (
 from offremat.profiler import profile_model, stage_modules
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Link
+from solvers.plan import SAVED, Plan, backward, forward_all, offload, prefetch
 from solvers.registry import keep_all_peak, solve
+from solvers.simulator import score
 
 SOLVERS = ("dp", "milp", "chen", "checkpoint-every-stage", "offload-all", "min-peak", "dtr")
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -184,8 +186,19 @@ def simulated_op_peaks(executor: PlanExecutor) -> dict[int, int]:
     return peaks
 
 
+def offloaded_input_plan(chain) -> Plan:
+    """Keep everything but x̄_1, which goes to the host after F_all(2) has read a_1 from it
+    and comes back for B(2): stage 2's graph must not keep a_1 on the device meanwhile."""
+    length = chain.length
+    ops = [forward_all(1), forward_all(2), offload(SAVED, 1)]
+    ops += [forward_all(i) for i in range(3, length + 1)]
+    ops += [backward(i) for i in range(length, 2, -1)]
+    ops += [prefetch(SAVED, 1), backward(2), backward(1)]
+    return score(Plan(ops=tuple(ops), stage_names=chain.stage_names, solver="hand"), chain, None)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("solver", ["dp", "offload-all"])
+@pytest.mark.parametrize("solver", ["dp", "offload-all", "offloaded-input"])
 def test_each_op_holds_what_the_simulator_says(
     name: str, solver: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,7 +213,10 @@ def test_each_op_holds_what_the_simulator_says(
     model, batch = MODELS[name]()
     chain = profile_model(copy.deepcopy(model), batch, warmup=0, repeats=1).with_link(LINK)
     budget = int(0.7 * keep_all_peak(chain)) if solver == "dp" else None
-    plan = solve(chain, budget, solver) if budget else solve(chain, 2**62, solver)
+    if solver == "offloaded-input":
+        plan = offloaded_input_plan(chain)
+    else:
+        plan = solve(chain, budget, solver) if budget else solve(chain, 2**62, solver)
     executor = PlanExecutor(stage_modules(model, chain), plan, chain)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)

@@ -126,3 +126,32 @@ def test_the_milp_codec_follows_the_table(seed: int) -> None:
         assert validate(decode(schedule), chain) == []
         checked += 1
     assert checked >= 10
+
+
+def test_undisturbed_forwards_are_those_whose_input_and_saved_set_stay_put() -> None:
+    """An F_all(i) is undisturbed exactly when nothing moves, frees or recomputes a_{i-1},
+    x̄_{i-1}, a_i or x̄_i before B(i)."""
+    from solvers.ops import (
+        backward,
+        forward_all,
+        forward_checkpoint,
+        forward_none,
+        offload,
+        prefetch,
+    )
+
+    keep_all = [forward_all(1), forward_all(2), forward_all(3), backward(3), backward(2)]
+    keep_all.append(backward(1))
+    assert semantics.undisturbed_forwards(keep_all) == {0, 1, 2}
+    # x̄_1 holds a_1, the input of F_all(2): offloading it before B(2) disturbs F_all(2), and
+    # offloading x̄_1 disturbs F_all(1) itself.
+    moved = [forward_all(1), forward_all(2), offload(SAVED, 1), forward_all(3), backward(3)]
+    moved += [prefetch(SAVED, 1), backward(2), backward(1)]
+    assert semantics.undisturbed_forwards(moved) == {3}
+    # After a recomputation every F_all is undisturbed; one whose stage is forwarded again
+    # before its backward is not.
+    recompute = [forward_checkpoint(1), forward_none(2), forward_all(3), backward(3)]
+    recompute += [forward_all(1), forward_all(2), backward(2), backward(1)]
+    assert semantics.undisturbed_forwards(recompute) == {2, 4, 5}
+    again = [forward_all(1), forward_all(2), forward_none(2), forward_all(3), backward(3)]
+    assert 1 not in semantics.undisturbed_forwards(again)
