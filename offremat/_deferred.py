@@ -116,7 +116,7 @@ class DeferringPacker(SavedTensorPacker):
                     "backward; this is a bug in offremat"
                 )
             check_versions(self.stage, [packed.ref])
-            return packed.ref.get()
+            return self._taken(packed.ref)
         return super().unpack(packed)
 
     @property

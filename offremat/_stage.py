@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from offremat._memory import TensorRef
+from offremat._memory import Residency, TensorRef
 from offremat._tensors import storage_key, unique_storages
 
 
@@ -151,6 +151,8 @@ class SavedTensorPacker:
             self.input_of_storage.setdefault(storage_key(tensor), index)
         self.excluded = excluded
         self.refs: list[TensorRef] = []
+        # Set for the backward: told of each saved tensor autograd takes (see unpack).
+        self.residency: Residency | None = None
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the packing hooks."""
@@ -186,7 +188,25 @@ class SavedTensorPacker:
             source = self.inputs[packed.input]
             rebuilt = torch.empty(0, dtype=packed.dtype, device=source.device)
             return rebuilt.set_(source.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return packed.get()
+        return self._taken(packed)
+
+    def _taken(self, ref: TensorRef) -> torch.Tensor:
+        """The tensor of ``ref``, which autograd now holds for the node that reads it."""
+        if ref.taken:
+            raise RuntimeError(
+                f"stage {self.stage!r}: a saved tensor was unpacked a second time in one "
+                "backward (ctx.saved_tensors read twice?). offremat lets each saved tensor go "
+                "once autograd has taken it, as torch.utils.checkpoint does: read "
+                "ctx.saved_tensors once in a custom Function's backward"
+            )
+        tensor = ref.get()
+        # Autograd holds it now, and frees it once the node has run: so does B(i) in plain
+        # autograd, and so does the profiler's backward, which measures that.
+        ref.tensor = None
+        ref.taken = True
+        if self.residency is not None:
+            self.residency.unpacked(ref)
+        return tensor
 
     def saved_storages(self) -> dict[int, torch.UntypedStorage]:
         """The distinct storages held, by :func:`storage_key` (what the profiler measures)."""

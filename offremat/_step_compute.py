@@ -223,6 +223,7 @@ class Compute:
         assert saved.slot is not None
         if saved.packer is not None:
             saved.packer.inputs = source.tensors
+            saved.packer.residency = self.residency
         pairs = [
             (edge, g)
             for edge, g in zip(saved.edges, grad.tensors, strict=True)

@@ -95,12 +95,22 @@ class StepMemory:
     ``with StepMemory(device, inputs=batch) as memory: ...`` then ``memory.peak_bytes`` is the
     most bytes that the code inside allocated and held at once, plus the distinct storages of
     ``inputs`` (a_0, which the budget counts). On CUDA, ``reserved_peak_bytes`` is the
-    allocator's reserved peak as well.
+    allocator's reserved peak as well. The peak is net of frees: on CPU, of storages created
+    inside and of the ``existing`` ones named (the CUDA allocator sees every free), so a code
+    that frees older tensors before it allocates can have a peak below its allocations.
     """
 
-    def __init__(self, device: torch.device | str, inputs: Iterable[torch.Tensor] | Any = ()):
+    def __init__(
+        self,
+        device: torch.device | str,
+        inputs: Iterable[torch.Tensor] | Any = (),
+        existing: Iterable[torch.UntypedStorage] = (),
+    ):
         self.device = torch.device(device)
         self.input_bytes = storage_bytes(tree_leaf_tensors(inputs))
+        # Storages made before whose frees inside count, as the CUDA allocator counts them:
+        # held weakly, so that they can be freed.
+        self._existing = [weakref.ref(storage) for storage in existing]
         self._tracker: LiveStorageTracker | None = None
         self._before = 0
         self.step_peak_bytes = 0
@@ -118,6 +128,12 @@ class StepMemory:
             self._before = torch.cuda.memory_allocated(self.device)
         else:
             self._tracker = LiveStorageTracker()
+            for ref in self._existing:
+                storage = ref()
+                if storage is not None:
+                    self._tracker._live[storage._cdata] = ref
+            self._before = self._tracker.live_bytes
+            self._tracker.peak_bytes = self._before
             self._tracker.__enter__()
         return self
 
@@ -125,14 +141,14 @@ class StepMemory:
     def live_bytes(self) -> int:
         """Bytes allocated inside and alive now (not counting ``inputs``)."""
         if self._tracker is not None:
-            return self._tracker.live_bytes
+            return self._tracker.live_bytes - self._before
         return torch.cuda.memory_allocated(self.device) - self._before
 
     @property
     def peak_so_far_bytes(self) -> int:
         """The most bytes allocated inside and alive at once since entry or the last reset."""
         if self._tracker is not None:
-            return self._tracker.peak_bytes
+            return self._tracker.peak_bytes - self._before
         return torch.cuda.max_memory_allocated(self.device) - self._before
 
     def reset_peak(self) -> None:
@@ -155,7 +171,7 @@ class StepMemory:
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
-            self.step_peak_bytes = self._tracker.peak_bytes
+            self.step_peak_bytes = self._tracker.peak_bytes - self._before
             self._tracker = None
             return
         torch.cuda.synchronize(self.device)

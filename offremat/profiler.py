@@ -299,9 +299,16 @@ class _StageProfile:
         out_bytes = sum(s.nbytes() for k, s in out_storages.items() if k not in self.excluded)
         saved = {**packer.saved_storages(), **out_storages}
         saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
+        # The backward frees these as it goes (the outputs stay until B(i) ends).
+        backward_memory = StepMemory(
+            self.device,
+            existing=[
+                s for k, s in saved.items() if k not in self.excluded and k not in out_storages
+            ],
+        )
         del saved, out_storages, packer
         incoming = self.incoming(output)
-        with StepMemory(self.device) as backward_memory:
+        with backward_memory:
             produced = storage_bytes(self.backward(*incoming, slot))
         del slot, incoming
         with StepMemory(self.device) as plain_memory:
@@ -311,7 +318,8 @@ class _StageProfile:
         fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0)
         nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0)
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
-        bwd_tmp = max(backward_memory.step_peak_bytes - produced, 0)
+        # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
+        bwd_tmp = max(backward_memory.step_peak_bytes - produced, -saved_bytes)
         del plain_output
         if sizes_only:
             return (

@@ -26,8 +26,11 @@ class Stage:
     ``saved_bytes`` (x̄_i) counts a_i plus everything autograd saves for the backward, but not
     the input a_{i-1}. The temporaries are transient peaks above what the op keeps:
     ``fwd_tmp_bytes`` above x̄_i in a forward with autograd (F_all), ``bwd_tmp_bytes`` in the
-    backward, and ``nograd_fwd_tmp_bytes`` above x_i in a forward without autograd (F_ck,
-    F_none), which frees its intermediates as it goes; it defaults to ``fwd_tmp_bytes``.
+    backward above what it starts with and δ_{i-1}, and ``nograd_fwd_tmp_bytes`` above x_i in
+    a forward without autograd (F_ck, F_none), which frees its intermediates as it goes; it
+    defaults to ``fwd_tmp_bytes``. ``bwd_tmp_bytes`` alone can be negative, down to
+    ``-saved_bytes``: autograd frees each saved tensor once the node reading it has run, so a
+    backward whose peak comes late can have freed part of x̄_i by then.
     ``grad_bytes`` is the size of δ_i, the gradient of a_i: one tensor per tensor of a_i that
     carries a gradient (not integer masks, not what needs none; two outputs sharing a storage
     get two gradients); it defaults to ``out_bytes``.
@@ -54,9 +57,16 @@ class Stage:
         if self.grad_bytes is None:
             object.__setattr__(self, "grad_bytes", self.out_bytes)
         for attr in STAGE_BYTE_FIELDS:
-            object.__setattr__(
-                self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
-            )
+            if attr != "bwd_tmp_bytes":
+                object.__setattr__(
+                    self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
+                )
+        least = -self.saved_bytes
+        object.__setattr__(
+            self,
+            "bwd_tmp_bytes",
+            _check_bytes(self.bwd_tmp_bytes, f"{where}: field 'bwd_tmp_bytes'", least),
+        )
         if self.saved_bytes < self.out_bytes:
             raise ChainFormatError(
                 f"{where}: field 'saved_bytes' ({self.saved_bytes}) is smaller than 'out_bytes' "
@@ -324,14 +334,16 @@ def _check_number(value: Any, where: str) -> None:
         raise ChainFormatError(f"{where} must be non-negative, got {value}")
 
 
-def _check_bytes(value: Any, where: str) -> int:
-    """The value as an int of bytes; integral floats such as 1024.0 are accepted."""
+def _check_bytes(value: Any, where: str, least: int = 0) -> int:
+    """The value as an int of bytes, at least ``least``; integral floats such as 1024.0 are
+    accepted."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ChainFormatError(f"{where} must be an integer number of bytes, got {value!r}")
-    if value < 0:
-        raise ChainFormatError(f"{where} must be non-negative, got {value}")
+    if value < least:
+        bound = "non-negative" if least == 0 else f"at least {least} (minus the saved set)"
+        raise ChainFormatError(f"{where} must be {bound}, got {value}")
     if value > LARGEST_BYTES:
         raise ChainFormatError(
             f"{where} is {value} bytes, more than any device holds (at most {LARGEST_BYTES}): "

@@ -72,8 +72,11 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
             values = [getattr(s, field) for s in column]
             if all(v is None for v in values):
                 continue
-            figures[field] = _bytes(fitted([v or 0 for v in values]))
+            value = fitted([v or 0 for v in values])
+            # A backward's temporaries alone can be negative (solvers.chain.Stage).
+            figures[field] = math.ceil(value - 1e-6) if field == "bwd_tmp_bytes" else _bytes(value)
         figures["saved_bytes"] = max(figures["saved_bytes"], figures["out_bytes"])
+        figures["bwd_tmp_bytes"] = max(figures["bwd_tmp_bytes"], -figures["saved_bytes"])
         stages.append(Stage(name=name, **figures))  # type: ignore[arg-type]
     chain_figures = {
         field: _bytes(fitted([getattr(chain, field) for chain in chains])) for field in _CHAIN_BYTES

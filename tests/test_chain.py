@@ -194,3 +194,10 @@ def test_gpt2_block_follows_korthikanti() -> None:
     s, b, h, a = 1024, 8, 768, 12
     assert chain.stage(2).saved_bytes == s * b * h * (34 + 5 * a * s // h)
     assert sum(1 for st in chain.stages if st.name.startswith("block")) == 12
+
+
+def test_a_backward_temporary_may_be_negative_down_to_minus_the_saved_set() -> None:
+    """A backward frees saved tensors node by node, so its peak can lie below x̄_i + δ_i."""
+    assert Stage("s", 1.0, 1.0, 10, 20, bwd_tmp_bytes=-20).bwd_tmp_bytes == -20
+    with pytest.raises(ChainFormatError, match="'bwd_tmp_bytes' must be at least -20"):
+        Stage("s", 1.0, 1.0, 10, 20, bwd_tmp_bytes=-21)

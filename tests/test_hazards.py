@@ -386,3 +386,32 @@ def test_measuring_is_opt_in() -> None:
     om = offremat.optimize(model, x, budget=1.0)
     om(x).sum().backward()
     assert om.stats.measured_peak_bytes is None and om.stats.bookkept_peak_bytes > 0
+
+
+class ReadsSavedTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        (again,) = ctx.saved_tensors
+        return grad * (x + again)
+
+
+class Square(nn.Module):
+    def forward(self, x):
+        return ReadsSavedTwice.apply(torch.tanh(x))
+
+
+def test_a_saved_tensor_read_twice_is_refused_with_advice() -> None:
+    """offremat lets each saved tensor go once autograd has taken it, as
+    torch.utils.checkpoint does, so a second read in one backward is an error that says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Square(), nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    model(x).sum().backward()  # plain autograd allows it
+    with pytest.raises(RuntimeError, match=r"ctx\.saved_tensors read twice"):
+        offremat.optimize(model, x, budget=1.0)
