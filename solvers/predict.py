@@ -5,14 +5,21 @@ regression, fitted online from the sizes already seen. Here every per-stage figu
 cost model (times, and the bytes of outputs, saved sets, gradients and temporaries) and the
 chain-wide ones are fitted as a polynomial in one size ``n`` (a batch size or a sequence
 length): activation bytes are such a polynomial of degree at most two (linear layers scale
-with n, attention scores with n²), and times nearly so.
+with n, attention scores with n²), and times nearly so, ``c + a·n + b·n²`` with fixed
+per-operation costs ``c``, linear work ``a·n`` and quadratic work ``b·n²``, none negative.
 
-From two profiled sizes the fit is a line, used only between them: exact for a figure linear
-in n, and for a convex quadratic (n² with a positive coefficient) the chord lies above the
-curve there, so bytes are never underestimated. From three sizes or more it is a quadratic,
-used between them and up to :data:`REACH` of their span above the largest (never below the
-smallest: there fixed per-operation costs, which no quadratic in n captures, dominate the
-time). Anything else is left to a real profile.
+From two profiled sizes, used only between them, bytes are a line: exact for a figure linear
+in n, and for a convex quadratic the chord lies above the curve there, so bytes are never
+underestimated. Two points leave one of a time's three coefficients free, and the chord
+over-estimates by ``b·(n - n1)(n2 - n)`` (4-11% at length 192 from 64 and 256 on the
+in-repo GPT), so a time is the lower of two fits that each bound it from above there: the
+chord (``b ≥ 0``) and ``a·n + b·n²`` through the origin (``c ≥ 0``, over by
+``c·(n - n1)(n2 - n) / (n1·n2)``). The lower is at most :data:`TIME_ERROR` above the truth
+for every such time, or the shape is profiled instead: sizes far apart, where the curvature
+can hide. From three sizes or more it is a quadratic, used between them and up to
+:data:`REACH` of their span above the largest (never below the smallest: there fixed
+per-operation costs, which no quadratic in n captures, dominate the time). Anything else is
+left to a real profile.
 """
 
 from __future__ import annotations
@@ -34,6 +41,15 @@ fraction of their span: a quadratic through three exact points of a quadratic is
 everywhere, but a figure that changes regime (another kernel chosen above some size) is not
 one, so the prediction stays near what was measured."""
 
+TIME_ERROR = 0.1
+"""The most a two-point time prediction may be above the truth, as a fraction of it: for every
+``c + a·n + b·n²`` with no negative coefficient, the lower of the chord and the origin fit is
+at most ``(n - n1)(n2 - n) / (n1·n2 + n²)`` above it (attained where ``a = 0`` and
+``b·n1·n2 = c``), which depends on the sizes only, so whether a shape is predicted never
+depends on timing noise. 10% is the accuracy the predictor is held to; length 128 from 96
+and 256 is at it exactly, 192 from 64 and 256 at 15%."""
+
+_TIME_FIELDS = ("fwd_s", "bwd_s")
 _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 
 
@@ -41,8 +57,8 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
     """The chain at ``size`` fitted from ``(size, chain)`` pairs, or None when unsure.
 
     Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` below them, above them
-    (two sizes) or more than :data:`REACH` of their span above them (three or more), or
-    chains whose stages differ.
+    (two sizes) or more than :data:`REACH` of their span above them (three or more), two
+    sizes too far apart for :data:`TIME_ERROR` at ``size``, or chains whose stages differ.
     """
     sizes = sorted({float(n) for n, _ in profiled})
     if len(sizes) < MIN_POINTS:
@@ -50,39 +66,63 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
     reach = REACH * (sizes[-1] - sizes[0]) if len(sizes) > MIN_POINTS else 0.0
     if not sizes[0] <= size <= sizes[-1] + reach:
         return None
+    if len(sizes) == MIN_POINTS and _two_point_error(*sizes, size) > TIME_ERROR:
+        return None
     chains = [chain for _, chain in profiled]
     names = chains[0].stage_names
     if any(chain.stage_names != names for chain in chains):
         return None
     xs = np.array([float(n) for n, _ in profiled])
-    degree = min(2, len(sizes) - 1)
-
-    def fitted(values: Sequence[float]) -> float:
-        coefficients = np.polyfit(xs, np.array(values, dtype=float), degree)
-        return float(np.polyval(coefficients, size))
-
+    times = np.array(
+        [[getattr(s, field) for s in chain.stages for field in _TIME_FIELDS] for chain in chains]
+    )
+    if len(sizes) == MIN_POINTS:
+        # Each at most the chord and at most a·n + b·n² through the origin (module notes).
+        time_values = np.minimum(_fit(xs, times, size, (0, 1)), _fit(xs, times, size, (1, 2)))
+    else:
+        time_values = _fit(xs, times, size, (0, 1, 2))
+    # All byte figures in one least-squares solve: a new shape is planned inside a step.
+    columns = [
+        [getattr(s, field) or 0 for s in chain.stages for field in STAGE_BYTE_FIELDS]
+        + [getattr(chain, field) for field in _CHAIN_BYTES]
+        for chain in chains
+    ]
+    byte_values = _fit(xs, np.array(columns, dtype=float), size, range(min(3, len(sizes))))
     stages = []
     for k, name in enumerate(names):
-        column = [chain.stages[k] for chain in chains]
         figures: dict[str, float | int] = {
-            field: max(fitted([getattr(s, field) for s in column]), 1e-9)
-            for field in ("fwd_s", "bwd_s")
+            field: max(float(time_values[2 * k + j]), 1e-9) for j, field in enumerate(_TIME_FIELDS)
         }
-        for field in STAGE_BYTE_FIELDS:
-            values = [getattr(s, field) for s in column]
-            if all(v is None for v in values):
+        for j, field in enumerate(STAGE_BYTE_FIELDS):
+            if all(getattr(chain.stages[k], field) is None for chain in chains):
                 continue
-            value = fitted([v or 0 for v in values])
+            value = byte_values[k * len(STAGE_BYTE_FIELDS) + j]
             # A backward's temporaries alone can be negative (solvers.chain.Stage).
             figures[field] = math.ceil(value - 1e-6) if field == "bwd_tmp_bytes" else _bytes(value)
         figures["saved_bytes"] = max(figures["saved_bytes"], figures["out_bytes"])
         figures["bwd_tmp_bytes"] = max(figures["bwd_tmp_bytes"], -figures["saved_bytes"])
         stages.append(Stage(name=name, **figures))  # type: ignore[arg-type]
     chain_figures = {
-        field: _bytes(fitted([getattr(chain, field) for chain in chains])) for field in _CHAIN_BYTES
+        field: _bytes(byte_values[len(names) * len(STAGE_BYTE_FIELDS) + j])
+        for j, field in enumerate(_CHAIN_BYTES)
     }
     metadata = {**chains[0].metadata, "predicted_from": sizes, "size": size}
     return dataclasses.replace(chains[0], stages=tuple(stages), metadata=metadata, **chain_figures)
+
+
+def _fit(xs: np.ndarray, values: np.ndarray, size: float, powers: Sequence[int]) -> np.ndarray:
+    """Each column of ``values`` (one row per size in ``xs``) fitted by least squares as a sum
+    of the given powers of the size, at ``size``."""
+    scale = float(xs.max())  # sizes near 1: a well-conditioned basis
+    basis = np.stack([(xs / scale) ** p for p in powers], axis=1)
+    coefficients = np.linalg.lstsq(basis, values, rcond=None)[0]
+    return np.array([(size / scale) ** p for p in powers]) @ coefficients
+
+
+def _two_point_error(low: float, high: float, size: float) -> float:
+    """The most a two-point time prediction at ``size`` can be above the truth, as a fraction
+    of it (:data:`TIME_ERROR`)."""
+    return (size - low) * (high - size) / (low * high + size * size)
 
 
 def _bytes(value: float) -> int:
