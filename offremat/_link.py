@@ -35,7 +35,9 @@ def measure_link(
     readings = []
     streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
     for size in usable:
-        hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        hosts = [
+            torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(2)
+        ]
         devices = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
         d2h = [(hosts[0], devices[0])]
         h2d = [(devices[1], hosts[1])]

@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from offremat._tensors import byte_view, storage_key
+from offremat._tensors import byte_view, storage_key, tensor_over
 
 MIN_MOVED_BYTES = 4096
 """Storages smaller than this stay on the device when their plan tensor is offloaded."""
@@ -89,8 +89,7 @@ class TensorRef:
         if self.tensor is None:
             assert self.record is not None and self.record.storage is not None
             storage = self.record.storage
-            empty = torch.empty(0, dtype=self.dtype, device=storage.device)
-            self.tensor = empty.set_(storage, self.offset, self.size, self.stride)
+            self.tensor = tensor_over(storage, self.dtype, self.offset, self.size, self.stride)
             self.rebuilt = True
         return self.tensor
 
@@ -166,7 +165,7 @@ class HostArena:
         # Host memory, not the device's: on CPU, where both are the same RAM, it is allocated
         # outside any dispatch mode so that the step's measurement leaves it out (design.md).
         with _disable_current_modes():
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
 
 
 class StorageRecord:

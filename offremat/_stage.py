@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from offremat._memory import Residency, TensorRef
-from offremat._tensors import storage_key, unique_storages
+from offremat._tensors import storage_key, tensor_over, unique_storages
 
 
 class GradSlot:
@@ -186,8 +186,9 @@ class SavedTensorPacker:
         check_versions(self.stage, [packed])
         if isinstance(packed, InputView):
             source = self.inputs[packed.input]
-            rebuilt = torch.empty(0, dtype=packed.dtype, device=source.device)
-            return rebuilt.set_(source.untyped_storage(), packed.offset, packed.size, packed.stride)
+            return tensor_over(
+                source.untyped_storage(), packed.dtype, packed.offset, packed.size, packed.stride
+            )
         return self._taken(packed)
 
     def _taken(self, ref: TensorRef) -> torch.Tensor:

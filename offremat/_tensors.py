@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @dataclass(frozen=True)
@@ -106,5 +107,20 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     Copying into it does not bump the version of the tensors autograd saved from the storage,
     so refilling a storage after an offload leaves their saved-tensor checks intact.
     """
-    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return view.set_(storage, 0, (storage.nbytes(),), (1,))
+    return tensor_over(storage, torch.uint8, 0, (storage.nbytes(),), (1,))
+
+
+def tensor_over(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    """A new tensor over ``storage``: no copy, and a version counter of its own."""
+    # set_ only points a tensor at memory, but its schema marks the tensor as written. Outside
+    # dispatch modes, a mode that tracks accesses per stream (TORCH_CUDA_SANITIZER) does not
+    # take this for a write to the storage racing with the copies on the side streams.
+    with _disable_current_modes():
+        empty = torch.empty(0, dtype=dtype, device=storage.device)
+        return empty.set_(storage, offset, size, stride)
