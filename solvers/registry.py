@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +95,7 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
 def _optimizer(solver: str) -> Callable[..., Plan]:
     module_name, function = _OPTIMIZERS[solver]
     try:
-        module = importlib.import_module(module_name)
+        module = _import_on_a_bare_stack(module_name)
     except ModuleNotFoundError as error:
         if error.name != module_name:
             raise
@@ -103,6 +104,30 @@ def _optimizer(solver: str) -> Callable[..., Plan]:
             f"missing); choose one of {', '.join(s for s in SOLVERS if s != solver)}"
         ) from None
     return getattr(module, function)
+
+
+def _import_on_a_bare_stack(module_name: str) -> Any:
+    """Import ``module_name`` from a thread of its own.
+
+    PuLP keeps the import errors of the solvers it cannot load (``COPT_DLL.err``...) with
+    their tracebacks, and a traceback's frames reach every caller's frame through ``f_back``.
+    Imported from the caller's stack, the first model optimized with the MILP would stay alive
+    for the rest of the process, its device memory and pinned buffers with it.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["module"] = importlib.import_module(module_name)
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name=f"import {module_name}")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["module"]
 
 
 def _solve_baseline(chain: Chain, budget_bytes: int, solver: str) -> Plan:

@@ -415,3 +415,33 @@ def test_a_saved_tensor_read_twice_is_refused_with_advice() -> None:
     model(x).sum().backward()  # plain autograd allows it
     with pytest.raises(RuntimeError, match=r"ctx\.saved_tensors read twice"):
         offremat.optimize(model, x, budget=1.0)
+
+
+FIRST_MILP_MODEL = """
+import gc, weakref
+import torch
+from torch import nn
+import offremat
+assert "pulp" not in __import__("sys").modules
+model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+x = torch.randn(128, 64)
+optimized = offremat.optimize(model, x, budget=0.9, solver="milp", bandwidth=1e9)
+optimized(x).sum().backward()
+alive = weakref.ref(model), weakref.ref(optimized)
+del model, optimized
+gc.collect()
+print([ref() is not None for ref in alive])
+"""
+
+
+def test_the_first_model_planned_by_the_milp_is_freed_with_its_last_reference() -> None:
+    """PuLP keeps the tracebacks of its import errors: imported from the caller's stack, they
+    held the first milp-optimized model (its device memory, its pinned buffers) for good."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_MILP_MODEL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["[False,", "False]"]
