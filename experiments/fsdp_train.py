@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 2 experiments/fsdp_train.py --model gpt --solver dp --budget 0.5
 
-Only the in-repo GPT for now: a Hugging Face model is not found as a chain under FSDP2, whose
-hooks hand each block's output to the next through an autograd function, so the blocks no
-longer take each other's output (``offremat/_discover.py`` matches them by identity).
+``--model gpt`` is the in-repo GPT (an ``nn.Sequential``; every block is sharded, the
+embedding and the head too); ``--model llama`` a small Hugging Face Llama built from a config,
+its decoder layers sharded and the chain found in it as for any model (:mod:`offremat._run`
+says how FSDP2's hooks run with it).
 
 The same script runs on CPUs (gloo) and on GPUs (NCCL, one device per rank): a user who
 outgrows one device runs it unchanged on many. Budgets are activation memory per rank, as
@@ -48,6 +49,25 @@ def build(name: str, rank: int, device: torch.device) -> tuple[nn.Module, list[n
         # embedding and the head are sharded as blocks too: the root then holds no parameter
         # that only its own forward would gather.
         return model, list(model), (gpt_batch(config, 4, seed=rank, device=str(device)),)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        model = LlamaForCausalLM(config).to(device)
+        tokens = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(rank))
+        tokens = tokens.to(device)
+        return model, list(model.model.layers), {"input_ids": tokens, "labels": tokens}
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -66,7 +86,7 @@ def reference_grads(name: str, device: torch.device, world: int) -> dict[str, to
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("gpt",), default="gpt")
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--solver", default="dp")
     parser.add_argument("--budget", type=float, default=0.5, help="fraction of keep-all")
     parser.add_argument("--steps", type=int, default=3)

@@ -141,8 +141,12 @@ def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[Recorde
     for path, module in model.named_modules():
         if module is model:
             continue
+        # First among the pre-hooks: FSDP2's own hands the block new tensor objects (through
+        # an autograd function), and the call must be recorded with what its caller passed.
         handles.append(
-            module.register_forward_pre_hook(_PathHook(recorder.before, path), with_kwargs=True)
+            module.register_forward_pre_hook(
+                _PathHook(recorder.before, path), with_kwargs=True, prepend=True
+            )
         )
         handles.append(module.register_forward_hook(recorder.after, with_kwargs=True))
     try:

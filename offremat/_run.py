@@ -16,7 +16,10 @@ Design notes.
   for one call of the model and removed after it, also on an error.
 - Hooks. A forward hook on a block would see the handed-on output at every block after the
   first, so blocks with hooks are refused (this is how Hugging Face records
-  ``output_hidden_states``: ask for those from a model run without offremat).
+  ``output_hidden_states``: ask for those from a model run without offremat). FSDP2's hooks
+  (``fully_shard`` per block) are the exception: they gather the block's parameters, so they
+  belong to each time the block computes. The model's own calls of the blocks bypass them,
+  and the chain's calls, recomputations included, run them, as for an ``nn.Sequential``.
 - torch.compile. A compiled block (``block.compile()``) calls the interception from inside
   its compiled wrapper; dynamo never traces it (it would guard on this step's objects and
   recompile every step), and while the chain runs the blocks have their own ``forward`` back,
@@ -89,6 +92,7 @@ class RunInterception:
         self.handed: torch.Tensor | None = None
         self.side: Any = None
         self._installed: list[tuple[nn.Module, Any]] = []
+        self._bypassed: list[tuple[nn.Module, dict[int, Any], dict[int, Any]]] = []
 
     def __enter__(self) -> RunInterception:
         _refuse_hooks(self.run)
@@ -100,6 +104,13 @@ class RunInterception:
             self._installed.append((module, module.__dict__.get("forward")))
             original = module.forward
             module.forward = _Forward(self, module, original)
+            sharding = _sharding_hooks(module)
+            if sharding:
+                pre, post = dict(module._forward_pre_hooks), dict(module._forward_hooks)
+                self._bypassed.append((module, pre, post))
+                for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                    for key in sharding & hooks.keys():
+                        del hooks[key]
 
     def _uninstall(self) -> None:
         for module, own in self._installed:
@@ -108,6 +119,12 @@ class RunInterception:
             else:
                 module.forward = own
         self._installed = []
+        for module, pre, post in self._bypassed:
+            module._forward_pre_hooks.clear()
+            module._forward_pre_hooks.update(pre)
+            module._forward_hooks.clear()
+            module._forward_hooks.update(post)
+        self._bypassed = []
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
         self._uninstall()
@@ -233,12 +250,33 @@ def _same_values(a: Any, b: Any) -> bool:
 def _refuse_hooks(run: BlockRun) -> None:
     global_hooks = module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
     for call in run.calls:
-        if global_hooks or call.module._forward_hooks or call.module._forward_pre_hooks:
+        module = call.module
+        own = (module._forward_hooks.keys() | module._forward_pre_hooks.keys()) - _sharding_hooks(
+            module
+        )
+        if global_hooks or own:
             raise NotAChainError(
                 f"block {call.path} has forward hooks (output_hidden_states or "
                 "output_attentions, say); under offremat they would see one block's output "
                 "at every block. Remove the hooks, or run that call without offremat"
             )
+
+
+def _sharding_hooks(module: nn.Module) -> set[int]:
+    """The keys of the forward hooks that FSDP2's ``fully_shard`` put on ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:  # a torch built without distributed support
+        return set()
+    if not isinstance(module, FSDPModule):
+        return set()
+    state = fully_shard.state(module)
+    return {
+        key
+        for hooks in (module._forward_pre_hooks, module._forward_hooks)
+        for key, hook in hooks.items()
+        if getattr(hook, "__self__", None) is state
+    }
 
 
 def _path_of(module: nn.Module, calls: tuple[Any, ...]) -> str:
