@@ -22,8 +22,10 @@ Design notes.
   ``torch.utils.checkpoint``).
 - Storages that the step cannot move are resident for the whole step: the caller's (the input
   a_0 and the returned output), those on another device (CPU scalars beside a CUDA step, such
-  as attention's RNG seed and offset), and tiny ones below :data:`MIN_MOVED_BYTES`, which cost
-  more as a copy and an event than as bytes.
+  as attention's RNG seed and offset, which take no device memory). Every other storage moves
+  with its plan tensor, however small: the plan counts all of x̄_i as gone once offloaded
+  (a ViT's layer-norm statistics, 4 KiB per layer left behind, put a milp plan over its
+  budget).
 - In-place changes: each reference records its tensor's version counter. Saved-tensor hooks
   switch off autograd's own check, so the executor compares versions itself where autograd
   would (see :mod:`offremat._stage`).
@@ -48,7 +50,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from offremat._tensors import byte_view, storage_key, tensor_over
 
-MIN_MOVED_BYTES = 4096
 """Storages smaller than this stay on the device when their plan tensor is offloaded."""
 
 
@@ -190,7 +191,7 @@ class StorageRecord:
         self.key = key
         self.storage: torch.UntypedStorage | None = storage
         self.nbytes = storage.nbytes()
-        self.movable = movable and self.nbytes >= MIN_MOVED_BYTES
+        self.movable = movable
         self.refs: list[TensorRef] = []
         self.resident_holders = 0
         self.away_holders = 0
