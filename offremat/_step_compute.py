@@ -224,6 +224,15 @@ class Compute:
         if saved.packer is not None:
             saved.packer.inputs = source.tensors
             saved.packer.residency = self.residency
+        if i < self.length:
+            # B(i) starts from its outputs' gradient edges, and reads their values only where
+            # a node saved them (those references go as autograd takes them): the step lets
+            # them go now, as plain autograd has by the time this backward runs. The chain's
+            # output is the caller's, and stays.
+            for ref in saved.refs:
+                if ref is not None:
+                    ref.tensor = None
+                    self.residency.unpacked(ref)
         pairs = [
             (edge, g)
             for edge, g in zip(saved.edges, grad.tensors, strict=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from offremat._blocks import (
     chain_blocks,
@@ -43,7 +44,14 @@ from offremat._stage import (
     has_trainable_parameters,
     parameter_storages,
 )
-from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten, unique_storages
+from offremat._tensors import (
+    flatten,
+    is_differentiable,
+    storage_bytes,
+    storage_key,
+    unflatten,
+    unique_storages,
+)
 from offremat.measure import StepMemory
 from solvers.budget import parse_bandwidth
 from solvers.chain import Chain, Stage
@@ -210,7 +218,8 @@ def _profile_all(
     for name, module in stages:
         # Sizes only group blocks into stages; the in-place check is for the stages themselves.
         stage = _StageProfile(name, module, value, flags, excluded | shared, not sizes_only)
-        measured, output = stage.measure(warmup, repeats, sizes_only)
+        last = len(results) == len(stages) - 1
+        measured, output = stage.measure(warmup, repeats, sizes_only, last)
         results.append(measured)
         out_tensors, out_structure = flatten(output)
         # The grad-enabled forward knows which outputs carry a gradient, as plain autograd.
@@ -272,7 +281,9 @@ class _StageProfile:
             torch.autograd.backward(outputs, grads)
         return [g for g in slot.grads or () if g is not None]
 
-    def measure(self, warmup: int, repeats: int, sizes_only: bool) -> tuple[_Measured, Any]:
+    def measure(
+        self, warmup: int, repeats: int, sizes_only: bool, last: bool = False
+    ) -> tuple[_Measured, Any]:
         """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times."""
         # Gradients exist, as in every training step after the first: a backward then holds
         # only transient parameter gradients, which count as its temporaries. They exist for
@@ -281,12 +292,14 @@ class _StageProfile:
         for parameter in made:
             parameter.grad = torch.zeros_like(parameter)
         try:
-            return self._measure(warmup, repeats, sizes_only)
+            return self._measure(warmup, repeats, sizes_only, last)
         finally:
             for parameter in made:
                 parameter.grad = None
 
-    def _measure(self, warmup: int, repeats: int, sizes_only: bool) -> tuple[_Measured, Any]:
+    def _measure(
+        self, warmup: int, repeats: int, sizes_only: bool, last: bool
+    ) -> tuple[_Measured, Any]:
         if self.device.type == "cuda":  # first-call workspaces (autotuning) are no temporaries
             output, slot, _ = self.forward(grad=True)
             self.backward(*self.incoming(output), slot)
@@ -297,20 +310,40 @@ class _StageProfile:
         grad_bytes = gradient_bytes(out_tensors)
         out_storages = unique_storages(out_tensors)
         out_bytes = sum(s.nbytes() for k, s in out_storages.items() if k not in self.excluded)
-        saved = {**packer.saved_storages(), **out_storages}
+        by_nodes = packer.saved_storages()
+        saved = {**by_nodes, **out_storages}
         saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
-        # The backward frees these as it goes (the outputs stay until B(i) ends).
+        # The outputs this stage made go to the next stage as copies, so that the backward
+        # below holds them only as B(i) does: the chain's output stays (its caller holds it);
+        # any other goes as B(i) starts, or once the node that saved it has run
+        # (offremat._step_compute). The backward frees the saved tensors as it goes.
+        inputs = unique_storages(self.tensors)
+        made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
+        handed = unflatten(
+            [
+                t.detach().clone().requires_grad_(t.requires_grad) if storage_key(t) in made else t
+                for t in out_tensors
+            ],
+            flatten(output)[1],
+        )
         backward_memory = StepMemory(
             self.device,
             existing=[
-                s for k, s in saved.items() if k not in self.excluded and k not in out_storages
+                s
+                for k, s in saved.items()
+                if k not in self.excluded and (k not in out_storages or k in made)
             ],
         )
-        del saved, out_storages, packer
-        incoming = self.incoming(output)
+        # Measured from after that release: the peak above a baseline that still held them
+        # could not fall below it, and bytes let go at once would read as no change at all.
+        let_go = sum(s.nbytes() for k, s in out_storages.items() if k in made and k not in by_nodes)
+        outputs, grads = self.incoming(output)
+        roots = [get_gradient_edge(t) for t in outputs]
+        del saved, out_storages, packer, by_nodes, inputs, output, outputs
+        out_tensors.clear()  # the last reference to the outputs, as at B(i)'s start
         with backward_memory:
-            produced = storage_bytes(self.backward(*incoming, slot))
-        del slot, incoming
+            produced = storage_bytes(self.backward(roots, grads, slot))
+        del slot, grads, roots
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
@@ -319,14 +352,14 @@ class _StageProfile:
         nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0)
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
-        bwd_tmp = max(backward_memory.step_peak_bytes - produced, -saved_bytes)
+        bwd_tmp = max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
         del plain_output
         if sizes_only:
             return (
                 _Measured(
                     0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp, grad_bytes
                 ),
-                output,
+                handed,
             )
         forward_times, backward_times = [], []
         for attempt in range(warmup + repeats):
@@ -349,7 +382,7 @@ class _StageProfile:
             nograd_fwd_tmp,
             grad_bytes,
         )
-        return measured, output
+        return measured, handed
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:

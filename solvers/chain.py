@@ -30,7 +30,9 @@ class Stage:
     a forward without autograd (F_ck, F_none), which frees its intermediates as it goes; it
     defaults to ``fwd_tmp_bytes``. ``bwd_tmp_bytes`` alone can be negative, down to
     ``-saved_bytes``: autograd frees each saved tensor once the node reading it has run, so a
-    backward whose peak comes late can have freed part of x̄_i by then.
+    backward whose peak comes late can have freed part of x̄_i by then; and a backward lets go
+    of the outputs in a_i that no node saved as it starts (the chain's last stage excepted,
+    whose output its caller holds).
     ``grad_bytes`` is the size of δ_i, the gradient of a_i: one tensor per tensor of a_i that
     carries a gradient (not integer masks, not what needs none; two outputs sharing a storage
     get two gradients); it defaults to ``out_bytes``.

@@ -283,7 +283,8 @@ def test_a_module_generator_is_replayed_on_recomputation(solver: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(OwnNoise(), OwnNoise(), OwnNoise(), nn.Linear(WIDTH, 1))
     x = torch.randn(ROWS, WIDTH)
-    om = offremat.optimize(model, x, budget=0.95 if solver == "dp" else 1.0, solver=solver)
+    # checkpoint-every-stage may need more than keep-all here: a generous budget in bytes.
+    om = offremat.optimize(model, x, budget=0.95 if solver == "dp" else "1GiB", solver=solver)
     assert any(d == "recompute" for d in om.plan.decisions.values())
     reference = copy.deepcopy(model)  # generators copied in the same state
     om(x).pow(2).mean().backward()
