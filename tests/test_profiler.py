@@ -221,3 +221,28 @@ def test_a_doubling_stage_has_no_backward_temporary() -> None:
     # And it lets go of its output, which no node saved, as it starts (so would autograd).
     assert double.bwd_tmp_bytes == -double.out_bytes
     assert double.saved_bytes == double.out_bytes == double.grad_bytes == 256 * 64 * FLOAT
+
+
+def test_outputs_sharing_a_storage_reach_the_next_stage_sharing_it() -> None:
+    # The profiler hands the next stage copies of a stage's outputs; two outputs over one
+    # storage (a tensor and a view of it) must stay one storage, as they are in training.
+    class TensorAndView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y, y[:, :32]
+
+    class PassOn(nn.Module):
+        def forward(self, pair):
+            return pair
+
+    class Join(nn.Module):
+        def forward(self, pair):
+            return pair[0] + pair[1].sum()
+
+    model = nn.Sequential(TensorAndView(), PassOn(), Join())
+    chain = quick(model, torch.randn(256, 64))
+    assert chain.stage(2).out_bytes == chain.stage(1).out_bytes == 256 * 64 * FLOAT
