@@ -9,7 +9,7 @@ count once (Herrmann, Beaumont et al. 2019 count an activation's bytes the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,3 +124,26 @@ def tensor_over(
     with _disable_current_modes():
         empty = torch.empty(0, dtype=dtype, device=storage.device)
         return empty.set_(storage, offset, size, stride)
+
+
+def copied(tensors: Sequence[torch.Tensor], made: set[int]) -> list[torch.Tensor]:
+    """``tensors``, those over a storage in ``made`` rebuilt over a copy of it (one copy per
+    storage, so outputs that share a storage still share one)."""
+    copies: dict[int, torch.UntypedStorage] = {}
+    handed = []
+    for tensor in tensors:
+        key = storage_key(tensor)
+        if key not in made:
+            handed.append(tensor)
+            continue
+        if key not in copies:
+            copies[key] = tensor.untyped_storage().clone()
+        copy = tensor_over(
+            copies[key],
+            tensor.dtype,
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+        handed.append(copy.requires_grad_(tensor.requires_grad))
+    return handed

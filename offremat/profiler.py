@@ -45,11 +45,10 @@ from offremat._stage import (
     parameter_storages,
 )
 from offremat._tensors import (
+    copied,
     flatten,
     is_differentiable,
     storage_bytes,
-    storage_key,
-    tensor_over,
     unflatten,
     unique_storages,
 )
@@ -320,7 +319,7 @@ class _StageProfile:
         # (offremat._step_compute). The backward frees the saved tensors as it goes.
         inputs = unique_storages(self.tensors)
         made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
-        handed = unflatten(_copied(out_tensors, made), flatten(output)[1])
+        handed = unflatten(copied(out_tensors, made), flatten(output)[1])
         backward_memory = StepMemory(
             self.device,
             existing=[
@@ -378,29 +377,6 @@ class _StageProfile:
             grad_bytes,
         )
         return measured, handed
-
-
-def _copied(tensors: Sequence[torch.Tensor], made: set[int]) -> list[torch.Tensor]:
-    """``tensors``, those over a storage in ``made`` rebuilt over a copy of it (one copy per
-    storage, so outputs that share a storage still share one)."""
-    copies: dict[int, torch.UntypedStorage] = {}
-    handed = []
-    for tensor in tensors:
-        key = storage_key(tensor)
-        if key not in made:
-            handed.append(tensor)
-            continue
-        if key not in copies:
-            copies[key] = tensor.untyped_storage().clone()
-        copy = tensor_over(
-            copies[key],
-            tensor.dtype,
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-        )
-        handed.append(copy.requires_grad_(tensor.requires_grad))
-    return handed
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
