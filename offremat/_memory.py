@@ -50,8 +50,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from offremat._tensors import byte_view, storage_key, tensor_over
 
-"""Storages smaller than this stay on the device when their plan tensor is offloaded."""
-
 
 class TensorRef:
     """One tensor the step holds, rebuilt over its storage's current device copy.

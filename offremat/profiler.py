@@ -282,9 +282,10 @@ class _StageProfile:
         return [g for g in slot.grads or () if g is not None]
 
     def measure(
-        self, warmup: int, repeats: int, sizes_only: bool, last: bool = False
+        self, warmup: int, repeats: int, sizes_only: bool, last: bool
     ) -> tuple[_Measured, Any]:
-        """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times."""
+        """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times.
+        ``last``: the chain's last stage, whose outputs its caller keeps through B(i)."""
         # Gradients exist, as in every training step after the first: a backward then holds
         # only transient parameter gradients, which count as its temporaries. They exist for
         # this stage alone, so that profiling a new shape mid-training costs one stage's.
