@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -331,11 +332,18 @@ class _StageProfile:
         )
         # Measured from after that release: the peak above a baseline that still held them
         # could not fall below it, and bytes let go at once would read as no change at all.
-        let_go = sum(s.nbytes() for k, s in out_storages.items() if k in made and k not in by_nodes)
+        # Only what really goes: a module that keeps its output (as logging code does) holds it.
+        unsaved = [
+            (weakref.ref(s), s.nbytes())
+            for k, s in out_storages.items()
+            if k in made and k not in by_nodes
+        ]
         outputs, grads = self.incoming(output)
         roots = [get_gradient_edge(t) for t in outputs]
         del saved, out_storages, packer, by_nodes, inputs, output, outputs
-        out_tensors.clear()  # the last reference to the outputs, as at B(i)'s start
+        out_tensors.clear()  # the profiler's last reference to the outputs, as at B(i)'s start
+        let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
+        del unsaved
         with backward_memory:
             produced = storage_bytes(self.backward(roots, grads, slot))
         del slot, grads, roots

@@ -17,7 +17,7 @@ from solvers.baselines import offload_all
 from solvers.simulator import score
 
 WIDTH = 64
-ROWS = 128  # 32 KiB activations: above the size the executor moves
+ROWS = 128  # 32 KiB activations
 
 
 def offloading(model: nn.Sequential, x) -> offremat.OptimizedModule:
@@ -446,3 +446,34 @@ def test_the_first_model_planned_by_the_milp_is_freed_with_its_last_reference() 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-2:] == ["[False,", "False]"]
+
+
+class KeepsItsOutput(nn.Module):
+    """Keeps its output, which no node of its own saved (sin saves its input), as logging
+    code does: a backward cannot let it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 4 * WIDTH)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.last = torch.sin(self.linear(x))
+        return self.last
+
+
+def test_an_output_a_module_keeps_is_counted_through_its_backward() -> None:
+    from offremat.measure import StepMemory
+    from solvers.baselines import keep_all
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), KeepsItsOutput(), nn.Linear(4 * WIDTH, 1))
+    x = torch.randn(2048, WIDTH)
+    chain = profile_model(copy.deepcopy(model), x, warmup=0, repeats=1)
+    plan = score(keep_all(chain), chain, None)
+    executor = PlanExecutor(list(model), plan, chain)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", x) as memory:
+        executor(x).sum().backward()
+    assert memory.peak_bytes <= plan.predicted_peak_bytes
