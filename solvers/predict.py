@@ -17,9 +17,9 @@ chord (``b ≥ 0``) and ``a·n + b·n²`` through the origin (``c ≥ 0``, over 
 ``c·(n - n1)(n2 - n) / (n1·n2)``). The lower is at most :data:`TIME_ERROR` above the truth
 for every such time, or the shape is profiled instead: sizes far apart, where the curvature
 can hide. From three sizes or more it is a quadratic, used between them and up to
-:data:`REACH` of their span above the largest (never below the smallest: there fixed
-per-operation costs, which no quadratic in n captures, dominate the time). Anything else is
-left to a real profile.
+:data:`REACH` of their span beyond them on either side: its constant term is the fixed
+per-operation cost that dominates small sizes, and three exact points of a quadratic fix it
+everywhere. Anything else is left to a real profile.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ MIN_POINTS = 2
 """Profiled sizes needed before predicting between them: two points determine a line."""
 
 REACH = 0.25
-"""How far beyond the profiled sizes a quadratic fit (three sizes or more) predicts, as a
-fraction of their span: a quadratic through three exact points of a quadratic is exact
-everywhere, but a figure that changes regime (another kernel chosen above some size) is not
-one, so the prediction stays near what was measured."""
+"""How far beyond the profiled sizes, below the smallest or above the largest, a quadratic fit
+(three sizes or more) predicts, as a fraction of their span: a quadratic through three exact
+points of a quadratic is exact everywhere, but a figure that changes regime (another kernel
+chosen above or below some size) is not one, so the prediction stays near what was
+measured."""
 
 TIME_ERROR = 0.1
 """The most a two-point time prediction may be above the truth, as a fraction of it: for every
@@ -56,15 +57,15 @@ _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain | None:
     """The chain at ``size`` fitted from ``(size, chain)`` pairs, or None when unsure.
 
-    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` below them, above them
-    (two sizes) or more than :data:`REACH` of their span above them (three or more), two
+    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` outside them (two sizes)
+    or more than :data:`REACH` of their span beyond them (three or more), two
     sizes too far apart for :data:`TIME_ERROR` at ``size``, or chains whose stages differ.
     """
     sizes = sorted({float(n) for n, _ in profiled})
     if len(sizes) < MIN_POINTS:
         return None
     reach = REACH * (sizes[-1] - sizes[0]) if len(sizes) > MIN_POINTS else 0.0
-    if not sizes[0] <= size <= sizes[-1] + reach:
+    if not sizes[0] - reach <= size <= sizes[-1] + reach:
         return None
     if len(sizes) == MIN_POINTS and _two_point_error(*sizes, size) > TIME_ERROR:
         return None

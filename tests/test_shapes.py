@@ -135,9 +135,10 @@ def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
     sources = {}
     # 240 lies between two profiled sizes, near one: predicted. 128 lies too far from both
     # (a time could be 25% off): profiled. 192 lies between three: predicted. 32 lies below
-    # them: profiled. 288 lies beyond them by less than a quarter of their span: predicted.
-    # 320 lies too far: profiled.
-    for rows in (256, 240, 128, 192, 32, 288, 320):
+    # them by less than a quarter of their span: predicted. 8 lies too far below: profiled.
+    # 288 lies beyond them by less than a quarter of their span: predicted. 320 lies too far
+    # above: profiled.
+    for rows in (256, 240, 128, 192, 32, 8, 288, 320):
         x = torch.randn(rows, 64, generator=generator)
         check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
         sources[rows] = om.chain.metadata.get("predicted_from")
@@ -146,11 +147,12 @@ def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
         240: [64.0, 256.0],
         128: None,
         192: [64.0, 128.0, 256.0],
-        32: None,
-        288: [32.0, 64.0, 128.0, 256.0],
+        32: [64.0, 128.0, 256.0],
+        8: None,
+        288: [8.0, 64.0, 128.0, 256.0],
         320: None,
     }
-    assert om.cache_info()["predicted"] == 3
+    assert om.cache_info()["predicted"] == 4
 
 
 def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
@@ -200,8 +202,10 @@ def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
     [
         ("gpt", (96, 256), 128),  # between two: the lower of two upper bounds
         ("gpt", (64, 128, 256), 96),  # between three: a quadratic
+        ("gpt", (64, 128, 256), 32),  # below three
         ("resnet", (16, 32), 24),
         ("resnet", (8, 16, 24), 28),  # above three
+        ("resnet", (16, 24, 32), 12),  # below three
     ],
 )
 def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name, sizes, unseen):
@@ -270,8 +274,9 @@ def test_the_predictor_declines_shapes_far_from_profiled_ones() -> None:
     three = list(chains.items())
     assert predict_chain(two[:1], 16) is None  # one size: nothing to fit
     assert predict_chain(two, 4) is None and predict_chain(two, 36) is None  # outside two
-    assert predict_chain(three, 7) is None  # below the smallest: fixed costs dominate
-    assert predict_chain(three, 39) is None  # beyond reach
+    assert predict_chain(three, 1) is None  # below reach
+    assert predict_chain(three, 2) is not None
+    assert predict_chain(three, 39) is None  # above reach
     assert predict_chain(three, 38) is not None
 
 
