@@ -4,9 +4,9 @@ A file holds one chain and its plan, under a key made of the model's structure (
 parameter and buffer shapes and dtypes), the device, the budget as given, the solver and its
 options, the example batch's signature and the signature of the input shape planned. A file
 that cannot be read, is truncated, has another format or another key, or holds a plan that
-does not validate against its chain is logged and ignored: never fatal, never trusted. Files
-are written to a temporary name in the same folder and renamed over the target, so two
-processes writing the same entry leave one whole file.
+does not validate against its chain or does not fit its budget there is logged and ignored:
+never fatal, never trusted. Files are written to a temporary name in the same folder and
+renamed over the target, so two processes writing the same entry leave one whole file.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 
 from solvers.chain import Chain
 from solvers.plan import Plan, validate
+from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,12 @@ class PlanCache:
             problems = validate(plan, chain)
             if problems:
                 raise ValueError("; ".join(problems))
+            simulation = simulate(plan, chain, plan.budget_bytes)
+            if not simulation.feasible:
+                raise ValueError(
+                    f"its plan peaks at {simulation.peak_bytes} B on its chain, over its "
+                    f"budget of {plan.budget_bytes} B"
+                )
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning("ignoring plan cache file %s: %s", path, error)
             return None

@@ -1,0 +1,97 @@
+"""The plan cache on disk: a bad file is never trusted, and concurrent writers never tear one."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+from offremat._plan_cache import PlanCache
+from solvers.chain import Chain, Stage
+from solvers.registry import solve
+
+
+def small_chain(scale: int = 1) -> Chain:
+    stages = tuple(
+        Stage(
+            name=f"s{i}",
+            fwd_s=1.0 + i,
+            bwd_s=2.0 + i,
+            out_bytes=100 * scale,
+            saved_bytes=150 * scale,
+            grad_bytes=100 * scale,
+        )
+        for i in range(1, 7)
+    )
+    return Chain("small", 100 * scale, stages)
+
+
+KEY = {"model": "m", "device": "cpu", "budget": 900, "solver": "dp"}
+
+
+def test_a_file_made_for_another_key_is_ignored_with_a_warning(tmp_path, caplog) -> None:
+    chain = small_chain()
+    PlanCache(tmp_path, {**KEY, "budget": 800}).store("(64,)", chain, solve(chain, 800))
+    (foreign,) = tmp_path.glob("*.json")
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, solve(chain, 900))
+    (path,) = set(tmp_path.glob("*.json")) - {foreign}
+    path.write_text(foreign.read_text())  # another budget's entry under this key's name
+    with caplog.at_level("WARNING"):
+        assert cache.load("(64,)") is None
+    assert "another model's, device's, budget's or shape's" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda data: {**data, "format": "offremat.plan-cache/0"},
+        lambda data: {k: v for k, v in data.items() if k != "plan"},
+        lambda data: {**data, "chain": small_chain(scale=3).to_dict()},  # plan no longer fits
+        lambda data: [data],
+    ],
+    ids=["other format", "no plan", "plan over its chain's budget", "not an object"],
+)
+def test_a_spoilt_file_is_ignored_with_a_warning(tmp_path, caplog, spoil) -> None:
+    chain = small_chain()
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, solve(chain, 900))
+    (path,) = tmp_path.glob("*.json")
+    assert cache.load("(64,)") is not None
+    path.write_text(json.dumps(spoil(json.loads(path.read_text()))))
+    with caplog.at_level("WARNING"):
+        assert cache.load("(64,)") is None
+    assert "ignoring plan cache file" in caplog.text
+
+
+def write_many(directory: str, budget: int, times: int) -> None:
+    chain = small_chain()
+    cache = PlanCache(directory, KEY)
+    plan = solve(chain, budget)
+    for _ in range(times):
+        cache.store("(64,)", chain, plan)
+
+
+def test_two_processes_writing_one_entry_never_leave_a_torn_file(tmp_path, caplog) -> None:
+    # Two writers race on one entry (with plans for different budgets, so their files differ)
+    # while this process reads it: every read must find one whole, valid file.
+    context = multiprocessing.get_context("fork")
+    writers = [
+        context.Process(target=write_many, args=(str(tmp_path), budget, 300))
+        for budget in (900, 700)
+    ]
+    for writer in writers:
+        writer.start()
+    cache = PlanCache(tmp_path, KEY)
+    loads = 0
+    with caplog.at_level("WARNING"):
+        while any(writer.is_alive() for writer in writers):
+            loads += cache.load("(64,)") is not None
+    for writer in writers:
+        writer.join()
+        assert writer.exitcode == 0
+    assert "ignoring" not in caplog.text
+    assert loads > 0
+    assert cache.load("(64,)") is not None
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".tmp-")] == []
