@@ -53,7 +53,7 @@ class DeferringPacker(SavedTensorPacker):
         self,
         stage: str,
         inputs: Sequence[torch.Tensor],
-        excluded: set[int],
+        excluded: set[int] | frozenset[int],
         expected_packs: int | None = None,
     ):
         super().__init__(stage, inputs, excluded)

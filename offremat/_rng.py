@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from offremat._eager import EagerDispatchMode
 
@@ -73,16 +72,6 @@ class RngState:
             torch.cuda.set_rng_state(state, index)
         for generator, state in self.owned:
             generator.set_state(state)
-
-
-def module_generators(module: nn.Module) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects that ``module`` and its submodules keep as attributes."""
-    found: dict[int, torch.Generator] = {}
-    for submodule in module.modules():
-        for value in vars(submodule).values():
-            if isinstance(value, torch.Generator):
-                found.setdefault(id(value), value)
-    return list(found.values())
 
 
 @contextmanager

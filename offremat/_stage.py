@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from offremat._memory import Residency, TensorRef
 from offremat._tensors import storage_key, tensor_over, unique_storages
@@ -143,7 +142,9 @@ class SavedTensorPacker:
     place, so :meth:`unpack` makes it: every packed tensor records its version.
     """
 
-    def __init__(self, stage: str, inputs: Sequence[torch.Tensor], excluded: set[int]):
+    def __init__(
+        self, stage: str, inputs: Sequence[torch.Tensor], excluded: set[int] | frozenset[int]
+    ):
         self.stage = stage
         self.inputs = list(inputs)
         self.input_of_storage: dict[int, int] = {}
@@ -212,29 +213,6 @@ class SavedTensorPacker:
     def saved_storages(self) -> dict[int, torch.UntypedStorage]:
         """The distinct storages held, by :func:`storage_key` (what the profiler measures)."""
         return unique_storages(ref.get() for ref in self.refs)
-
-
-def parameter_storages(modules: Sequence[nn.Module]) -> set[int]:
-    """Storage keys of every parameter and buffer: never part of a saved set."""
-    keys = set()
-    for module in modules:
-        for tensor in (*module.parameters(), *module.buffers()):
-            keys.add(storage_key(tensor))
-    return keys
-
-
-def has_trainable_parameters(module: nn.Module) -> bool:
-    """Whether any parameter of the module requires grad."""
-    return any(parameter.requires_grad for parameter in module.parameters())
-
-
-def norm_layers(module: nn.Module) -> list[nn.Module]:
-    """The normalisation layers whose running statistics a forward in training mode moves."""
-    return [
-        layer
-        for layer in module.modules()
-        if isinstance(layer, _NormBase) and layer.training and layer.track_running_stats
-    ]
 
 
 @contextmanager

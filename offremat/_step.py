@@ -18,12 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offremat._memory import Residency, TensorRef
-from offremat._rng import RngState, cuda_device_indices, module_generators
-from offremat._stage import (
-    AutocastState,
-    norm_layers,
-    parameter_storages,
-)
+from offremat._rng import RngState, cuda_device_indices
+from offremat._scan import ModuleScan, fixed_storages
+from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
 from offremat._tensors import Structure, is_differentiable
@@ -52,7 +49,7 @@ class _Step(Compute):
         tensors: list[torch.Tensor],
         structure: Structure,
         device: torch.device,
-        trainable: list[bool],
+        scans: list[ModuleScan],
     ):
         self.executor = executor
         self.ops = executor.plan.ops
@@ -60,16 +57,16 @@ class _Step(Compute):
         self.names = executor.chain.stage_names
         self.device = device
         pool, self.streams = executor._resources(device)
-        self.excluded = parameter_storages(executor.stages)
+        self.excluded = fixed_storages(scans)
         self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
         # A forward whose output is dropped never gets its backward: close then, on collection.
         self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)
-        self.norms = [norm_layers(stage) for stage in executor.stages]
+        self.norms = [scan.norms for scan in scans]
         self.cuda_devices = cuda_device_indices(device)
-        self.generators = [module_generators(stage) for stage in executor.stages]
+        self.generators = [scan.generators for scan in scans]
         self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
-        self.trainable = trainable
+        self.trainable = [bool(scan.trainable) for scan in scans]
         # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
         self.flags: dict[int, list[bool]] = {
             0: [t.requires_grad and is_differentiable(t) for t in tensors]

@@ -46,9 +46,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._memory import CudaStreams, HostArena
-from offremat._stage import (
-    has_trainable_parameters,
-)
+from offremat._scan import ModuleScan, scan_modules
 from offremat._stats import StepStats, StepTiming
 from offremat._step import _Step
 from offremat._tensors import (
@@ -151,7 +149,8 @@ class PlanExecutor:
         if not tensors:
             raise TypeError("the model input holds no tensor; pass the example input's kind")
         device = self._device(tensors)
-        trainable = [has_trainable_parameters(stage) for stage in self.stages]
+        scans = [scan_modules(stage) for stage in self.stages]
+        trainable = [bool(scan.trainable) for scan in scans]
         frozen = self.chain.frozen_stages
         if (
             frozen
@@ -170,8 +169,8 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        step = _Step(self, tensors, structure, device, trainable)
-        probe = _parameter_probe(self.stages)
+        step = _Step(self, tensors, structure, device, scans)
+        probe = _parameter_probe(scans)
         outputs = _PlanFunction.apply(step, self._anchor(device), probe, *tensors)
         return unflatten(outputs, step.output_structure)
 
@@ -202,13 +201,13 @@ class PlanExecutor:
         return self._pools[device], streams
 
 
-def _parameter_probe(stages: Sequence[nn.Module]) -> torch.Tensor | None:
-    """A zero-element tensor whose graph reaches every trainable parameter of ``stages``.
+def _parameter_probe(scans: Sequence[ModuleScan]) -> torch.Tensor | None:
+    """A zero-element tensor whose graph reaches every trainable parameter of the stages.
 
     It costs no memory; it lets the backward ask the engine whether the caller wants
     parameter gradients (see :class:`_PlanFunction`).
     """
-    parameters = [p for stage in stages for p in stage.parameters() if p.requires_grad]
+    parameters = [p for scan in scans for p in scan.trainable]
     if not parameters:
         return None
     # A sharded parameter (FSDP2's DTensor) has no as_strided: its local shard reaches it.

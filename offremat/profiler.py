@@ -37,13 +37,12 @@ from offremat._blocks import (
     untouched,
 )
 from offremat._link import measure_link
+from offremat._scan import fixed_storages, scan_modules
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
     check_unmodified,
     enter_stage,
-    has_trainable_parameters,
-    parameter_storages,
 )
 from offremat._tensors import (
     copied,
@@ -169,7 +168,7 @@ def frozen_prefix(stages: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -
     before the first with a trainable parameter (all of them: none, as nothing trains)."""
     if any(t.requires_grad for t in inputs):
         return 0
-    return next((k for k, stage in enumerate(stages) if has_trainable_parameters(stage)), 0)
+    return next((k for k, stage in enumerate(stages) if scan_modules(stage).trainable), 0)
 
 
 def stage_modules(model: nn.Module | Sequence[nn.Module], chain: Chain) -> list[nn.Module]:
@@ -212,7 +211,7 @@ def _profile_all(
     """
     tensors, structure = flatten(example_input)
     flags = [t.requires_grad and is_differentiable(t) for t in tensors]
-    excluded = parameter_storages([module for _, module in stages])
+    excluded = set(fixed_storages(scan_modules(module) for _, module in stages))
     shared = set(unique_storages(tensors))
     value = unflatten([t.detach() for t in tensors], structure)
     results = []
