@@ -1,0 +1,165 @@
+"""Where offremat's step loses to torch's checkpoint_sequential on CPU: its own cost, page faults.
+
+Two parts, each in one fresh process with one torch thread, the methods alternating in
+rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm-up step):
+
+- ``own-cost``: a 10-stage GPT so small that its compute is negligible (hidden 16, 8 tokens),
+  so the step time is almost all Python. Plain autograd and ``checkpoint_sequential`` with 9
+  segments against offremat running keep-all and the same 9-segment schedule
+  (``solvers.baselines.checkpoint_sequential_plan``).
+- ``faults``: the GPT of ``peers_cpu.py`` at 30% of keep-all: ``checkpoint_sequential`` with 9
+  segments, offremat running that schedule, and offremat's dp plan; step time and minor page
+  faults per step (``getrusage``). It runs twice: with glibc's default settings, which give
+  freed memory back to the system between allocations so that the next ones fault it in
+  again, and with glibc told to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``),
+  as the CUDA caching allocator keeps freed blocks on a GPU.
+
+    python experiments/overhead_cpu.py --out experiments/results/overhead_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint_sequential
+
+import offremat
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+from solvers.baselines import checkpoint_sequential_plan, keep_all
+from solvers.registry import keep_all_peak, solve
+from solvers.simulator import score
+
+SEGMENTS = 9
+KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(2**34), "MALLOC_MMAP_THRESHOLD_": str(2**25)}
+TINY = GPTConfig(layers=8, hidden=16, heads=2, seq=8, vocab=32, dropout=0.0)
+PEERS = GPTConfig(layers=8, hidden=256, heads=4, seq=128, vocab=1024, dropout=0.0)
+
+
+def methods(part: str) -> dict[str, Any]:
+    """The callables whose ``f(batch).backward()`` is one training step, by name."""
+    config, rows = (TINY, 1) if part == "own-cost" else (PEERS, 8)
+    model, batch = build_gpt(config, seed=0), gpt_batch(config, rows, seed=0)
+    chain = offremat.profile_model(model, batch)
+    budget = int(0.3 * keep_all_peak(chain)) if part == "faults" else None
+    schedule = score(checkpoint_sequential_plan(chain, SEGMENTS), chain, budget)
+    found = {
+        "checkpoint_sequential": lambda b: checkpoint_sequential(
+            model, SEGMENTS, b, use_reentrant=False
+        ),
+        "offremat, same schedule": offremat.optimize(model, batch, chain=chain, plan=schedule),
+    }
+    if part == "own-cost":
+        found["plain autograd"] = model
+        plan = score(keep_all(chain), chain, None)
+        found["offremat, keep-all"] = offremat.optimize(model, batch, chain=chain, plan=plan)
+    else:
+        plan = solve(chain, budget, "dp")
+        found["offremat dp"] = offremat.optimize(model, batch, chain=chain, plan=plan)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    return {"batch": batch, "methods": found}
+
+
+def measure(part: str, rounds: int, steps: int) -> dict[str, dict[str, list[float]]]:
+    """Per method, the mean step time and minor faults per step of each round."""
+    torch.set_num_threads(1)
+    setup = methods(part)
+    batch, found = setup["batch"], setup["methods"]
+    names = list(found)
+    results = {name: {"time": [], "faults": []} for name in names}
+    for round_ in range(rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order if round_ % 2 == 0 else reversed(order):
+            step = found[name]
+            step(batch).backward()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(batch).backward()
+            results[name]["time"].append((time.perf_counter() - start) / steps)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            results[name]["faults"].append(faults / steps)
+    return results
+
+
+def table(results: dict[str, dict[str, list[float]]], reference: str) -> list[str]:
+    base = results[reference]["time"]
+    lines = [
+        f"| method | step (ms) | ÷ {reference}, per round (median, range) | page faults a step |",
+        "|---|---:|---|---:|",
+    ]
+    for name, values in results.items():
+        ratios = [a / b for a, b in zip(values["time"], base, strict=True)]
+        lines.append(
+            f"| {name} | {1e3 * statistics.median(values['time']):.2f} | "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"{statistics.median(values['faults']):.0f} |"
+        )
+    return lines
+
+
+def run_part(part: str, rounds: int, steps: int, env: dict[str, str]) -> dict[str, Any]:
+    """``measure`` in a fresh interpreter with ``env`` added to this one's environment."""
+    command = [sys.executable, __file__, "--part", part, "--rounds", str(rounds)]
+    command += ["--steps", str(steps)]
+    done = subprocess.run(
+        command, env={**os.environ, **env}, check=True, capture_output=True, text=True
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--part", choices=("own-cost", "faults"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="experiments/results/overhead_cpu.md")
+    args = parser.parse_args()
+    if args.part:
+        print(json.dumps(measure(args.part, args.rounds, args.steps)))
+        return
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    settings = " ".join(f"{k}={v}" for k, v in KEEP_FREED.items())
+    lines = [
+        "# offremat's own cost and page faults beside checkpoint_sequential (CPU)",
+        "",
+        f"- command: `python experiments/overhead_cpu.py --rounds {args.rounds} "
+        f"--steps {args.steps}`; git {commit}; "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"- torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores, "
+        "1 torch thread; each part in a fresh process",
+        "",
+        f"## Own cost: {TINY}, batch 1 (compute negligible)",
+        "",
+        *table(run_part("own-cost", args.rounds, 10 * args.steps, {}), "checkpoint_sequential"),
+        "",
+        f"## Page faults: {PEERS}, batch 8, 30% of keep-all",
+        "",
+        "glibc's default settings:",
+        "",
+        *table(run_part("faults", args.rounds, args.steps, {}), "checkpoint_sequential"),
+        "",
+        f"glibc keeping freed memory ({settings}):",
+        "",
+        *table(run_part("faults", args.rounds, args.steps, KEEP_FREED), "checkpoint_sequential"),
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
