@@ -69,16 +69,22 @@ def methods(part: str) -> dict[str, Any]:
         found["offremat dp"] = offremat.optimize(model, batch, chain=chain, plan=plan)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
-    return {"batch": batch, "methods": found}
+    predicted = {
+        name: (step.plan.predicted_time_s, step.plan.predicted_peak_bytes / budget)
+        for name, step in found.items()
+        if budget is not None and hasattr(step, "plan")
+    }
+    return {"batch": batch, "methods": found, "predicted": predicted}
 
 
-def measure(part: str, rounds: int, steps: int) -> dict[str, dict[str, list[float]]]:
-    """Per method, the mean step time and minor faults per step of each round."""
+def measure(part: str, rounds: int, steps: int) -> dict[str, Any]:
+    """Per method, the mean step time and minor faults per step of each round, and the
+    simulator's step time and peak ÷ budget for the plans (``faults`` only)."""
     torch.set_num_threads(1)
     setup = methods(part)
     batch, found = setup["batch"], setup["methods"]
     names = list(found)
-    results = {name: {"time": [], "faults": []} for name in names}
+    results: dict[str, Any] = {name: {"time": [], "faults": []} for name in names}
     for round_ in range(rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order if round_ % 2 == 0 else reversed(order):
@@ -91,21 +97,28 @@ def measure(part: str, rounds: int, steps: int) -> dict[str, dict[str, list[floa
             results[name]["time"].append((time.perf_counter() - start) / steps)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             results[name]["faults"].append(faults / steps)
+    for name, (time_s, peak) in setup["predicted"].items():
+        results[name]["predicted"] = (time_s, peak)
     return results
 
 
-def table(results: dict[str, dict[str, list[float]]], reference: str) -> list[str]:
+def table(results: dict[str, Any], reference: str) -> list[str]:
     base = results[reference]["time"]
     lines = [
-        f"| method | step (ms) | ÷ {reference}, per round (median, range) | page faults a step |",
-        "|---|---:|---|---:|",
+        f"| method | step (ms) | ÷ {reference}, per round (median, range) | page faults a step "
+        "| simulated step (ms) | simulated peak ÷ budget |",
+        "|---|---:|---|---:|---:|---:|",
     ]
     for name, values in results.items():
         ratios = [a / b for a, b in zip(values["time"], base, strict=True)]
+        simulated = values.get("predicted")
+        predicted = (
+            "— | —" if simulated is None else (f"{1e3 * simulated[0]:.2f} | {simulated[1]:.3f}")
+        )
         lines.append(
             f"| {name} | {1e3 * statistics.median(values['time']):.2f} | "
             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
-            f"{statistics.median(values['faults']):.0f} |"
+            f"{statistics.median(values['faults']):.0f} | {predicted} |"
         )
     return lines
 
