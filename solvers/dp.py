@@ -259,16 +259,24 @@ def check_table_size(chain: Chain, slots: int) -> None:
         logger.warning("%s; group blocks into fewer stages (--stages) for a faster answer", cost)
 
 
-def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Plan:
+def solve_dp(
+    chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS, tolerance: float = 0.0
+) -> Plan:
     """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
 
-    Raises :class:`InfeasibleBudgetError`, naming the least feasible budget, when none fits.
+    With a ``tolerance`` above 0, the plan that needs the least memory among those at most
+    that fraction slower than the fastest: the table holds the optimum for every smaller
+    budget, so this costs nothing more. When plain autograd fits, it is the answer whatever
+    the tolerance. Raises :class:`InfeasibleBudgetError`, naming the least feasible budget,
+    when none fits.
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     if chain.frozen_stages:
         plan = with_frozen_prefix(
-            chain, budget_bytes, lambda part, room: solve_dp(part, room, slots)
+            chain, budget_bytes, lambda part, room: solve_dp(part, room, slots, tolerance)
         )
         return score(plan, chain, budget_bytes)
     check_table_size(chain, slots)
@@ -286,13 +294,14 @@ def solve_dp(chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS) -> Pla
     table = _Table(chain, sizes, capacity)
     if not np.isfinite(table.time[1, chain.length, capacity]):
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
-    ops = table.ops(1, chain.length, capacity)
-    plan = Plan(
-        ops=tuple(ops),
-        stage_names=chain.stage_names,
-        solver="dp",
-        info={"slots": slots, "dp_time_s": float(table.time[1, chain.length, capacity])},
-    )
+    fastest = table.time[1, chain.length]
+    # The least memory within the tolerance: opt(m, 1, L) does not grow with m.
+    room = int(np.argmax(fastest <= fastest[capacity] * (1.0 + tolerance)))
+    ops = table.ops(1, chain.length, room)
+    info = {"slots": slots, "dp_time_s": float(fastest[room])}
+    if tolerance:
+        info |= {"tolerance": tolerance, "fastest_s": float(fastest[capacity])}
+    plan = Plan(ops=tuple(ops), stage_names=chain.stage_names, solver="dp", info=info)
     return score(plan, chain, budget_bytes)
 
 

@@ -44,7 +44,7 @@ SOLVERS = (
 SOLVER_OPTIONS: dict[str, frozenset[str]] = {
     **{name: frozenset() for name in BASELINES},
     "dtr": frozenset(),
-    "dp": frozenset({"slots"}),
+    "dp": frozenset({"slots", "tolerance"}),
     "checkmate": frozenset({"time_limit_s", "gap", "backend", "slots", "progress"}),
     "milp": frozenset({"offload", "time_limit_s", "gap", "backend", "slots", "progress"}),
 }
@@ -67,9 +67,9 @@ def check_count(name: str, value: Any) -> int:
 def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -> Plan:
     """The plan ``solver`` picks for ``chain`` within ``budget_bytes``, scored by the simulator.
 
-    ``options`` go to the solver: ``slots`` for dp; ``offload``, ``time_limit_s``, ``gap``,
-    ``backend`` and ``slots`` for milp, the same less ``offload`` for checkmate; none for dtr
-    and the baselines. Raises
+    ``options`` go to the solver: ``slots`` and ``tolerance`` for dp; ``offload``,
+    ``time_limit_s``, ``gap``, ``backend`` and ``slots`` for milp, the same less ``offload``
+    for checkmate; none for dtr and the baselines. Raises
     :class:`InfeasibleBudgetError` (with ``min_budget_bytes``) when the plan does not fit, and
     ``ValueError`` for an unknown solver, a bad option or an offload baseline on a chain
     without a link.

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from solvers.baselines import keep_all as keep_all_plan
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Stage
 from solvers.dp import least_memory_plan, memory_need, min_feasible_budget, solve_dp
@@ -179,6 +180,27 @@ def test_dp_matches_exhaustive_search_on_small_chains(seed: int) -> None:
     for budget in sorted({need - 1, need, *rng.sample(range(need, keep_all), 6), keep_all}):
         expected = exhaustive_optimum(chain, budget)
         assert dp_time(chain, budget) == pytest.approx(expected), f"budget {budget}"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_with_a_tolerance_the_plan_holds_the_least_memory_of_those_within_it(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    chain = random_chain(rng, length=rng.randint(3, 5))
+    plain_peak = simulate(keep_all_plan(chain), chain).peak_bytes
+    budget = plain_peak - 1  # plain autograd does not fit, so the tolerance has room to act
+    fastest = exhaustive_optimum(chain, budget)
+    if fastest == INF:
+        pytest.skip("no plan fits below plain autograd's peak")
+    tolerance = rng.choice((0.05, 0.1, 0.2))
+    least = min(
+        b
+        for b in range(memory_need(chain), budget + 1)
+        if exhaustive_optimum(chain, b) <= fastest * (1 + tolerance)
+    )
+    plan = solve_dp(chain, budget, slots=budget, tolerance=tolerance)
+    assert plan.predicted_time_s <= fastest * (1 + tolerance) + 1e-9
+    assert plan.predicted_peak_bytes == least
+    assert validate(plan, chain) == []
 
 
 @pytest.mark.parametrize("seed", range(10))

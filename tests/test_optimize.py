@@ -247,3 +247,18 @@ def test_out_of_memory_is_reraised_with_the_plan_and_advice() -> None:
     message = str(error.value)
     assert "predicted activation peak" in message and "budget" in message
     assert "profile again" in message and "Tried to allocate 2.00 GiB" in message
+
+
+def test_dp_through_optimize_runs_with_its_default_tolerance_unless_told() -> None:
+    from offremat._planning import DP_TOLERANCE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(5)]
+    )
+    x = torch.randn(64, 32)
+    default = offremat.optimize(model, x, budget=0.5)
+    exact = offremat.optimize(model, x, budget=0.5, chain=default.chain, tolerance=0.0)
+    assert default.plan.info["tolerance"] == DP_TOLERANCE
+    assert "tolerance" not in exact.plan.info
+    assert default.plan.predicted_time_s <= exact.plan.predicted_time_s * (1 + DP_TOLERANCE)
