@@ -6,13 +6,15 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
 - ``own-cost``: a 10-stage GPT so small that its compute is negligible (hidden 16, 8 tokens),
   so the step time is almost all Python. Plain autograd and ``checkpoint_sequential`` with 9
   segments against offremat running keep-all and the same 9-segment schedule
-  (``solvers.baselines.checkpoint_sequential_plan``).
+  (``solvers.baselines.checkpoint_sequential_plan``), 10 × ``--steps`` steps a round.
 - ``faults``: the GPT of ``peers_cpu.py`` at 30% of keep-all: ``checkpoint_sequential`` with 9
-  segments, offremat running that schedule, and offremat's dp plan; step time and minor page
-  faults per step (``getrusage``). It runs twice: with glibc's default settings, which give
-  freed memory back to the system between allocations so that the next ones fault it in
-  again, and with glibc told to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``),
-  as the CUDA caching allocator keeps freed blocks on a GPU.
+  segments, offremat running that schedule, and offremat's dp plan, exact and with
+  ``optimize``'s default tolerance; step time and minor page faults per step
+  (``getrusage``). It runs twice: with glibc's default settings (any ``MALLOC_*`` variable
+  of this environment left out), which give freed memory back to the system between
+  allocations so that the next ones fault it in again, and with glibc told to keep it
+  (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), as the CUDA caching allocator
+  keeps freed blocks on a GPU.
 
     python experiments/overhead_cpu.py --out experiments/results/overhead_cpu.md
 """
@@ -65,8 +67,11 @@ def methods(part: str) -> dict[str, Any]:
         plan = score(keep_all(chain), chain, None)
         found["offremat, keep-all"] = offremat.optimize(model, batch, chain=chain, plan=plan)
     else:
-        plan = solve(chain, budget, "dp")
-        found["offremat dp"] = offremat.optimize(model, batch, chain=chain, plan=plan)
+        plan = solve(chain, budget, "dp")  # the exact optimum
+        found["offremat dp, exact"] = offremat.optimize(model, batch, chain=chain, plan=plan)
+        found["offremat dp, optimize's default"] = offremat.optimize(
+            model, batch, budget=budget, chain=chain
+        )
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
     predicted = {
@@ -127,8 +132,9 @@ def run_part(part: str, rounds: int, steps: int, env: dict[str, str]) -> dict[st
     """``measure`` in a fresh interpreter with ``env`` added to this one's environment."""
     command = [sys.executable, __file__, "--part", part, "--rounds", str(rounds)]
     command += ["--steps", str(steps)]
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
-        command, env={**os.environ, **env}, check=True, capture_output=True, text=True
+        command, env={**inherited, **env}, check=True, capture_output=True, text=True
     )
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -156,7 +162,7 @@ def main() -> None:
         f"- torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores, "
         "1 torch thread; each part in a fresh process",
         "",
-        f"## Own cost: {TINY}, batch 1 (compute negligible)",
+        f"## Own cost: {TINY}, batch 1 (compute negligible; {10 * args.steps} steps a round)",
         "",
         *table(run_part("own-cost", args.rounds, 10 * args.steps, {}), "checkpoint_sequential"),
         "",

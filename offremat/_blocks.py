@@ -18,7 +18,7 @@ from torch import nn
 
 from offremat._eager import eager
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices
-from offremat._scan import scan_modules
+from offremat._scan import module_generators
 from offremat._tensors import flatten
 
 
@@ -124,7 +124,7 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
     # differently from eager.
     with untouched([model], device), torch.no_grad(), eager():
-        generators = scan_modules(model).generators
+        generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(device), generators)
         for run in ("model", "chain"):
             state.restore()
@@ -164,7 +164,7 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
     """Restore RNG states (the modules' own generators too), buffers and parameter gradients."""
     cuda_devices = cuda_device_indices(device)
-    generators = [g for module in modules for g in scan_modules(module).generators]
+    generators = [g for module in modules for g in module_generators(module)]
     generator_states = [(g, g.get_state()) for g in generators]
     buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
     grads = [(p, p.grad) for module in modules for p in module.parameters()]

@@ -32,7 +32,7 @@ from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._eager import eager
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices
 from offremat._run import RunInterception, run_blocks
-from offremat._scan import scan_modules
+from offremat._scan import module_generators
 from offremat._tensors import flatten, is_differentiable, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules
@@ -135,7 +135,7 @@ def check_model_chain_output(
     # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
     # differently from eager.
     with untouched([model], _device(model, batch)), torch.no_grad(), eager():
-        generators = scan_modules(model).generators
+        generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(_device(model, batch)), generators)
         for chained in (False, True):
             state.restore()

@@ -70,6 +70,8 @@ class PlanCache:
             problems = validate(plan, chain)
             if problems:
                 raise ValueError("; ".join(problems))
+            if plan.budget_bytes is None and key.get("budget") != repr(None):
+                raise ValueError("its plan has no budget, but one was asked for")
             simulation = simulate(plan, chain, plan.budget_bytes)
             if not simulation.feasible:
                 raise ValueError(

@@ -48,14 +48,23 @@ def scan_modules(root: nn.Module) -> ModuleScan:
                 fixed.add(storage_key(buffer))
         if isinstance(module, _NormBase) and module.training and module.track_running_stats:
             norms.append(module)
-        for value in vars(module).values():
-            # Not isinstance: torch.Generator's metaclass checks instances in Python, slowly,
-            # and this looks at every attribute of every module at every step.
-            if issubclass(type(value), torch.Generator):
-                generators.setdefault(id(value), value)
+        for generator in _own_generators(module):
+            generators.setdefault(id(generator), generator)
     return ModuleScan(
         tuple(trainable.values()), frozenset(fixed), tuple(norms), tuple(generators.values())
     )
+
+
+def module_generators(root: nn.Module) -> tuple[torch.Generator, ...]:
+    """The generators that ``root`` and its submodules keep as attributes (no other walk)."""
+    found = {id(g): g for module in root.modules() for g in _own_generators(module)}
+    return tuple(found.values())
+
+
+def _own_generators(module: nn.Module) -> list[torch.Generator]:
+    # Not isinstance: torch.Generator's metaclass checks instances in Python, slowly, and
+    # this looks at every attribute of every module at every step.
+    return [value for value in vars(module).values() if issubclass(type(value), torch.Generator)]
 
 
 def fixed_storages(scans: Iterable[ModuleScan]) -> frozenset[int]:

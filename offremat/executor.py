@@ -149,23 +149,21 @@ class PlanExecutor:
         if not tensors:
             raise TypeError("the model input holds no tensor; pass the example input's kind")
         device = self._device(tensors)
+        if not torch.is_grad_enabled():
+            for stage in self.stages:
+                value = stage(value)
+            return value
         scans = [scan_modules(stage) for stage in self.stages]
         trainable = [bool(scan.trainable) for scan in scans]
         frozen = self.chain.frozen_stages
-        if (
-            frozen
-            and torch.is_grad_enabled()
-            and (any(trainable[:frozen]) or any(t.requires_grad for t in tensors))
-        ):
+        if frozen and (any(trainable[:frozen]) or any(t.requires_grad for t in tensors)):
             raise RuntimeError(
                 f"the first {frozen} stages of this chain needed no gradient, and were frozen "
                 "when its plan was made (so it runs no backward for them), but now a parameter "
                 "in them or the input requires grad: call offremat.optimize again after "
                 "changing which parameters train"
             )
-        if not torch.is_grad_enabled() or not (
-            any(trainable) or any(t.requires_grad for t in tensors)
-        ):
+        if not (any(trainable) or any(t.requires_grad for t in tensors)):
             for stage in self.stages:
                 value = stage(value)
             return value

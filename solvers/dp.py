@@ -272,6 +272,8 @@ def solve_dp(
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
     if chain.frozen_stages:
@@ -295,8 +297,10 @@ def solve_dp(
     if not np.isfinite(table.time[1, chain.length, capacity]):
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
     fastest = table.time[1, chain.length]
-    # The least memory within the tolerance: opt(m, 1, L) does not grow with m.
-    room = int(np.argmax(fastest <= fastest[capacity] * (1.0 + tolerance)))
+    room = capacity
+    if tolerance:
+        # The least memory whose optimum is within the tolerance (the first such m).
+        room = int(np.argmax(fastest <= fastest[capacity] * (1.0 + tolerance)))
     ops = table.ops(1, chain.length, room)
     info = {"slots": slots, "dp_time_s": float(fastest[room])}
     if tolerance:

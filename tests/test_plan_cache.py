@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from typing import Any
 
 import pytest
 
 from offremat._plan_cache import PlanCache
 from solvers.chain import Chain, Stage
+from solvers.plan import Plan
 from solvers.registry import solve
 
 
@@ -50,8 +52,9 @@ def test_a_file_made_for_another_key_is_ignored_with_a_warning(tmp_path, caplog)
         lambda data: {k: v for k, v in data.items() if k != "plan"},
         lambda data: {**data, "chain": small_chain(scale=3).to_dict()},  # plan no longer fits
         lambda data: [data],
+        lambda data: {**data, "plan": {**data["plan"], "budget_bytes": None}},
     ],
-    ids=["other format", "no plan", "plan over its chain's budget", "not an object"],
+    ids=["other format", "no plan", "plan over its chain's budget", "not an object", "no budget"],
 )
 def test_a_spoilt_file_is_ignored_with_a_warning(tmp_path, caplog, spoil) -> None:
     chain = small_chain()
@@ -65,10 +68,9 @@ def test_a_spoilt_file_is_ignored_with_a_warning(tmp_path, caplog, spoil) -> Non
     assert "ignoring plan cache file" in caplog.text
 
 
-def write_many(directory: str, budget: int, times: int) -> None:
-    chain = small_chain()
+def write_many(directory: str, chain: Chain, plan: Plan, go: Any, times: int) -> None:
     cache = PlanCache(directory, KEY)
-    plan = solve(chain, budget)
+    go.wait()
     for _ in range(times):
         cache.store("(64,)", chain, plan)
 
@@ -76,22 +78,30 @@ def write_many(directory: str, budget: int, times: int) -> None:
 def test_two_processes_writing_one_entry_never_leave_a_torn_file(tmp_path, caplog) -> None:
     # Two writers race on one entry (with plans for different budgets, so their files differ)
     # while this process reads it: every read must find one whole, valid file.
+    chain = small_chain()
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, solve(chain, 900))
     context = multiprocessing.get_context("fork")
+    go = context.Event()
     writers = [
-        context.Process(target=write_many, args=(str(tmp_path), budget, 300))
+        context.Process(
+            target=write_many, args=(str(tmp_path), chain, solve(chain, budget), go, 300)
+        )
         for budget in (900, 700)
     ]
     for writer in writers:
         writer.start()
-    cache = PlanCache(tmp_path, KEY)
-    loads = 0
+    loads = []
     with caplog.at_level("WARNING"):
-        while any(writer.is_alive() for writer in writers):
-            loads += cache.load("(64,)") is not None
+        go.set()
+        while True:
+            loads.append(cache.load("(64,)"))
+            if not any(writer.is_alive() for writer in writers):
+                break
     for writer in writers:
         writer.join()
         assert writer.exitcode == 0
     assert "ignoring" not in caplog.text
-    assert loads > 0
-    assert cache.load("(64,)") is not None
+    assert None not in loads
+    assert {plan.budget_bytes for _, plan in [*loads, cache.load("(64,)")]} <= {900, 700}
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".tmp-")] == []
