@@ -29,8 +29,8 @@ DP_TOLERANCE = 0.005
 Among plans predicted within 0.5% of the fastest, the one that holds the least memory: where
 the DP's optimum is one of several near-equal plans, the fastest prediction often recomputes
 several stages long before their backwards and holds the budget to its end, and measured it
-was the slower (the README's ``overhead_cpu.py`` and ``peers_cpu.py``). A solver's own
-``solve`` keeps the exact optimum.
+was the slower (``experiments/overhead_cpu.py``). ``solvers.registry.solve`` keeps the exact
+optimum.
 """
 
 
