@@ -182,15 +182,14 @@ def test_dp_matches_exhaustive_search_on_small_chains(seed: int) -> None:
         assert dp_time(chain, budget) == pytest.approx(expected), f"budget {budget}"
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(1, 9))  # seed 0 has no plan below keep-all
 def test_with_a_tolerance_the_plan_holds_the_least_memory_of_those_within_it(seed: int) -> None:
     rng = random.Random(100 + seed)
     chain = random_chain(rng, length=rng.randint(3, 5))
     plain_peak = simulate(keep_all_plan(chain), chain).peak_bytes
     budget = plain_peak - 1  # plain autograd does not fit, so the tolerance has room to act
     fastest = exhaustive_optimum(chain, budget)
-    if fastest == INF:
-        pytest.skip("no plan fits below plain autograd's peak")
+    assert fastest < INF
     tolerance = rng.choice((0.05, 0.1, 0.2))
     least = min(
         b
