@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from offremat._memory import CudaStreams, HostArena
+from offremat._host import CudaStreams, HostArena
 from offremat._scan import ModuleScan, scan_modules
 from offremat._stats import StepStats, StepTiming
 from offremat._step import _Step

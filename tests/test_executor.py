@@ -483,7 +483,7 @@ def test_two_steps_in_flight_share_one_backward() -> None:
 
 
 def test_the_host_arena_is_one_buffer_sized_from_the_plan_and_grows_once() -> None:
-    from offremat._memory import HostArena
+    from offremat._host import HostArena
 
     arena = HostArena(pinned=False, capacity=1000)
     first, second = arena.take(300), arena.take(600)
@@ -510,7 +510,8 @@ def test_an_offloading_executor_holds_one_arena_of_the_plan_s_size() -> None:
 
 
 def test_tiny_storages_move_and_foreign_ones_stay_resident_when_offloaded() -> None:
-    from offremat._memory import HostArena, Residency, TensorRef
+    from offremat._host import HostArena
+    from offremat._memory import Residency, TensorRef
 
     residency = Residency(torch.device("cpu"), HostArena(pinned=False), None)
     big = torch.ones(1024)
