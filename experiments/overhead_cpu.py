@@ -7,8 +7,9 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
   so the step time is almost all Python. Plain autograd and ``checkpoint_sequential`` with 9
   segments against offremat running keep-all and the same 9-segment schedule
   (``solvers.baselines.checkpoint_sequential_plan``), 10 × ``--steps`` steps a round.
-- ``faults``: the GPT of ``peers_cpu.py`` at 30% of keep-all: ``checkpoint_sequential`` with 9
-  segments, offremat running that schedule, and offremat's dp plan, exact and with
+- ``faults``: the GPT of ``peers_cpu.py`` at 30% and 50% of keep-all: ``checkpoint_sequential``
+  with the segment count that won ``peers_cpu.py`` there (9 and 7), offremat running that
+  schedule, and offremat's dp plan, exact and with
   ``optimize``'s default tolerance; step time and minor page faults per step
   (``getrusage``). It runs twice: with glibc's default settings (any ``MALLOC_*`` variable
   of this environment left out), which give freed memory back to the system between
@@ -44,21 +45,24 @@ from solvers.registry import keep_all_peak, solve
 from solvers.simulator import score
 
 SEGMENTS = 9
+# Budget fraction: the segment count that won peers_cpu.py there (8ef174c at 30%, bede561 at 50%).
+BUDGETS = {0.3: 9, 0.5: 7}
 KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(2**34), "MALLOC_MMAP_THRESHOLD_": str(2**25)}
 TINY = GPTConfig(layers=8, hidden=16, heads=2, seq=8, vocab=32, dropout=0.0)
 PEERS = GPTConfig(layers=8, hidden=256, heads=4, seq=128, vocab=1024, dropout=0.0)
 
 
-def methods(part: str) -> dict[str, Any]:
+def methods(part: str, fraction: float) -> dict[str, Any]:
     """The callables whose ``f(batch).backward()`` is one training step, by name."""
     config, rows = (TINY, 1) if part == "own-cost" else (PEERS, 8)
     model, batch = build_gpt(config, seed=0), gpt_batch(config, rows, seed=0)
     chain = offremat.profile_model(model, batch)
-    budget = int(0.3 * keep_all_peak(chain)) if part == "faults" else None
-    schedule = score(checkpoint_sequential_plan(chain, SEGMENTS), chain, budget)
+    budget = int(fraction * keep_all_peak(chain)) if part == "faults" else None
+    segments = BUDGETS[fraction] if part == "faults" else SEGMENTS
+    schedule = score(checkpoint_sequential_plan(chain, segments), chain, budget)
     found = {
         "checkpoint_sequential": lambda b: checkpoint_sequential(
-            model, SEGMENTS, b, use_reentrant=False
+            model, segments, b, use_reentrant=False
         ),
         "offremat, same schedule": offremat.optimize(model, batch, chain=chain, plan=schedule),
     }
@@ -82,11 +86,11 @@ def methods(part: str) -> dict[str, Any]:
     return {"batch": batch, "methods": found, "predicted": predicted}
 
 
-def measure(part: str, rounds: int, steps: int) -> dict[str, Any]:
+def measure(part: str, fraction: float, rounds: int, steps: int) -> dict[str, Any]:
     """Per method, the mean step time and minor faults per step of each round, and the
     simulator's step time and peak ÷ budget for the plans (``faults`` only)."""
     torch.set_num_threads(1)
-    setup = methods(part)
+    setup = methods(part, fraction)
     batch, found = setup["batch"], setup["methods"]
     names = list(found)
     results: dict[str, Any] = {name: {"time": [], "faults": []} for name in names}
@@ -128,9 +132,12 @@ def table(results: dict[str, Any], reference: str) -> list[str]:
     return lines
 
 
-def run_part(part: str, rounds: int, steps: int, env: dict[str, str]) -> dict[str, Any]:
+def run_part(
+    part: str, rounds: int, steps: int, env: dict[str, str], fraction: float = 0.3
+) -> dict[str, Any]:
     """``measure`` in a fresh interpreter with ``env`` added to this one's environment."""
     command = [sys.executable, __file__, "--part", part, "--rounds", str(rounds)]
+    command += ["--fraction", str(fraction)]
     command += ["--steps", str(steps)]
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run(
@@ -139,15 +146,45 @@ def run_part(part: str, rounds: int, steps: int, env: dict[str, str]) -> dict[st
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def cpu_model() -> str:
+    """The CPU's model name, from /proc/cpuinfo where there is one."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else "unknown CPU"
+
+
+def fault_section(
+    fraction: float, segments: int, rounds: int, steps: int, settings: str
+) -> list[str]:
+    """The ``faults`` part at one budget, under both glibc settings."""
+    return [
+        f"## Page faults: {PEERS}, batch 8, {fraction:.0%} of keep-all, "
+        f"checkpoint_sequential with {segments} segments",
+        "",
+        "glibc's default settings:",
+        "",
+        *table(run_part("faults", rounds, steps, {}, fraction), "checkpoint_sequential"),
+        "",
+        f"glibc keeping freed memory ({settings}):",
+        "",
+        *table(run_part("faults", rounds, steps, KEEP_FREED, fraction), "checkpoint_sequential"),
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--part", choices=("own-cost", "faults"), help=argparse.SUPPRESS)
+    parser.add_argument("--fraction", type=float, default=0.3, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="experiments/results/overhead_cpu.md")
     args = parser.parse_args()
     if args.part:
-        print(json.dumps(measure(args.part, args.rounds, args.steps)))
+        print(json.dumps(measure(args.part, args.fraction, args.rounds, args.steps)))
         return
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -159,22 +196,18 @@ def main() -> None:
         f"- command: `python experiments/overhead_cpu.py --rounds {args.rounds} "
         f"--steps {args.steps}`; git {commit}; "
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
-        f"- torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores, "
-        "1 torch thread; each part in a fresh process",
+        f"- torch {torch.__version__}, {cpu_model()} ({platform.machine()}), "
+        f"{os.cpu_count()} cores, 1 torch thread; each part in a fresh process",
         "",
         f"## Own cost: {TINY}, batch 1 (compute negligible; {10 * args.steps} steps a round)",
         "",
         *table(run_part("own-cost", args.rounds, 10 * args.steps, {}), "checkpoint_sequential"),
         "",
-        f"## Page faults: {PEERS}, batch 8, 30% of keep-all",
-        "",
-        "glibc's default settings:",
-        "",
-        *table(run_part("faults", args.rounds, args.steps, {}), "checkpoint_sequential"),
-        "",
-        f"glibc keeping freed memory ({settings}):",
-        "",
-        *table(run_part("faults", args.rounds, args.steps, KEEP_FREED), "checkpoint_sequential"),
+        *[
+            line
+            for fraction, segments in BUDGETS.items()
+            for line in fault_section(fraction, segments, args.rounds, args.steps, settings)
+        ],
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
