@@ -9,13 +9,12 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
   (``solvers.baselines.checkpoint_sequential_plan``), 10 × ``--steps`` steps a round.
 - ``faults``: the GPT of ``peers_cpu.py`` at 30% and 50% of keep-all: ``checkpoint_sequential``
   with the segment count that won ``peers_cpu.py`` there (9 and 7), offremat running that
-  schedule, and offremat's dp plan, exact and with
-  ``optimize``'s default tolerance; step time and minor page faults per step
-  (``getrusage``). It runs twice: with glibc's default settings (any ``MALLOC_*`` variable
-  of this environment left out), which give freed memory back to the system between
-  allocations so that the next ones fault it in again, and with glibc told to keep it
-  (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), as the CUDA caching allocator
-  keeps freed blocks on a GPU.
+  schedule, and offremat's dp plan, exact and with ``tolerance=0.005``; step time and minor
+  page faults per step (``getrusage``). It runs twice: with glibc's default settings (any
+  ``MALLOC_*`` variable of this environment left out), which give freed memory back to the
+  system between allocations so that the next ones fault it in again, and with glibc told
+  to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), as the CUDA caching
+  allocator keeps freed blocks on a GPU.
 
     python experiments/overhead_cpu.py --out experiments/results/overhead_cpu.md
 """
@@ -73,8 +72,8 @@ def methods(part: str, fraction: float) -> dict[str, Any]:
     else:
         plan = solve(chain, budget, "dp")  # the exact optimum
         found["offremat dp, exact"] = offremat.optimize(model, batch, chain=chain, plan=plan)
-        found["offremat dp, optimize's default"] = offremat.optimize(
-            model, batch, budget=budget, chain=chain
+        found["offremat dp, tolerance 0.005"] = offremat.optimize(
+            model, batch, budget=budget, chain=chain, tolerance=0.005
         )
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)

@@ -23,23 +23,6 @@ from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
 
-DP_TOLERANCE = 0.005
-"""The dp ``tolerance`` that ``optimize`` solves with unless told otherwise.
-
-Among plans predicted within 0.5% of the fastest, the one that holds the least memory: where
-the DP's optimum is one of several near-equal plans, the fastest prediction often recomputes
-several stages long before their backwards and holds the budget to its end, and measured it
-was the slower (``experiments/overhead_cpu.py``). ``solvers.registry.solve`` keeps the exact
-optimum.
-"""
-
-
-def solving_options(solver: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with ``optimize``'s defaults for ``solver`` filled in."""
-    if solver == "dp" and options.get("tolerance") is None:
-        return {**options, "tolerance": DP_TOLERANCE}
-    return options
-
 
 @dataclass(frozen=True)
 class Request:
@@ -113,8 +96,7 @@ def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Call
     """How a new input shape gets its plan: solved at the first plan's budget, in bytes."""
     if plan.budget_bytes is None:
         return lambda chain: score(plan, chain, None)
-    options = solving_options(solver, solver_options)
-    return lambda chain: solve(chain, plan.budget_bytes, solver, **options)
+    return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
 
 
 def _quick_for(
@@ -156,8 +138,7 @@ def _plan(
                 "pass budget= (bytes, a size such as '6GiB', or a fraction of the keep-all "
                 "peak such as 0.5), or a plan="
             )
-        budget_bytes = parse_budget(budget, keep_all_peak(chain))
-        plan = solve(chain, budget_bytes, solver, **solving_options(solver, solver_options))
+        plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
     else:
         if solver_options:
             logger.warning(

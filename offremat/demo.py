@@ -30,7 +30,6 @@ from rich import box
 from rich.table import Table
 from torch import nn
 
-from offremat._planning import solving_options
 from offremat.methods import (
     Measurement,
     best_checkpoint_sequential,
@@ -187,7 +186,7 @@ def run_demo(
         f"({budget / keep_peak:.0%}); solving dp and milp"
     )
     plans = {
-        "dp": solve(chain, budget, "dp", **solving_options("dp", {})),  # as optimize() does
+        "dp": solve(chain, budget, "dp"),
         "milp": solve(chain, budget, "milp", time_limit_s=milp_time_limit_s),
     }
     # The segment count a user would pick for this budget; Chen's √L if none fits.

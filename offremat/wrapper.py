@@ -31,7 +31,7 @@ from offremat._model_chain import (
     profile_model_chain,
 )
 from offremat._plan_cache import PlanCache, model_fingerprint
-from offremat._planning import QUICK, Request, link_of, same_stages, solving_options
+from offremat._planning import QUICK, Request, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
 from offremat._stage import AutocastState
@@ -248,7 +248,7 @@ def optimize(
     (``blocks="model.layers"``); an ``nn.Sequential``'s children are its chain. ``budget`` is
     bytes, a size (``"6GiB"``) or a fraction in (0, 1] of the keep-all peak. ``solver`` is any
     of :data:`solvers.registry.SOLVERS`, with ``solver_options`` passed on (``slots``,
-    ``time_limit_s``...; dp's ``tolerance``, 0.005 unless given, is explained in the README).
+    ``time_limit_s``, dp's ``tolerance``...).
     ``bandwidth`` (bytes/s, ``"25GB/s"`` or a (d2h, h2d) pair) replaces
     the link, so offloading plans can be made on a machine without one. A ``chain`` skips
     profiling (``stages`` groups blocks when profiling); a ``plan`` skips solving and is
@@ -297,7 +297,7 @@ def optimize(
                         "example": repr(input_signature(example_batch)),
                         "budget": repr(budget),
                         "solver": solver,
-                        "options": repr(sorted(solving_options(solver, solver_options).items())),
+                        "options": repr(sorted(solver_options.items())),
                         "bandwidth": repr(bandwidth),
                         "stages": stages,
                         "blocks": blocks,

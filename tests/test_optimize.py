@@ -249,16 +249,14 @@ def test_out_of_memory_is_reraised_with_the_plan_and_advice() -> None:
     assert "profile again" in message and "Tried to allocate 2.00 GiB" in message
 
 
-def test_dp_through_optimize_runs_with_its_default_tolerance_unless_told() -> None:
-    from offremat._planning import DP_TOLERANCE
-
+def test_dp_through_optimize_is_exact_unless_given_a_tolerance() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(5)]
     )
     x = torch.randn(64, 32)
-    default = offremat.optimize(model, x, budget=0.5)
-    exact = offremat.optimize(model, x, budget=0.5, chain=default.chain, tolerance=0.0)
-    assert default.plan.info["tolerance"] == DP_TOLERANCE
+    exact = offremat.optimize(model, x, budget=0.5)
+    tolerant = offremat.optimize(model, x, budget=0.5, chain=exact.chain, tolerance=0.05)
     assert "tolerance" not in exact.plan.info
-    assert default.plan.predicted_time_s <= exact.plan.predicted_time_s * (1 + DP_TOLERANCE)
+    assert tolerant.plan.info["tolerance"] == 0.05
+    assert tolerant.plan.predicted_time_s <= exact.plan.predicted_time_s * 1.05
