@@ -248,9 +248,9 @@ def optimize(
     (``blocks="model.layers"``); an ``nn.Sequential``'s children are its chain. ``budget`` is
     bytes, a size (``"6GiB"``) or a fraction in (0, 1] of the keep-all peak. ``solver`` is any
     of :data:`solvers.registry.SOLVERS`, with ``solver_options`` passed on (``slots``,
-    ``time_limit_s``, dp's ``tolerance``...).
-    ``bandwidth`` (bytes/s, ``"25GB/s"`` or a (d2h, h2d) pair) replaces
-    the link, so offloading plans can be made on a machine without one. A ``chain`` skips
+    ``time_limit_s``, dp's ``tolerance``...). ``bandwidth`` (bytes/s, ``"25GB/s"`` or a
+    (d2h, h2d) pair) replaces the link, so offloading plans can be made on a machine without
+    one. A ``chain`` skips
     profiling (``stages`` groups blocks when profiling); a ``plan`` skips solving and is
     scored at ``budget`` (default: its own). The chain must give the model's own output on
     ``example_batch``. With ``measure_memory``, every step's chain is measured independently
