@@ -228,18 +228,22 @@ def build_resnet(config: ResNetConfig | None = None, seed: int = 0) -> nn.Sequen
 
 
 def gpt_batch(config: GPTConfig, batch: int, seed: int = 0, device: str = "cpu") -> Batch:
-    """Random ``(tokens, targets)`` for :func:`build_gpt`: targets are tokens shifted by one."""
+    """Random ``(tokens, targets)`` for :func:`build_gpt`: targets are tokens shifted by one.
+
+    Drawn on the CPU whatever the default device, so that a seed gives the same batch anywhere.
+    """
     generator = torch.Generator().manual_seed(seed)
-    stream = torch.randint(0, config.vocab, (batch, config.seq + 1), generator=generator)
+    shape = (batch, config.seq + 1)
+    stream = torch.randint(0, config.vocab, shape, generator=generator, device="cpu")
     return stream[:, :-1].contiguous().to(device), stream[:, 1:].contiguous().to(device)
 
 
 def resnet_batch(config: ResNetConfig, batch: int, seed: int = 0, device: str = "cpu") -> Batch:
-    """Random ``(images, labels)`` for :func:`build_resnet`."""
+    """Random ``(images, labels)`` for :func:`build_resnet`, drawn on the CPU (see gpt_batch)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (batch, config.channels, config.image, config.image)
-    images = torch.randn(shape, generator=generator)
-    labels = torch.randint(0, config.classes, (batch,), generator=generator)
+    images = torch.randn(shape, generator=generator, device="cpu")
+    labels = torch.randint(0, config.classes, (batch,), generator=generator, device="cpu")
     return images.to(device), labels.to(device)
 
 

@@ -132,3 +132,13 @@ def test_bad_sizes_and_names_say_what_to_do():
         ResNetConfig(blocks=(1, 1, 1, 1), image=4)
     with pytest.raises(ValueError, match="gpt-small"):
         model_spec("gpt-huge")
+
+
+def test_batches_are_the_same_whatever_the_default_device() -> None:
+    config = GPTConfig(layers=1, hidden=16, heads=2, seq=8, vocab=32)
+    tokens, _ = gpt_batch(config, 2, seed=3)
+    # A default device that is not the CPU once made the CPU generator fail; the meta device
+    # stands in for a GPU here.
+    with torch.device("meta"):
+        again, _ = gpt_batch(config, 2, seed=3)
+    assert again.device.type == "cpu" and torch.equal(again, tokens)
