@@ -101,6 +101,27 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storage.nbytes() for storage in unique_storages(tensors).values())
 
 
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator's granule: every block it hands out is a multiple of it."""
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """What ``nbytes`` made on ``device`` take from its allocator, as the peak counts them.
+
+    The CUDA caching allocator rounds each block up to 512 bytes and ``memory_allocated``
+    counts the rounded size; a chain profiled on a GPU counts the same, so that a plan at its
+    least budget is not a few hundred bytes over it, measured.
+    """
+    if device.type == "cuda" and nbytes:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
+def storage_allocated_bytes(storage: torch.UntypedStorage) -> int:
+    """:func:`allocated_bytes` of one storage."""
+    return allocated_bytes(storage.nbytes(), storage.device)
+
+
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage, with a version counter of its own.
 

@@ -16,6 +16,14 @@ budget counts as a_0. Host copies made by offloads are host memory: on CUDA they
 memory outside the device allocator, and on CPU the executor's host arena is allocated outside
 any dispatch mode for the same reason.
 
+The CUDA allocator can hold more than the tensors it hands out. Every block is rounded up to
+512 bytes, which the profile counts (:func:`offremat._tensors.allocated_bytes`). And in its
+default mode it splits a large block only when more than 1 MiB would be left over, so a
+request can take up to 1 MiB beyond its size, depending on what was freed before: on an H100 a
+bf16 GPT step held up to 4 MiB (2.7% of its peak) more than its tensors, an fp32 one nothing
+(``experiments/results/gpu/2026-11-25``). With ``expandable_segments:True`` it splits off any
+remainder and the two agree; :func:`cuda_blocks_split_exactly` says whether that is set.
+
 Compiled code (``torch.compile``) runs eagerly while the CPU tracker is active
 (:mod:`offremat._eager`): a dispatch mode cannot see the allocations inside compiled kernels.
 On CPU the tracker therefore measures the eager form of compiled blocks; the process's
@@ -24,6 +32,7 @@ resident memory is the check of the compiled form (``experiments/compose_cpu.py`
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -203,3 +212,18 @@ class StepMemory:
 def tree_leaf_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors inside a nested structure of tuples, lists and dicts."""
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def cuda_blocks_split_exactly() -> bool:
+    """Whether the CUDA allocator is set to expandable segments, under which a block holds its
+    request rounded to 512 bytes and nothing more (see the module notes).
+
+    Read from ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), which must be set
+    before CUDA starts.
+    """
+    for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for option in os.environ.get(variable, "").split(","):
+            key, _, value = option.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False

@@ -45,9 +45,11 @@ from offremat._stage import (
     enter_stage,
 )
 from offremat._tensors import (
+    allocated_bytes,
     copied,
     flatten,
     is_differentiable,
+    storage_allocated_bytes,
     storage_bytes,
     unflatten,
     unique_storages,
@@ -310,10 +312,14 @@ class _StageProfile:
         out_tensors = flatten(output)[0]
         grad_bytes = gradient_bytes(out_tensors)
         out_storages = unique_storages(out_tensors)
-        out_bytes = sum(s.nbytes() for k, s in out_storages.items() if k not in self.excluded)
+        out_bytes = sum(
+            storage_allocated_bytes(s) for k, s in out_storages.items() if k not in self.excluded
+        )
         by_nodes = packer.saved_storages()
         saved = {**by_nodes, **out_storages}
-        saved_bytes = sum(s.nbytes() for k, s in saved.items() if k not in self.excluded)
+        saved_bytes = sum(
+            storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
+        )
         # The outputs this stage made go to the next stage as copies, so that the backward
         # below holds them only as B(i) does: the chain's output stays (its caller holds it);
         # any other goes as B(i) starts, or once the node that saved it has run
@@ -333,7 +339,7 @@ class _StageProfile:
         # could not fall below it, and bytes let go at once would read as no change at all.
         # Only what really goes: a module that keeps its output (as logging code does) holds it.
         unsaved = [
-            (weakref.ref(s), s.nbytes())
+            (weakref.ref(s), storage_allocated_bytes(s))
             for k, s in out_storages.items()
             if k in made and k not in by_nodes
         ]
@@ -344,7 +350,12 @@ class _StageProfile:
         let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
         del unsaved
         with backward_memory:
-            produced = storage_bytes(self.backward(roots, grads, slot))
+            produced = sum(
+                map(
+                    storage_allocated_bytes,
+                    unique_storages(self.backward(roots, grads, slot)).values(),
+                )
+            )
         del slot, grads, roots
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
@@ -388,9 +399,12 @@ class _StageProfile:
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient."""
+    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient, as the
+    device's allocator counts it (:func:`offremat._tensors.allocated_bytes`)."""
     return sum(
-        t.numel() * t.element_size() for t in tensors if t.requires_grad and is_differentiable(t)
+        allocated_bytes(t.numel() * t.element_size(), t.device)
+        for t in tensors
+        if t.requires_grad and is_differentiable(t)
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from offremat.measure import LiveStorageTracker, StepMemory
+from offremat._tensors import allocated_bytes
+from offremat.measure import LiveStorageTracker, StepMemory, cuda_blocks_split_exactly
 
 
 def test_tracker_counts_live_storages_once_and_forgets_freed_ones() -> None:
@@ -53,3 +54,24 @@ def test_step_memory_adds_the_input_once() -> None:
         del y
     assert memory.input_bytes == 1024
     assert memory.peak_bytes == 2048
+
+
+def test_sizes_on_cuda_are_counted_in_the_allocators_512_byte_blocks() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [allocated_bytes(n, cuda) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
+    assert [allocated_bytes(n, cpu) for n in (0, 1, 513)] == [0, 1, 513]
+
+
+def test_expandable_segments_are_read_from_the_allocator_settings(monkeypatch) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for setting, exact in (
+        ("", False),
+        ("expandable_segments:False", False),
+        ("max_split_size_mb:128, expandable_segments:True", True),
+        ("expandable_segments:true", True),
+    ):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", setting)
+        assert cuda_blocks_split_exactly() is exact
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert cuda_blocks_split_exactly()
