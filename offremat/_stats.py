@@ -26,7 +26,8 @@ class StepStats:
     - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
       executor itself held at once, counted the way the simulator counts; it does not see
       temporaries, what other code holds, or the saved tensors of a direct forward (their
-      graph holds them, see :mod:`offremat.executor`). Never use it as the measurement.
+      graph holds them, see :mod:`offremat.executor`); 0 for a keep-all plan run as plain
+      autograd (:mod:`offremat._plain`). Never use it as the measurement.
     - ``reserved_peak_bytes``: on CUDA when measuring, the allocator's reserved peak.
     - ``step_time_s``: ``forward_time_s`` + ``backward_time_s``, the plan's forward and backward
       halves (the caller's loss in between is not counted), timed with CUDA events on a GPU.

@@ -21,6 +21,8 @@ Design notes.
   (:func:`solvers.semantics.undisturbed_forwards`) needs none of that: it runs without hooks,
   its graph keeps what it saves exactly as long as the plan keeps x̄_i, and autograd checks
   in-place changes itself. Every other forward packs through :mod:`offremat._stage`.
+- Keep-all plans. A plan that keeps everything and offloads nothing is plain autograd's
+  schedule: unless the step is measured, it runs as plain autograd (:mod:`offremat._plain`).
 - Graph roots. B(i) starts from the gradient edges of stage i's outputs, not from the output
   tensors: the step keeps a_i only through references it can drop when the plan offloads it.
 - Measurement, opt-in: with ``measure_memory=True`` each step is measured independently of
@@ -46,14 +48,16 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._host import CudaStreams, HostArena
+from offremat._plain import run_plainly
 from offremat._scan import ModuleScan, scan_modules
-from offremat._stats import StepStats, StepTiming
+from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import _Step
 from offremat._tensors import (
     flatten,
     is_differentiable,
     unflatten,
 )
+from solvers.baselines import keep_all
 from solvers.chain import Chain
 from solvers.host import COMPUTE
 from solvers.plan import (
@@ -93,6 +97,8 @@ class PlanExecutor:
         self.plan = plan
         self.chain = chain
         self.measure_memory = measure_memory
+        # Plain autograd's own schedule, run as plain autograd (offremat._plain).
+        self.plain = plan.ops == keep_all(chain).ops
         self.simulation = simulate(plan, chain, plan.budget_bytes)
         # The host arena's first size: every copy the plan makes (a step then keeps them all).
         self.host_bytes = sum(
@@ -167,10 +173,16 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
+        if self.plain and not self.measure_memory:
+            with OutOfMemoryAdvice(self.plan):
+                return run_plainly(self.stages, value, device, self._finished)
         step = _Step(self, tensors, structure, device, scans)
         probe = _parameter_probe(scans)
         outputs = _PlanFunction.apply(step, self._anchor(device), probe, *tensors)
         return unflatten(outputs, step.output_structure)
+
+    def _finished(self, timing: StepTiming) -> None:
+        self._last = timing
 
     def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
         """The step's device: the stages' parameters', else the first input tensor's.

@@ -426,11 +426,28 @@ def test_backward_twice_says_what_to_do() -> None:
     model = wide_mlp(8, 3)
     x = torch.randn(2, 8)
     chain = profile_model(model, x, warmup=0, repeats=1)
-    executor = PlanExecutor(list(model), score(keep_all(chain), chain, None), chain)
+    # A keep-all plan is plain autograd, which retains its graph when asked; a plan that
+    # recomputes frees what it recomputed as its backward goes.
+    executor = PlanExecutor(list(model), score(checkpoint_every_stage(chain), chain, None), chain)
     loss = executor(x).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
+
+
+def test_a_keep_all_plan_is_plain_autograd_and_still_timed() -> None:
+    model = wide_mlp(8, 3)
+    x = torch.randn(2, 8)
+    chain = profile_model(model, x, warmup=0, repeats=1)
+    executor = PlanExecutor(list(model), score(keep_all(chain), chain, None), chain)
+    loss = executor(x).sum()
+    # No autograd function of offremat's: the output's node is the last module's own.
+    assert type(loss.grad_fn.next_functions[0][0]).__name__ != "_PlanFunctionBackward"
+    loss.backward(retain_graph=True)
+    loss.backward()  # plain autograd's graph, retained as asked
+    stats = executor.stats
+    assert stats is not None and stats.bookkept_peak_bytes == 0
+    assert stats.forward_time_s > 0 and stats.backward_time_s > 0
 
 
 def test_host_buffers_are_reused_from_step_to_step() -> None:

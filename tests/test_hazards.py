@@ -384,7 +384,7 @@ def test_a_change_after_the_last_saved_tensor_is_caught_in_later_steps_too() -> 
 def test_measuring_is_opt_in() -> None:
     model = blocks()
     x = torch.randn(ROWS, WIDTH)
-    om = offremat.optimize(model, x, budget=1.0)
+    om = offremat.optimize(model, x, budget=0.9)  # a plan that recomputes: the executor's
     om(x).sum().backward()
     assert om.stats.measured_peak_bytes is None and om.stats.bookkept_peak_bytes > 0
 

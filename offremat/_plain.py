@@ -1,0 +1,61 @@
+"""A keep-all plan run as what it is: plain autograd over the stages.
+
+Design note. A plan that runs F_all(1), ..., F_all(L) and then B(L), ..., B(1), with no
+offload and no recomputation, is the schedule plain autograd follows, and its peak is plain
+autograd's. The executor's machinery (one autograd function for the chain, a boundary per
+stage, a backward call per stage, RNG capture) exists to change that schedule; with nothing
+to change it only costs time, a few percent of a small model's step. So such a step runs the
+stages as the model would, and autograd does the rest: saved tensors, in-place checks and
+frozen stages (no backward for what needs no gradient) are its own.
+
+What is kept of the executor: the stats' step times, read from a mark when the forward
+starts and ends, one when the backward reaches the chain's output (a pre-hook on its node)
+and one when the backward ends (a callback queued on the engine). Measuring memory
+(``measure_memory=True``) needs the executor's halves, so a measured step runs through them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from offremat._stats import StepTiming
+from offremat._tensors import flatten
+
+
+def run_plainly(
+    stages: Sequence[nn.Module], value: Any, device: torch.device, finished: Any
+) -> Any:
+    """The stages' output on ``value``, with autograd's own graph; ``finished(timing)`` is
+    called with the step's :class:`StepTiming` once its backward has run."""
+    marks: list[Any] = [_mark(device)]
+    for stage in stages:
+        value = stage(value)
+    marks.append(_mark(device))
+    roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
+    if not roots:
+        return value
+
+    def backward_started(_: Any) -> None:
+        handle.remove()
+        marks.append(_mark(device))
+        torch.autograd.Variable._execution_engine.queue_callback(backward_ended)
+
+    def backward_ended() -> None:
+        marks.append(_mark(device))
+        finished(StepTiming(device, 0, marks, None))
+
+    handle = roots[0].register_prehook(backward_started)
+    return value
+
+
+def _mark(device: torch.device) -> Any:
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
