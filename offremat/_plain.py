@@ -16,13 +16,13 @@ and one when the backward ends (a callback queued on the engine). Measuring memo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from offremat._clock import mark
 from offremat._stats import StepTiming
 from offremat._tensors import flatten
 
@@ -32,30 +32,22 @@ def run_plainly(
 ) -> Any:
     """The stages' output on ``value``, with autograd's own graph; ``finished(timing)`` is
     called with the step's :class:`StepTiming` once its backward has run."""
-    marks: list[Any] = [_mark(device)]
+    marks: list[Any] = [mark(device)]
     for stage in stages:
         value = stage(value)
-    marks.append(_mark(device))
+    marks.append(mark(device))
     roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
     if not roots:
         return value
 
     def backward_started(_: Any) -> None:
         handle.remove()
-        marks.append(_mark(device))
+        marks.append(mark(device))
         torch.autograd.Variable._execution_engine.queue_callback(backward_ended)
 
     def backward_ended() -> None:
-        marks.append(_mark(device))
+        marks.append(mark(device))
         finished(StepTiming(device, 0, marks, None))
 
     handle = roots[0].register_prehook(backward_started)
     return value
-
-
-def _mark(device: torch.device) -> Any:
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-    return time.perf_counter()

@@ -38,7 +38,6 @@ Design notes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -62,14 +61,13 @@ from solvers.chain import Chain
 from solvers.host import COMPUTE
 from solvers.plan import (
     BACKWARD,
-    F_ALL,
     OFFLOAD,
     SAVED,
     Plan,
     PlanError,
     validate,
 )
-from solvers.semantics import undisturbed_forwards
+from solvers.semantics import refills, undisturbed_forwards
 from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
@@ -117,11 +115,7 @@ class PlanExecutor:
             if action.kind == COMPUTE and plan.ops[action.position].kind == BACKWARD
         )
         # F_all(i) right before B(i) refills the graph an earlier forward kept (_deferred).
-        self.refills = frozenset(
-            position
-            for position, (op, after) in enumerate(itertools.pairwise(plan.ops))
-            if op.kind == F_ALL and after.kind == BACKWARD and after.index == op.index
-        )
+        self.refills = refills(plan.ops)
         # F_all(i) whose input and saved set stay on the device as they are until B(i): their
         # graph keeps what it saves, with autograd's own checks and no saved-tensor hooks.
         self.direct = undisturbed_forwards(plan.ops)

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +35,7 @@ from offremat._blocks import (
     stage_module,
     untouched,
 )
+from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
 from offremat._stage import (
@@ -73,6 +73,7 @@ class _Measured:
     bwd_tmp_bytes: int
     nograd_fwd_tmp_bytes: int
     grad_bytes: int
+    refill_s: float | None = None
 
 
 def profile_model(
@@ -129,6 +130,7 @@ def profile_model(
             bwd_tmp_bytes=m.bwd_tmp_bytes,
             nograd_fwd_tmp_bytes=m.nograd_fwd_tmp_bytes,
             grad_bytes=m.grad_bytes,
+            refill_s=m.refill_s,
         )
         for stage_name, m in zip(names, measured, strict=True)
     )
@@ -251,10 +253,18 @@ class _StageProfile:
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.check_inputs = check_inputs
 
-    def forward(self, grad: bool) -> tuple[Any, GradSlot, SavedTensorPacker]:
-        """One forward; with ``grad``, through the executor's boundary and pack hooks."""
+    def forward(
+        self, grad: bool, marks: list[Any] | None = None
+    ) -> tuple[Any, GradSlot, SavedTensorPacker]:
+        """One forward; with ``grad``, through the executor's boundary and pack hooks. With
+        ``marks``, a clock mark (:func:`offremat._clock.mark`) at its start and at each tensor it
+        holds."""
         slot = GradSlot()
-        packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
+        if marks is None:
+            packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
+        else:
+            marks.append(mark(self.device))
+            packer = MarkingPacker(self.name, self.tensors, self.excluded, marks, self.device)
         versions = [t._version for t in self.tensors]
         with ExitStack() as stack:
             if grad:
@@ -374,19 +384,24 @@ class _StageProfile:
                 ),
                 handed,
             )
-        forward_times, backward_times = [], []
+        forward_times, backward_times, refill_times = [], [], []
         for attempt in range(warmup + repeats):
-            (timed_output, timed_slot, _), forward_s = _timed(
-                self.device, partial(self.forward, True)
+            marks: list[Any] = []
+            (timed_output, timed_slot, _), forward_s = timed(
+                self.device, partial(self.forward, True, marks)
             )
             incoming = self.incoming(timed_output)
-            _, backward_s = _timed(self.device, partial(self.backward, *incoming, timed_slot))
+            _, backward_s = timed(self.device, partial(self.backward, *incoming, timed_slot))
             if attempt >= warmup:
                 forward_times.append(forward_s)
                 backward_times.append(backward_s)
+                # A refill (offremat._deferred) runs this forward up to the last tensor it
+                # holds, and nothing at all for a stage that holds none.
+                refill_times.append(seconds(self.device, marks[0], marks[-1]))
             del timed_output, timed_slot, incoming
+        forward_s = statistics.median(forward_times)
         measured = _Measured(
-            statistics.median(forward_times),
+            forward_s,
             statistics.median(backward_times),
             out_bytes,
             saved_bytes,
@@ -394,6 +409,7 @@ class _StageProfile:
             bwd_tmp,
             nograd_fwd_tmp,
             grad_bytes,
+            min(statistics.median(refill_times), forward_s),
         )
         return measured, handed
 
@@ -406,22 +422,3 @@ def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
         for t in tensors
         if t.requires_grad and is_differentiable(t)
     )
-
-
-def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[Any, float]:
-    """Run ``work``; its result and its duration in seconds on ``device``."""
-    if device.type == "cuda":
-        # On the model's device and its current stream, not the current device's.
-        stream = torch.cuda.current_stream(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record(stream)
-        with torch.cuda.device(device):
-            result = work()
-        end.record(stream)
-        end.synchronize()
-        return result, start.elapsed_time(end) / 1000
-    began = time.perf_counter()
-    result = work()
-    return result, time.perf_counter() - began

@@ -71,10 +71,11 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
     kept; so at most C = budget - (g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept, and
     E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
-    recomputed by an extra F_all(i) after B(L) starts (≥ f_i more compute), or offloaded
+    recomputed by an extra F_all(i) after B(L) starts (≥ r_i more compute, r_i the refill
+    time of solvers.semantics.refills, at most f_i), or offloaded
     before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the
     h2d channel moves them after). Relaxing the choice to bytes, with recomputation costed by
-    the fractional knapsack over f_i / x̄_i, the step takes at least
+    the fractional knapsack over r_i / x̄_i, the step takes at least
 
         min over E_O in [0, E] of max(Σf, E_O / d2h) + max(Σb + R(E - E_O), E_O / h2d),
 
@@ -99,9 +100,10 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     earlier = chain.stages[:-1]
     forward = sum(s.fwd_s for s in chain.stages)
     backward = sum(s.bwd_s for s in chain.stages)
-    # Recompute cost curve R(e): cheapest seconds per byte first.
+    # Recompute cost curve R(e): cheapest seconds per byte first. x̄_i takes at least a
+    # refill to recompute (solvers.semantics.refills), which is at most a forward.
     pieces = sorted(
-        ((s.fwd_s / s.saved_bytes, s.saved_bytes) for s in earlier if s.saved_bytes > 0),
+        ((s.refill_s / s.saved_bytes, s.saved_bytes) for s in earlier if s.saved_bytes > 0),
         key=lambda piece: piece[0],
     )
     kinks = [0.0]

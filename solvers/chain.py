@@ -36,6 +36,10 @@ class Stage:
     ``grad_bytes`` is the size of δ_i, the gradient of a_i: one tensor per tensor of a_i that
     carries a gradient (not integer masks, not what needs none; two outputs sharing a storage
     get two gradients); it defaults to ``out_bytes``.
+    ``refill_s`` is the time of F_all(i) right before B(i) when an earlier F_ck(i) or F_none(i)
+    kept the stage's graph: that forward stops once its last saved tensor is back, so it
+    skips the operations after it (the early stop of ``torch.utils.checkpoint``; see
+    :func:`solvers.semantics.refills`). At most ``fwd_s``, which it defaults to.
     """
 
     name: str
@@ -47,6 +51,7 @@ class Stage:
     bwd_tmp_bytes: int = 0
     nograd_fwd_tmp_bytes: int | None = None
     grad_bytes: int | None = None
+    refill_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -54,6 +59,14 @@ class Stage:
         where = f"stage {self.name!r}"
         for attr in ("fwd_s", "bwd_s"):
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
+        if self.refill_s is None:
+            object.__setattr__(self, "refill_s", self.fwd_s)
+        _check_number(self.refill_s, f"{where}: field 'refill_s'")
+        if self.refill_s > self.fwd_s:
+            raise ChainFormatError(
+                f"{where}: field 'refill_s' ({self.refill_s}) is larger than 'fwd_s' "
+                f"({self.fwd_s}); a refill runs a prefix of the forward"
+            )
         if self.nograd_fwd_tmp_bytes is None:
             object.__setattr__(self, "nograd_fwd_tmp_bytes", self.fwd_tmp_bytes)
         if self.grad_bytes is None:
@@ -216,6 +229,7 @@ class Chain:
                         else {"nograd_fwd_tmp_bytes": s.nograd_fwd_tmp_bytes}
                     ),
                     **({} if s.grad_bytes == s.out_bytes else {"grad_bytes": s.grad_bytes}),
+                    **({} if s.refill_s == s.fwd_s else {"refill_s": s.refill_s}),
                 }
                 for s in self.stages
             ],
@@ -318,7 +332,7 @@ STAGE_BYTE_FIELDS = (
 )
 """The sizes a stage gives, in bytes."""
 
-_STAGE_FIELDS = {"name", "fwd_s", "bwd_s", *STAGE_BYTE_FIELDS}
+_STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
 
 
 def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:

@@ -124,6 +124,7 @@ class _Table:
         self.choice = np.full((length + 2, length + 1, capacity + 1), _INFEASIBLE, dtype=np.int32)
         forward = np.array([0.0] + [s.fwd_s for s in chain.stages])
         backward_s = np.array([0.0] + [s.bwd_s for s in chain.stages])
+        self.single = _single_stage_times(chain)
         # prefix[j] = f_1 + ... + f_j, so f_s + ... + f_{j-1} = prefix[j-1] - prefix[s-1].
         self.prefix = np.cumsum(forward)
         self.forward = forward
@@ -152,7 +153,7 @@ class _Table:
         for s in range(t, 0, -1):
             if s == t:
                 feasible = m >= sizes.single_stage_need(s)
-                self.time[s, t] = np.where(feasible, self.forward[s] + self.backward[s], np.inf)
+                self.time[s, t] = np.where(feasible, self.single[t], np.inf)
                 self.choice[s, t] = np.where(feasible, _FORWARD_ALL, _INFEASIBLE)
             else:
                 # First option: F_all(s), the sub-chain s+1..t with x̄_s resident, then B(s).
@@ -317,12 +318,13 @@ def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[_Sizes, np.ndarray, 
     length = chain.length
     forward = [0.0] + [stage.fwd_s for stage in chain.stages]
     backward_s = [0.0] + [stage.bwd_s for stage in chain.stages]
+    single = _single_stage_times(chain)
     need = np.zeros((length + 2, length + 1), dtype=np.int64)
     spent = np.zeros((length + 2, length + 1))
     choice = np.full((length + 2, length + 1), _FORWARD_ALL, dtype=np.int64)
     for t in range(1, length + 1):
         need[t, t] = sizes.single_stage_need(t)
-        spent[t, t] = forward[t] + backward_s[t]
+        spent[t, t] = single[t]
         for s in range(t - 1, 0, -1):
             first = max(int(sizes.saved[s]) + need[s + 1, t], sizes.forward_all_need(s, t))
             options = [(first, forward[s] + backward_s[s] + spent[s + 1, t], _FORWARD_ALL)]
@@ -385,3 +387,18 @@ def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:
         else:
             low = middle
     return high
+
+
+def _single_stage_times(chain: Chain) -> list[float]:
+    """opt(t, t)'s time, F_all(t) then B(t), for t = 0..L.
+
+    Every sub-problem (t, t) with t < L is solved after an F_ck or F_none of stage t (only
+    the second term of a split, opt(m, r, s - 1), ends before L, and its stages were all run
+    forward by then), so its F_all refills the kept graph and takes ``refill_s``
+    (:func:`solvers.semantics.refills`); (L, L) follows the first forward of stage L.
+    """
+    length = chain.length
+    return [0.0] + [
+        (stage.refill_s if t < length else stage.fwd_s) + stage.bwd_s
+        for t, stage in enumerate(chain.stages, start=1)
+    ]

@@ -3,11 +3,12 @@ whole tensors.
 
 ``lower_bound_s`` relaxes the choice of which saved sets are absent when B(L) starts to bytes
 (a fractional knapsack). A saved set is absent whole, though: each x̄_i (i < L) is kept, or
-recomputed after B(L) starts (f_i more compute), or offloaded before and prefetched after
-(its bytes on each channel). With binaries r_i and o_i (r_i + o_i <= 1) covering the absent
+recomputed after B(L) starts (at least its refill time f'_i <= f_i more compute, see
+:func:`solvers.semantics.refills`), or offloaded before and prefetched after (its bytes on
+each channel). With binaries r_i and o_i (r_i + o_i <= 1) covering the absent
 bytes E,
 
-    minimise  max(Σf, Σ o_i x̄_i / d2h) + max(Σb + Σ r_i f_i, Σ o_i x̄_i / h2d),
+    minimise  max(Σf, Σ o_i x̄_i / d2h) + max(Σb + Σ r_i f'_i, Σ o_i x̄_i / h2d),
 
 and, since the copy of x̄_i leaves only once F(i) has run and must be back before B(i) starts,
 for every k the first pass lasts at least f_1 + ... + f_k + Σ_{i >= k} o_i x̄_i / d2h and the
@@ -56,7 +57,7 @@ def whole_tensor_bound_s(
     backward = sum(s.bwd_s for s in chain.stages) / scale
     problem += first_pass >= forward
     problem += rest >= backward + pulp.lpSum(
-        r * s.fwd_s / scale for r, (_, s) in zip(recompute, earlier, strict=True)
+        r * s.refill_s / scale for r, (_, s) in zip(recompute, earlier, strict=True)
     )
     if chain.link is None or not offload:
         problem += pulp.lpSum(moved) == 0

@@ -122,8 +122,10 @@ class Constraints:
         self._add(self.step_start[length] >= self.first_pass_start[length] + fwd[length], "F_L")
         for k in range(length, 0, -1):
             if k < length:
+                # x̄_k, right before B(k), is a refill (solvers.semantics.refills).
                 recompute_time = pulp.lpSum(
-                    fwd[i] * var for (_, i), var in self.recompute[k].items()
+                    (self.refill[k] if tensor == (SAVED, k) else fwd[tensor[1]]) * var
+                    for tensor, var in self.recompute[k].items()
                 )
                 self._add(
                     self.backward_start[k] >= self.step_start[k] + recompute_time,
@@ -257,9 +259,9 @@ class Constraints:
                 if tensor == (SAVED, c):
                     reader = pulp.LpAffineExpression(self.backward_start[c])
                 elif tensor[1] == c - 1:
-                    reader = self.backward_start[c] - self.fwd[c] * self.recompute.get(c, {}).get(
-                        (SAVED, c), 0
-                    )
+                    reader = self.backward_start[c] - self.refill[c] * self.recompute.get(
+                        c, {}
+                    ).get((SAVED, c), 0)
                 else:
                     reader = pulp.LpAffineExpression(self.step_start[c])
                 self._add(reader >= arrival - big * (1 - var), f"wait_prefetch_{name}_{c}")

@@ -74,6 +74,7 @@ class JointModel(Constraints):
         ]
         self.bwd_tmp = [0.0] + [s.bwd_tmp_bytes / self.memory_unit for s in chain.stages]
         self.fwd = [0.0] + [s.fwd_s / self.time_unit for s in chain.stages]
+        self.refill = [0.0] + [s.refill_s / self.time_unit for s in chain.stages]
         self.bwd = [0.0] + [s.bwd_s / self.time_unit for s in chain.stages]
         if offload:
             self.d2h = self.memory_unit / chain.link.d2h_bytes_per_s / self.time_unit
@@ -183,6 +184,11 @@ class JointModel(Constraints):
                 {(ACTIVATION, i): self._binary(f"rec_act_{i}_step{k}", i, k) for i in range(1, k)}
             )
             self.recompute[k] = rec
+            # x̄_k recomputed right before B(k) refills the graph of a forward that kept only
+            # a_k (solvers.semantics.refills): never after a first pass that saved x̄_k, which
+            # it would have to recompute whole (and that keeps or copies x̄_k for nothing).
+            kept = self._fate(k, KEEP_SAVED) + self._fate(k, OFFLOAD_SAVED)
+            self._add(rec[(SAVED, k)] + kept <= 1, f"refill_after_checkpoint_{k}")
             self.keep[k] = {
                 t: self._continuous(f"keep_{t[0]}_{t[1]}_step{k}", 0, 1)
                 for t in valid_at(length, k - 1)

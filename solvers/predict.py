@@ -50,7 +50,7 @@ at most ``(n - n1)(n2 - n) / (n1·n2 + n²)`` above it (attained where ``a = 0``
 depends on timing noise. 10% is the accuracy the predictor is held to; length 128 from 96
 and 256 is at it exactly, 192 from 64 and 256 at 15%."""
 
-_TIME_FIELDS = ("fwd_s", "bwd_s")
+_TIME_FIELDS = ("fwd_s", "bwd_s", "refill_s")
 _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 
 
@@ -92,8 +92,11 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
     stages = []
     for k, name in enumerate(names):
         figures: dict[str, float | int] = {
-            field: max(float(time_values[2 * k + j]), 1e-9) for j, field in enumerate(_TIME_FIELDS)
+            field: max(float(time_values[len(_TIME_FIELDS) * k + j]), 1e-9)
+            for j, field in enumerate(_TIME_FIELDS)
         }
+        # Fitted apart, a refill could come out slower than the whole forward it is part of.
+        figures["refill_s"] = min(figures["refill_s"], figures["fwd_s"])
         for j, field in enumerate(STAGE_BYTE_FIELDS):
             if all(getattr(chain.stages[k], field) is None for chain in chains):
                 continue

@@ -163,7 +163,30 @@ def temporary_bytes(op: Op, chain: Chain) -> int:
     return stage.nograd_fwd_tmp_bytes
 
 
-def duration_s(op: Op, chain: Chain) -> float:
-    """How long a compute op takes: f_i or b_i."""
+def duration_s(op: Op, chain: Chain, refill: bool = False) -> float:
+    """How long a compute op takes: f_i or b_i, or the refill's time for an F_all(i) at a
+    position of :func:`refills`."""
     stage = chain.stage(op.index)
-    return stage.bwd_s if op.kind == BACKWARD else stage.fwd_s
+    if op.kind == BACKWARD:
+        return stage.bwd_s
+    return stage.refill_s if refill else stage.fwd_s
+
+
+def refills(ops: Sequence[Op]) -> frozenset[int]:
+    """The positions of the F_all(i) that refill a kept graph: right before B(i), after an
+    F_ck(i) or F_none(i).
+
+    Such a forward (offremat._deferred) runs on the graph the latest F_ck(i) or F_none(i)
+    kept and stops once its last saved tensor is back, as ``torch.utils.checkpoint``'s
+    non-reentrant recomputation does: it takes ``refill_s``, not ``fwd_s``.
+    """
+    found = set()
+    forwarded: set[int] = set()
+    for position, op in enumerate(ops):
+        if op.kind in (F_CK, F_NONE):
+            forwarded.add(op.index)
+        elif op.kind == F_ALL and op.index in forwarded:
+            following = ops[position + 1] if position + 1 < len(ops) else None
+            if following is not None and following.kind == BACKWARD and following.index == op.index:
+                found.add(position)
+    return frozenset(found)

@@ -35,6 +35,7 @@ from solvers.semantics import (
     duration_s,
     effect,
     initial_residency,
+    refills,
     released,
     stage_input,
     temporary_bytes,
@@ -141,6 +142,7 @@ def simulate(
     def size(tensor: Tensor) -> int:
         return tensor_bytes(tensor, chain)
 
+    refilled = refills(ops)
     memory = _Memory()
     start_state = initial_residency(chain.length)
     memory.add(0.0, sum(size(tensor) for tensor in start_state))
@@ -171,7 +173,7 @@ def simulate(
             persistent, transient = size(change.allocates), temporary_bytes(op, chain)
             memory.settle(last_compute_start)
             start = memory.admit(ready, persistent + transient, budget)
-            end = start + duration_s(op, chain)
+            end = start + duration_s(op, chain, n in refilled)
             wait_total += start - compute_free
             memory.add(start, persistent + transient)
             instant = end == start

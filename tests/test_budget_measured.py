@@ -177,10 +177,11 @@ def simulated_op_peaks(executor: PlanExecutor) -> dict[int, int]:
     peaks = {}
     for interval in simulation.timeline:
         if executor.plan.ops[interval.op_index].is_compute:
+            # An op of no duration (a refill with nothing to recompute) holds what is there.
             levels = [
                 level
                 for time, level in simulation.memory_curve
-                if interval.start_s <= time < interval.end_s
+                if interval.start_s <= time < interval.end_s or time == interval.start_s
             ]
             peaks[interval.op_index] = max(levels)
     return peaks

@@ -115,6 +115,8 @@ def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
         (_set(("stages", 1, "out_bytes"), "4096"), ["stage 2", "out_bytes", "integer"]),
         (_set(("stages", 1, "saved_bytes"), 100), ["stage 2", "saved_bytes", "out_bytes"]),
         (_set(("stages", 0, "colour"), "red"), ["stage 1", "colour", "unknown"]),
+        (_set(("stages", 0, "refill_s"), 0.003), ["stage 1", "refill_s", "fwd_s"]),
+        (_set(("stages", 0, "refill_s"), -1.0), ["stage 1", "refill_s", "non-negative"]),
         (_set(("input_bytes",), -1), ["input_bytes", "non-negative"]),
         (_set(("stages",), []), ["stages", "empty"]),
         (_set(("link", "h2d_bytes_per_s"), 0), ["link", "h2d_bytes_per_s", "positive"]),
@@ -201,3 +203,13 @@ def test_a_backward_temporary_may_be_negative_down_to_minus_the_saved_set() -> N
     assert Stage("s", 1.0, 1.0, 10, 20, bwd_tmp_bytes=-20).bwd_tmp_bytes == -20
     with pytest.raises(ChainFormatError, match="'bwd_tmp_bytes' must be at least -20"):
         Stage("s", 1.0, 1.0, 10, 20, bwd_tmp_bytes=-21)
+
+
+def test_refill_time_defaults_to_the_forward_and_round_trips_when_it_differs() -> None:
+    data = sample_dict()
+    data["stages"][0]["refill_s"] = 0.0015
+    chain = Chain.from_dict(data)
+    assert chain.stage(1).refill_s == 0.0015 and chain.stage(2).refill_s == 0.001
+    written = chain.to_dict()
+    assert written["stages"][0]["refill_s"] == 0.0015 and "refill_s" not in written["stages"][1]
+    assert Chain.from_dict(written) == chain

@@ -7,6 +7,7 @@ import heapq
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,8 +41,14 @@ def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bo
                 # Derived, not drawn, so the chains of each seed stay those of earlier runs.
                 nograd_fwd_tmp_bytes=(out + i) % 4 if tmp else 0,
                 grad_bytes=out - i % 2 if tmp else out,  # an integer mask carries none
+                refill_s=None,  # set below, derived from fwd_s
             )
         )
+    # Derived, not drawn: a refill stops early in every other stage (solvers/semantics.py).
+    stages = [
+        replace(stage, refill_s=stage.fwd_s - 0.5 * (i % 2)) if tmp else stage
+        for i, stage in enumerate(stages, start=1)
+    ]
     # Derived, not drawn: the caller's loss and its seed gradient, held after B(L).
     held = (stages[-1].out_bytes + length) % 3 if tmp else 0
     return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages), held_bytes=held)
@@ -51,7 +58,9 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
     """Dijkstra over every valid sequence of F_all, F_ck, F_none and B (design.md's model).
 
     A state is the set of tensors resident on the GPU; each op is allowed when its transient
-    peak fits. This is written from design.md alone, independently of the simulator.
+    peak fits. This is written from design.md alone, independently of the simulator. An F_all(i)
+    right before B(i) takes ``refill_s`` when stage i ran forward before without keeping x̄_i
+    (for i < L always, when x̄_i is absent at B(i)'s turn): that pair is one move here.
     """
     x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
     g = [chain.grad_bytes(i) for i in range(chain.length + 1)]  # δ_i
@@ -101,6 +110,15 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
         ):
             after = state - {("saved", grad), ("grad", grad), ("a", grad - 1)}
             moves.append((stage.bwd_s, after | {("grad", grad - 1)}))
+        if (
+            grad < length
+            and ("saved", grad) not in state
+            and has_input(state, grad)
+            and used + stage.saved_bytes + stage.fwd_tmp_bytes <= budget
+            and used + stage.saved_bytes + g[grad - 1] + stage.bwd_tmp_bytes <= budget
+        ):
+            after = state - {("grad", grad), ("a", grad - 1)}
+            moves.append((stage.refill_s + stage.bwd_s, after | {("grad", grad - 1)}))
         for cost, successor in moves:
             if time + cost < best.get(successor, INF):
                 best[successor] = time + cost
@@ -138,7 +156,9 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
         if s == t:
             need = held(s) + max(g[s] + saved(s) + ftmp(s), g[s - 1] + g[s] + saved(s) + btmp(s))
             stage = chain.stage(s)
-            return stage.fwd_s + stage.bwd_s if m >= need else INF
+            # Before L, (s, s) follows a forward of s that kept no x̄_s: F_all(s) refills.
+            forward = stage.refill_s if s < chain.length else stage.fwd_s
+            return forward + stage.bwd_s if m >= need else INF
         # The room for the forwards without autograd bounds the second option (solvers/dp.py's
         # design note; with one temporary for both kinds, as in design.md, it bounds both alike).
         forwards = [x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)]

@@ -246,3 +246,30 @@ def test_outputs_sharing_a_storage_reach_the_next_stage_sharing_it() -> None:
     model = nn.Sequential(TensorAndView(), PassOn(), Join())
     chain = quick(model, torch.randn(256, 64))
     assert chain.stage(2).out_bytes == chain.stage(1).out_bytes == 256 * 64 * FLOAT
+
+
+class HeavyTail(nn.Module):
+    """A light head whose output the tail's matmul saves, then a heavy tail that saves
+    nothing the step holds beyond it: a refill stops before the tail's matmul runs."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(width, width)
+        self.tail = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.head(x))
+        for _ in range(6):  # each product saves its input: the last one is saved before it runs
+            h = h @ self.tail
+        return h + 1
+
+
+def test_a_refill_is_timed_to_the_last_saved_tensor_and_is_free_when_there_is_none() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), HeavyTail(512))
+    chain = profile_model(model, torch.randn(1024, 512), warmup=1, repeats=5)
+    first, second = chain.stages
+    # A linear layer saves only its input and weight, which the step never holds.
+    assert first.refill_s == 0.0
+    # Five of the six products run again; the last, and the add, do not.
+    assert 0 < second.refill_s < 0.95 * second.fwd_s

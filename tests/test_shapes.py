@@ -178,7 +178,10 @@ def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
         # Each stage's least time: another process's load only ever adds time.
         stages = [
             dataclasses.replace(
-                column[0], fwd_s=min(s.fwd_s for s in column), bwd_s=min(s.bwd_s for s in column)
+                column[0],
+                fwd_s=min(s.fwd_s for s in column),
+                bwd_s=min(s.bwd_s for s in column),
+                refill_s=min(s.refill_s for s in column),
             )
             for column in zip(*(chain.stages for chain in chains), strict=True)
         ]

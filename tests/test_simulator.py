@@ -6,6 +6,7 @@ import pytest
 
 from solvers.chain import Chain, Link, Stage
 from solvers.plan import (
+    ACTIVATION,
     PlanError,
     backward,
     forward_all,
@@ -16,6 +17,7 @@ from solvers.plan import (
     prefetch,
     validate,
 )
+from solvers.semantics import refills
 from solvers.simulator import simulate
 
 SLOW_LINK = Link(10.0, 10.0)
@@ -188,3 +190,21 @@ def test_free_of_a_tensor_still_arriving_waits_for_its_prefetch() -> None:
     # t=6: F_all(1)'s temporary goes, B(2) allocates δ_1 and btmp. t=7: the free lands.
     assert levels[6.0] == levels[5.0] - 5 + 17
     assert levels[7.0] == levels[6.0] - 30
+
+
+def test_an_f_all_right_before_its_backward_after_a_checkpoint_is_a_refill() -> None:
+    stages = tuple(Stage(f"s{i}", 1.0, 2.0, 10, 30, refill_s=0.25) for i in (1, 2, 3))
+    quick = Chain("three", 10, stages)
+    ops = [
+        forward_checkpoint(1),
+        forward_checkpoint(2),
+        forward_all(3),
+        backward(3),  # F_all(3) is stage 3's first forward: f_3
+        forward_all(2),
+        backward(2),  # after F_ck(2): a refill, r_2
+        forward_all(1),
+        backward(1),  # after F_ck(1): r_1
+    ]
+    assert refills(ops) == {4, 6}
+    assert simulate(ops, quick, None).makespan_s == 3 * 1.0 + 2 * 0.25 + 3 * 2.0
+    assert refills([*ops[:6], forward_all(1), free(ACTIVATION, 0), backward(1)]) == {4}
