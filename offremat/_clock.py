@@ -27,6 +27,7 @@ class MarkingPacker(SavedTensorPacker):
         self.marks = marks
         self.device = device
 
+    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         held = len(self.refs)
         packed = super().pack(tensor)

@@ -8,21 +8,28 @@ to change it only costs time, a few percent of a small model's step. So such a s
 stages as the model would, and autograd does the rest: saved tensors, in-place checks and
 frozen stages (no backward for what needs no gradient) are its own.
 
-What is kept of the executor: the stats' step times, read from a mark when the forward
+What is kept of the executor: the autocast weight cache off (offremat._stage), the stats'
+step times, read from a mark when the forward
 starts and ends, one when the backward reaches the chain's output (a pre-hook on its node)
 and one when the backward ends (a callback queued on the engine). Measuring memory
 (``measure_memory=True``) needs the executor's halves, so a measured step runs through them.
+What differs from a plan run by the executor is what plain autograd allows: the backward time
+runs to the end of the whole backward (code before the chain included), an out-of-memory error
+in the backward comes without the plan's advice, and ``retain_graph``, ``create_graph`` and
+``torch.autograd.grad`` with respect to parameters work, as they do without offremat.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
 from offremat._clock import mark
+from offremat._stage import AutocastState
 from offremat._stats import StepTiming
 from offremat._tensors import flatten
 
@@ -33,8 +40,13 @@ def run_plainly(
     """The stages' output on ``value``, with autograd's own graph; ``finished(timing)`` is
     called with the step's :class:`StepTiming` once its backward has run."""
     marks: list[Any] = [mark(device)]
-    for stage in stages:
-        value = stage(value)
+    with ExitStack() as stack:
+        # The caller's autocast, with its weight cache off as in every executor forward: the
+        # cache would hold low-precision weight copies that no plan counts.
+        for state in [AutocastState.capture(kind) for kind in sorted({device.type, "cpu"})]:
+            state.enter(stack)
+        for stage in stages:
+            value = stage(value)
     marks.append(mark(device))
     roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
     if not roots:

@@ -321,7 +321,7 @@ def _warn_allocator_slack() -> None:
     """Once a process: the budget counts tensors, the default CUDA allocator may hold more."""
     logger.warning(
         "the budget counts the bytes of the step's tensors; in its default mode the CUDA "
-        "caching allocator can hold up to 1 MiB more per block (2.7%% of a bf16 GPT's peak "
+        "caching allocator can hold up to 1 MiB more per block (2.7% of a bf16 GPT's peak "
         "on an H100), so max_memory_allocated may pass the budget. Set "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts to make the "
         "two agree"

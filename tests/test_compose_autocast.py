@@ -71,3 +71,22 @@ def test_a_step_without_the_autocast_it_was_planned_under_is_refused() -> None:
         om = offremat.optimize(build_gpt(CONFIG), batch, budget=0.5)
     with pytest.raises(RuntimeError, match=r"profiled under autocast torch\.bfloat16"):
         om(batch)
+
+
+def test_a_keep_all_plan_under_the_callers_autocast_holds_no_cached_weights() -> None:
+    # Run as plain autograd, a keep-all step still turns autocast's weight cache off: with
+    # the backward inside the caller's autocast region, cached bf16 weight copies would be
+    # memory that no plan counts.
+    torch.manual_seed(0)
+    width = 512
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(6)])
+    x = torch.randn(64, width)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        om = offremat.optimize(model, x, budget=1.0)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    for _ in range(2):
+        with StepMemory("cpu", inputs=x) as memory, torch.autocast("cpu", dtype=torch.bfloat16):
+            om(x).float().pow(2).mean().backward()
+    assert om.plan.decisions == dict.fromkeys(om.plan.decisions, "keep")
+    assert memory.peak_bytes <= om.plan.budget_bytes

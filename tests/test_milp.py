@@ -28,10 +28,11 @@ def random_chain(rng: random.Random, length: int, link: bool = True) -> Chain:
     stages = []
     for i in range(1, length + 1):
         out = rng.randint(1, 6)
+        fwd_s = float(rng.randint(1, 5))
         stages.append(
             Stage(
                 name=f"s{i}",
-                fwd_s=float(rng.randint(1, 5)),
+                fwd_s=fwd_s,
                 bwd_s=float(rng.randint(1, 8)),
                 out_bytes=out,
                 saved_bytes=out + rng.randint(0, 8),
@@ -39,6 +40,7 @@ def random_chain(rng: random.Random, length: int, link: bool = True) -> Chain:
                 bwd_tmp_bytes=rng.randint(0, 4),
                 nograd_fwd_tmp_bytes=(out + i) % 4,  # derived: the drawn chains stay as they were
                 grad_bytes=out - i % 2,
+                refill_s=fwd_s - 0.5 * (i % 2),  # derived: a refill stops early every other stage
             )
         )
     bandwidths = (1.0, 2.0, 4.0)
