@@ -178,7 +178,9 @@ def refills(ops: Sequence[Op]) -> frozenset[int]:
 
     Such a forward (offremat._deferred) runs on the graph the latest F_ck(i) or F_none(i)
     kept and stops once its last saved tensor is back, as ``torch.utils.checkpoint``'s
-    non-reentrant recomputation does: it takes ``refill_s``, not ``fwd_s``.
+    non-reentrant recomputation does: it takes ``refill_s``, not ``fwd_s``. (A stage that
+    changes a saved tensor in place after saving it is refilled to its end, which the model
+    does not know; so is the copy of BatchNorm's running statistics a refill makes.)
     """
     found = set()
     forwarded: set[int] = set()
