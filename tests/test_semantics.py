@@ -43,14 +43,15 @@ def table_walk(plan: Plan, chain) -> tuple[float, int, list[set[tuple[str, int]]
     resident = semantics.initial_residency(chain.length)
     level = sum(semantics.tensor_bytes(t, chain) for t in resident)
     peak, time, before = level, 0.0, []
-    for op in plan.ops:
+    refilled = semantics.refills(plan.ops)
+    for position, op in enumerate(plan.ops):
         before.append(set(resident))
         gone = semantics.released(op, resident)
         if op.is_compute:
             made = semantics.effect(op).allocates
             level += semantics.tensor_bytes(made, chain)
             peak = max(peak, level + semantics.temporary_bytes(op, chain))
-            time += semantics.duration_s(op, chain)
+            time += semantics.duration_s(op, chain, position in refilled)
             if op.kind == BACKWARD and op.index == chain.length:
                 level += chain.held_bytes
         level -= sum(semantics.tensor_bytes(t, chain) for t in gone)
