@@ -8,11 +8,11 @@ to change it only costs time, a few percent of a small model's step. So such a s
 stages as the model would, and autograd does the rest: saved tensors, in-place checks and
 frozen stages (no backward for what needs no gradient) are its own.
 
-What is kept of the executor: the autocast weight cache off (offremat._stage), the stats'
-step times, read from a mark when the forward
-starts and ends, one when the backward reaches the chain's output (a pre-hook on its node)
-and one when the backward ends (a callback queued on the engine). Measuring memory
-(``measure_memory=True``) needs the executor's halves, so a measured step runs through them.
+What is kept of the executor: autocast's weight cache off (offremat._stage), and the stats'
+step times, read from marks when the forward starts and ends, when the backward reaches the
+chain's output (a pre-hook on its node) and when the backward ends (a callback queued on the
+engine). Measuring memory (``measure_memory=True``) needs the executor's halves, so a
+measured step runs through them.
 What differs from a plan run by the executor is what plain autograd allows: the backward time
 runs to the end of the whole backward (code before the chain included), an out-of-memory error
 in the backward comes without the plan's advice, and ``retain_graph``, ``create_graph`` and
