@@ -43,7 +43,7 @@ def run_plainly(
     with ExitStack() as stack:
         # The caller's autocast, with its weight cache off as in every executor forward: the
         # cache would hold low-precision weight copies that no plan counts.
-        for state in [AutocastState.capture(kind) for kind in sorted({device.type, "cpu"})]:
+        for state in AutocastState.of_step(device):
             state.enter(stack)
         for stage in stages:
             value = stage(value)

@@ -255,6 +255,11 @@ class AutocastState:
             torch.get_autocast_dtype(device_type),
         )
 
+    @classmethod
+    def of_step(cls, device: torch.device) -> list[AutocastState]:
+        """The autocast states a step on ``device`` runs under: its device type's and the CPU's."""
+        return [cls.capture(kind) for kind in sorted({device.type, "cpu"})]
+
     def enter(self, stack: ExitStack) -> None:
         """Enter this autocast state, with its weight cache off, inside ``stack``.
 

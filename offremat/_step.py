@@ -10,13 +10,13 @@ backward half, as the simulator listed them (:mod:`solvers.host`). The design no
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import RngState, cuda_device_indices
 from offremat._scan import ModuleScan, fixed_storages
@@ -65,7 +65,7 @@ class _Step(Compute):
         self.norms = [scan.norms for scan in scans]
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
-        self.autocast = [AutocastState.capture(t) for t in sorted({device.type, "cpu"})]
+        self.autocast = AutocastState.of_step(device)
         self.trainable = [bool(scan.trainable) for scan in scans]
         # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
         self.flags: dict[int, list[bool]] = {
@@ -224,12 +224,8 @@ class _Step(Compute):
             self.residency.drop(tensor.records, resident=True)
 
     def _mark(self) -> None:
-        if self.streams is not None:
-            self.marks.append(
-                self.streams.compute.record_event(torch.cuda.Event(enable_timing=True))
-            )
-        else:
-            self.marks.append(time.perf_counter())
+        # On CUDA the step's compute stream is the current one (set as each half starts).
+        self.marks.append(mark(self.device))
 
     def _out_of_memory_advice(self) -> OutOfMemoryAdvice:
         return OutOfMemoryAdvice(self.executor.plan)
