@@ -15,9 +15,12 @@ at the step start + the input batch). The tracker cannot see compiled code (dyna
 frames under a TorchDispatchMode), so torch.compile is chosen and judged by the
 resident-memory peak alone. Gradients after one step (same seed) are compared with plain
 autograd's bit for bit. Timing runs every configuration in its own fresh process (forkserver
-with torch preloaded, default allocator settings), alternating the order over ``--rounds``
-rounds, and reports the median step time divided by keep-all's median from the same rounds,
-and dp's time divided by checkpoint_sequential's round by round.
+with torch preloaded), alternating the order over ``--rounds`` rounds, and reports the median
+step time divided by keep-all's median from the same rounds, and dp's time divided by
+checkpoint_sequential's round by round. Each configuration is timed under two heaps: glibc's
+default settings, which give large freed blocks back to the OS so that the next step
+page-faults them in again, and a kept heap (``mallopt``: no trimming, no mmap below 1 GiB), as
+jemalloc, tcmalloc or those settings give a CPU training job.
 
     cd <snapshot> && PYTHONPATH=<snapshot> python <repo>/experiments/peers_cpu.py --rounds 7 \
         --compile-models gpt resnet --out <repo>/experiments/results/peers_cpu
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import logging
 import multiprocessing as mp
 import pickle
@@ -52,6 +56,10 @@ MILP_TIME_LIMIT_S = 20
 SEED = 0
 WARMUP_STEPS = 1
 TIMED_STEPS = 4
+HEAPS = ("glibc", "kept")  # glibc's default settings; freed memory kept in the heap
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters, from glibc's malloc.h
+KEPT_HEAP_BYTES = 1 << 30
+SUFFIX = {"glibc": "", "kept": "_kept"}  # of the row fields timed under each heap
 
 
 def build(name: str) -> tuple[torch.nn.Sequential, Any]:
@@ -234,12 +242,23 @@ def compile_worker(name: str, memory_budget: float) -> dict[str, Any]:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
 
 
-def time_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Median step time of ``spec`` in a fresh process with glibc's default allocator settings.
+def keep_heap() -> None:
+    """Keep this process's freed memory in its heap: glibc trims nothing and mmaps no block
+    below 1 GiB, so a step reuses the pages of the step before instead of faulting them in."""
+    libc = ctypes.CDLL("libc.so.6")
+    for parameter in (M_TRIM_THRESHOLD, M_MMAP_THRESHOLD):
+        if libc.mallopt(parameter, KEPT_HEAP_BYTES) != 1:
+            raise RuntimeError(f"mallopt({parameter}, {KEPT_HEAP_BYTES}) failed")
+
+
+def time_worker(name: str, spec: dict[str, Any], heap: str) -> dict[str, Any]:
+    """Median step time of ``spec`` in a fresh process, under ``heap`` (one of HEAPS).
 
     For torch.compile the first call (which compiles) is timed separately as compile time and
     is not one of the warm-up steps.
     """
+    if heap == "kept":
+        keep_heap()
     torch.set_num_threads(1)
     model, batch = build(name)
     fwd = make_forward(model, batch, spec)
@@ -249,7 +268,12 @@ def time_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         one_step(model, fwd, batch)
         compile_s = time.perf_counter() - start
     times = timed_steps(model, fwd, batch, WARMUP_STEPS + TIMED_STEPS)[WARMUP_STEPS:]
-    return {"seconds": statistics.median(times), "compile_s": compile_s, **worker_environment()}
+    return {
+        "seconds": statistics.median(times),
+        "compile_s": compile_s,
+        "heap": heap,
+        **worker_environment(),
+    }
 
 
 def rss_worker(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -284,7 +308,7 @@ def compile_row(
         return {**base, "method": "torch.compile", "note": note}
     best = min(fitting, key=lambda b: ok[b]["quick_s"])
     key = f"compile {best}"
-    timing[name, key] = {"spec": {"kind": "compile", "memory_budget": best}, "results": []}
+    timing[name, key] = {"spec": {"kind": "compile", "memory_budget": best}, "results": {}}
     return {
         **base,
         "method": f"torch.compile (activation_memory_budget={best})",
@@ -406,7 +430,7 @@ def main() -> None:
                 compile_results[memory_budget] = result
                 logger.info("%s compile at %.1f: %s", name, memory_budget, result)
 
-        timing[name, "keep-all"] = {"spec": specs["keep-all"], "results": []}
+        timing[name, "keep-all"] = {"spec": specs["keep-all"], "results": {}}
         model_rows = []
         for fraction, budget_bytes in setup["budgets"].items():
             base = {"model": name, "fraction": fraction, "budget_bytes": budget_bytes}
@@ -416,7 +440,7 @@ def main() -> None:
             ]
             if fitting:
                 best = min(fitting, key=lambda k: checks[k]["quick_s"])
-                timing[name, best] = {"spec": specs[best], "results": []}
+                timing[name, best] = {"spec": specs[best], "results": {}}
                 segments = specs[best]["segments"]
                 method = f"checkpoint_sequential (segments={segments})"
                 model_rows.append({**base, "method": method, "key": best})
@@ -443,7 +467,7 @@ def main() -> None:
                     )
                     continue
                 key = f"offremat {solver} {fraction}"
-                timing[name, key] = {"spec": specs[key], "results": []}
+                timing[name, key] = {"spec": specs[key], "results": {}}
                 model_rows.append(
                     {
                         **base,
@@ -461,17 +485,20 @@ def main() -> None:
         rows += model_rows
 
     keys = list(timing)
+    runs = [(name, key, heap) for name, key in keys for heap in HEAPS]
     for r in range(args.rounds):
-        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        order = runs[r % len(runs) :] + runs[: r % len(runs)]
         if r % 2:
             order.reverse()
-        for name, key in order:
-            result = run_in_fresh_process(pool, time_worker, name, timing[name, key]["spec"])
-            if r == 0 and not timing[name, key]["results"]:
+        for name, key, heap in order:
+            spec = timing[name, key]["spec"]
+            result = run_in_fresh_process(pool, time_worker, name, spec, heap)
+            results = timing[name, key]["results"].setdefault(heap, [])
+            if r == 0 and not results:
                 logger.info("worker environment: %s", {k: result[k] for k in ENV_KEYS})
             if result["offremat"] != offremat.__file__:  # the workers must measure the same code
                 raise RuntimeError(f"worker imported {result['offremat']}, not {offremat.__file__}")
-            timing[name, key]["results"].append(result)
+            results.append(result)
         logger.info("round %d/%d done (%.0f s so far)", r + 1, args.rounds, _since(started))
     pool.shutdown()
     for r in range(args.rss_rounds):
@@ -486,25 +513,30 @@ def main() -> None:
     environments = {
         tuple(result[k] for k in ENV_KEYS)
         for entry in timing.values()
-        for result in entry["results"] + entry["rss"]
+        for result in [*entry["rss"], *(r for rs in entry["results"].values() for r in rs)]
     }
     for row in rows:
         if "key" not in row:
             continue
-        results = timing[row["model"], row["key"]]["results"]
-        keep = statistics.median(r["seconds"] for r in timing[row["model"], "keep-all"]["results"])
-        median = statistics.median(r["seconds"] for r in results)
-        row["median_s"] = median
-        row["keep_median_s"] = keep
-        row["time_ratio"] = median / keep
-        row["per_round"] = [r["seconds"] for r in results]
+        for heap in HEAPS:
+            results = timing[row["model"], row["key"]]["results"][heap]
+            keep_results = timing[row["model"], "keep-all"]["results"][heap]
+            keep = statistics.median(r["seconds"] for r in keep_results)
+            median = statistics.median(r["seconds"] for r in results)
+            suffix = SUFFIX[heap]
+            row["median_s" + suffix] = median
+            row["keep_median_s" + suffix] = keep
+            row["time_ratio" + suffix] = median / keep
+            row["per_round" + suffix] = [r["seconds"] for r in results]
         row["rss"] = int(
             statistics.median(r["rss"] for r in timing[row["model"], row["key"]]["rss"])
         )
         row["rss_ratio"] = row["rss"] / row["budget_bytes"]
         row["rss_fits"] = "yes" if row["rss"] <= row["budget_bytes"] else "no"
         if row["key"].startswith("compile"):
-            row["compile_s"] = statistics.median(r["compile_s"] for r in results)
+            row["compile_s"] = statistics.median(
+                r["compile_s"] for r in timing[row["model"], row["key"]]["results"]["glibc"]
+            )
             continue
         row["peak_ratio"] = row["peak"] / row["budget_bytes"]
         row["fits"] = "yes" if row["peak"] <= row["budget_bytes"] else "no"
@@ -525,7 +557,8 @@ COLUMNS = (
     "budget fraction",
     "budget bytes",
     "method",
-    "step time ÷ keep-all",
+    "step time ÷ keep-all (glibc heap)",
+    "step time ÷ keep-all (kept heap)",
     "tracker peak ÷ budget",
     "RSS peak ÷ budget",
     "fits (tracker)",
@@ -536,7 +569,7 @@ COLUMNS = (
 def table_cells(row: dict[str, Any]) -> list[str]:
     cells = [row["model"], f"{row['fraction']:.1f}", str(row["budget_bytes"]), row["method"]]
     if "key" not in row:
-        return [*cells, row["note"], "—", "—", "—", "—"]
+        return [*cells, row["note"], "—", "—", "—", "—", "—"]
     if row["key"].startswith("compile"):
         tracker, fits = "— (not visible to the tracker)", f"— (by RSS: {row['rss_fits']})"
     else:
@@ -544,6 +577,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
     return [
         *cells,
         f"{row['time_ratio']:.3f}",
+        f"{row['time_ratio_kept']:.3f}",
         tracker,
         f"{row['rss_ratio']:.3f}",
         fits,
@@ -571,6 +605,9 @@ def write_outputs(
         "median_s",
         "keep_median_s",
         "time_ratio",
+        "median_s_kept",
+        "keep_median_s_kept",
+        "time_ratio_kept",
         "peak",
         "peak_ratio",
         "fits",
@@ -652,38 +689,8 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             + " (offloaded host copies live in the same RAM on CPU; RSS also counts allocator "
             "slack)."
         )
-    slower, not_slower = [], []
-    for row in timed:
-        if not row["method"].startswith("offremat dp"):
-            continue
-        ckpt = [
-            r
-            for r in timed
-            if r["model"] == row["model"]
-            and r["fraction"] == row["fraction"]
-            and r["method"].startswith("checkpoint_sequential")
-        ]
-        if not ckpt:
-            continue
-        paired = [a / b for a, b in zip(row["per_round"], ckpt[0]["per_round"], strict=True)]
-        ratio = statistics.median(paired)
-        text = (
-            f"{row['model']} at {row['fraction']:.1f}: dp {row['time_ratio']:.3f} vs "
-            f"{ckpt[0]['method']} {ckpt[0]['time_ratio']:.3f} of keep-all "
-            f"({row['median_s']:.4f} s vs {ckpt[0]['median_s']:.4f} s; dp ÷ checkpoint_sequential "
-            f"in the same round: median {ratio:.3f}, range {min(paired):.3f}-{max(paired):.3f}, "
-            f"dp slower in {sum(p > 1 for p in paired)} of {len(paired)} rounds)"
-        )
-        (slower if ratio > 1 else not_slower).append(text)
-    if slower:
-        out.append(
-            "- **offremat dp is slower than the best fitting checkpoint_sequential** (median of "
-            "the per-round ratios above 1) at: " + "; ".join(slower) + "."
-        )
-    else:
-        out.append("- offremat dp is nowhere slower than the best fitting checkpoint_sequential.")
-    if not_slower:
-        out.append("- dp is not slower at: " + "; ".join(not_slower) + ".")
+    for heap in HEAPS:
+        out += dp_against_checkpointing(timed, heap)
     for row in timed:
         if row["method"].startswith("torch.compile"):
             verdict = "fits" if row["rss_fits"] == "yes" else "does not fit"
@@ -698,6 +705,52 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     for row in timed:
         if row["grads"] != "yes":
             out.append(f"- {row['model']} {row['method']}: gradients differ: {row['grads']}.")
+    return out
+
+
+def dp_against_checkpointing(timed: list[dict[str, Any]], heap: str) -> list[str]:
+    """Where dp is slower than the best fitting checkpoint_sequential under ``heap``."""
+    suffix = SUFFIX[heap]
+    slower, not_slower = [], []
+    for row in timed:
+        if not row["method"].startswith("offremat dp"):
+            continue
+        ckpt = [
+            r
+            for r in timed
+            if r["model"] == row["model"]
+            and r["fraction"] == row["fraction"]
+            and r["method"].startswith("checkpoint_sequential")
+        ]
+        if not ckpt:
+            continue
+        rounds = zip(row["per_round" + suffix], ckpt[0]["per_round" + suffix], strict=True)
+        paired = [a / b for a, b in rounds]
+        ratio = statistics.median(paired)
+        text = (
+            f"{row['model']} at {row['fraction']:.1f}: dp {row['time_ratio' + suffix]:.3f} vs "
+            f"{ckpt[0]['method']} {ckpt[0]['time_ratio' + suffix]:.3f} of keep-all "
+            f"({row['median_s' + suffix]:.4f} s vs {ckpt[0]['median_s' + suffix]:.4f} s; "
+            f"dp ÷ checkpoint_sequential in the same round: median {ratio:.3f}, range "
+            f"{min(paired):.3f}-{max(paired):.3f}, dp slower in {sum(p > 1 for p in paired)} "
+            f"of {len(paired)} rounds)"
+        )
+        (slower if ratio > 1 else not_slower).append(text)
+    out = []
+    if slower:
+        out.append(
+            f"- {heap} heap: **offremat dp is slower than the best fitting "
+            "checkpoint_sequential** (median of the per-round ratios above 1) at: "
+            + "; ".join(slower)
+            + "."
+        )
+    else:
+        out.append(
+            f"- {heap} heap: offremat dp is nowhere slower than the best fitting "
+            "checkpoint_sequential."
+        )
+    if not_slower:
+        out.append(f"- {heap} heap: dp is not slower at: " + "; ".join(not_slower) + ".")
     return out
 
 
@@ -773,13 +826,17 @@ def markdown(
         "tracker), and RSS sees everything (allocator slack, whole pages, small allocations "
         "below the threshold), so it reads a bit above the tracker.",
         f"- Time: each configuration runs in its own fresh process (forkserver, torch "
-        f"preloaded, `torch.set_num_threads(1)`, glibc's default allocator settings: the mmap "
-        "threshold of the memory workers makes every large allocation page-fault afresh, which "
-        "is not how anyone trains, so timing and RSS are taken in separate processes), "
-        f"{WARMUP_STEPS} warm-up step then the median "
-        f"of {TIMED_STEPS} steps; configurations alternate in rotating order (reversed every "
-        f"other round) over {rounds} rounds; the table gives the median over rounds divided by "
-        "keep-all's median over the same rounds.",
+        f"preloaded, `torch.set_num_threads(1)`; the mmap threshold of the memory workers makes "
+        "every large allocation page-fault afresh, which is not how anyone trains, so timing "
+        f"and RSS are taken in separate processes), {WARMUP_STEPS} warm-up step then the median "
+        f"of {TIMED_STEPS} steps, under two heaps: glibc's default settings (glibc heap), which "
+        "give large freed blocks back to the OS (mmapped blocks, a trimmed heap top) so that the "
+        "next allocation page-faults them in again, and a kept heap (`mallopt(M_TRIM_THRESHOLD"
+        f", {KEPT_HEAP_BYTES})` and `mallopt(M_MMAP_THRESHOLD, {KEPT_HEAP_BYTES})` in the "
+        "worker before the model is built), where a step reuses the pages of the step before, "
+        "as with jemalloc or tcmalloc. Configurations and heaps alternate in rotating order "
+        f"(reversed every other round) over {rounds} rounds; the table gives the median over "
+        "rounds divided by keep-all's median over the same rounds under the same heap.",
         "- checkpoint_sequential: every segment count 1..len(model) was measured (tracker peak "
         "and a quick time: median of 2 steps after 1 warm-up, in one process); the fastest "
         "whose tracker peak fits is shown. Counts with close quick times can swap between runs.",
