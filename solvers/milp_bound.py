@@ -12,8 +12,15 @@ bytes E,
 
 and, since the copy of x̄_i leaves only once F(i) has run and must be back before B(i) starts,
 for every k the first pass lasts at least f_1 + ... + f_k + Σ_{i >= k} o_i x̄_i / d2h and the
-rest at least Σ_{i >= k} o_i x̄_i / h2d + b_k + ... + b_1: a MILP of 2(L - 1) binaries that
-HiGHS closes in milliseconds. Its optimum (or, if cut short,
+rest at least Σ_{i >= k} o_i x̄_i / h2d + b_k + ... + b_1.
+
+Memory is checked when every backward starts, not only B(L). A saved set with r_i = o_i = 0
+was made before B(L) started and never again, so it stays on the GPU until B(i): when B(k)
+starts (k > i) it is there beside B(k)'s own working set W_k (δ_k, x̄_k, δ_{k-1} and its
+temporary), so for every k, Σ_{i < k} (1 - r_i - o_i) x̄_i <= budget - W_k. Early stages whose
+saved sets are large (a ResNet's) must be absent when their neighbours' backwards run, even
+where B(L)'s constraint alone would leave them. A MILP of 2(L - 1) binaries that HiGHS closes
+in milliseconds. Its optimum (or, if cut short,
 its proven dual bound) is a lower bound on every plan's time, never below ``lower_bound_s``.
 """
 
@@ -23,7 +30,7 @@ import math
 
 import pulp
 
-from solvers.bounds import absent_saved_bytes, lower_bound_s
+from solvers.bounds import absent_saved_bytes, backward_working_set, lower_bound_s
 from solvers.chain import Chain
 from solvers.frozen import trained_part
 from solvers.milp_search import native_stdout_silenced
@@ -77,14 +84,17 @@ def whole_tensor_bound_s(
             problem += rest >= later / h2d + last_backwards
     for r, o in zip(recompute, moved, strict=True):
         problem += r + o <= 1
-    unit = max(s.saved_bytes for _, s in earlier)
-    problem += (
-        pulp.lpSum(
-            (r + o) * (s.saved_bytes / unit)
-            for r, o, (_, s) in zip(recompute, moved, earlier, strict=True)
+    unit = max(s.saved_bytes for _, s in earlier) or 1
+    for k in range(2, chain.length + 1):
+        # x̄_1 .. x̄_{k-1}: those kept are on the GPU when B(k) starts.
+        kept = pulp.lpSum(
+            (1 - r - o) * (s.saved_bytes / unit)
+            for r, o, (_, s) in zip(recompute, moved, earlier[: k - 1], strict=False)
         )
-        >= excess / unit
-    )
+        room = budget_bytes - backward_working_set(chain, k)
+        if room < 0:
+            return math.inf  # B(k)'s own working set does not fit: no plan does
+        problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
         problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
     info = problem.solverModel.getInfo()

@@ -1,5 +1,5 @@
 """The whole-tensor lower bound: never above an optimal plan's time, tighter than the
-fractional one where a saved set cannot be split."""
+fractional one where a saved set cannot be split or must be absent before B(L)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,22 @@ def test_a_saved_set_is_absent_whole_by_hand() -> None:
     assert whole_tensor_bound_s(chain, 29) == pytest.approx(10.0)
     assert whole_tensor_bound_s(chain, 40) == lower_bound_s(chain, 40) == 9.0
     assert whole_tensor_bound_s(chain, 11) == math.inf
+
+
+def test_every_backward_start_counts_by_hand() -> None:
+    # x̄ = 10, 20, 2 with a = δ = 1; f = 3, 1, 1 and b = 2. At a budget of 30, B(3) leaves
+    # 26 for x̄1 + x̄2 = 30: recomputing x̄2 (1 s) would do. But B(2)'s working set is
+    # δ2 + x̄2 + δ1 = 22, which leaves 8, less than x̄1: x̄1 is absent then, and recomputing
+    # it costs 3 s. Σf + Σb = 11, so the bound is 14 s, the exhaustive optimum; checking only
+    # when B(3) starts gives 12 s.
+    stages = (
+        Stage("s1", 3.0, 2.0, 1, 10),
+        Stage("s2", 1.0, 2.0, 1, 20),
+        Stage("s3", 1.0, 2.0, 1, 2),
+    )
+    chain = Chain("hand", 1, stages)
+    assert whole_tensor_bound_s(chain, 30) == pytest.approx(14.0)
+    assert exhaustive_optimum(chain, 30) == pytest.approx(14.0)
 
 
 def test_never_above_the_optimum_recomputing_only() -> None:
