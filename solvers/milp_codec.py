@@ -69,6 +69,12 @@ class Schedule:
             return True
         return (k, tensor[0], tensor[1]) in self.resident
 
+    def in_flight(self, k: int, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s prefetch was issued before step k and it is not usable yet:
+        the GPU holds its bytes already, so nothing may produce it again in step k."""
+        issue, ready = self.prefetches.get(tensor, (0, 0))
+        return issue > k > ready
+
     def carried(self, k: int, tensor: Tensor) -> bool:
         """Whether ``tensor`` stays on the GPU from step k into step k-1 (not a prefetch)."""
         if k <= 1:
@@ -113,19 +119,30 @@ def decode(schedule: Schedule) -> list[Op]:
         on_gpu = {t for t in valid_at(length, k) if schedule.is_resident(k, t)}
         on_gpu.add((ACTIVATION, 0))
 
-        recomputed = {i for kk, i, _ in schedule.recompute if kk == k}
-        for i, target in sorted((i, t) for kk, i, t in schedule.recompute if kk == k):
+        recomputed = {i: t for kk, i, t in schedule.recompute if kk == k}
+        # An incumbent cut short by the time limit may recompute what nothing reads: such a
+        # forward is left out, and its input released where the recomputation would have.
+        useful: set[int] = set()
+        for i in sorted(recomputed, reverse=True):
+            if i >= k - 1 or i + 1 in useful or schedule.carried(k, (recomputed[i], i)):
+                useful.add(i)
+        for i, target in sorted(recomputed.items()):
             source = (ACTIVATION, i - 1) if (ACTIVATION, i - 1) in on_gpu else None
             needed_later = i == k or schedule.carried(k, (ACTIVATION, i - 1))
             drop_input = source is not None and not needed_later and i - 1 >= 1
             # The model counts an output only while this step still reads it, unless it is
             # kept; a saved set nothing keeps is cheaper as a plain activation.
-            read_later = i == k - 1 or (i < k and i + 1 in recomputed)
+            read_later = i == k - 1 or (i < k and i + 1 in useful)
+            if i not in useful:
+                if drop_input:
+                    _emit(ops, on_gpu, free(ACTIVATION, i - 1))
+                continue
             if (
                 target == SAVED
                 and i != k
                 and not schedule.carried(k, (SAVED, i))
                 and (ACTIVATION, i) not in on_gpu
+                and not schedule.in_flight(k, (ACTIVATION, i))
             ):
                 target = ACTIVATION
             if target == SAVED:

@@ -18,7 +18,8 @@ from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need, solve_dp
 from solvers.milp import BackendUnavailableError, least_feasible_budget, solve_milp
 from solvers.milp_bound import whole_tensor_bound_s
-from solvers.milp_codec import decode, encode
+from solvers.milp_codec import Schedule, decode, encode
+from solvers.ops import ACTIVATION, SAVED
 from solvers.plan import COPY_KINDS, OFFLOAD, PREFETCH, validate
 from solvers.registry import keep_all_peak
 from solvers.simulator import simulate
@@ -132,6 +133,29 @@ def test_recomputing_a_checkpoint_early_beats_rotors_family():
     assert exact_dp_time(chain, 31) == 77.0
     assert plan.predicted_time_s == 76.0
     assert plan.predicted_peak_bytes <= 31
+
+
+def test_a_wasted_recomputation_beside_a_flying_prefetch_decodes_to_a_valid_plan():
+    """An incumbent cut short by the time limit recomputed x̄1 while a1's prefetch was on its
+    way and nothing read x̄1 (seen on a profiled GPT at 30%). The decoder used to list it as
+    F_ck(1), producing a1 twice; it leaves such a forward out, and the plan is no slower."""
+    chain = random_chain(random.Random(0), 6)
+    fates = ("offload_act", "offload_saved", "offload_saved", "offload_saved", "keep_saved")
+    schedule = Schedule(
+        length=6,
+        fates=(*fates, "keep_saved"),
+        recompute=frozenset({(3, 1, SAVED), (2, 1, SAVED)}),
+        resident=frozenset(
+            {(6, SAVED, 5), (6, SAVED, 6), (5, SAVED, 4), (5, SAVED, 5), (4, SAVED, 3)}
+            | {(4, SAVED, 4), (3, SAVED, 2), (3, SAVED, 3), (2, ACTIVATION, 1)}
+            | {(2, SAVED, 2), (1, SAVED, 1)}
+        ),
+        prefetches={(ACTIVATION, 1): (4, 2), (SAVED, 2): (4, 3), (SAVED, 3): (5, 4)}
+        | {(SAVED, 4): (6, 5)},
+    )
+    ops = decode(schedule)
+    assert validate(ops, chain) == []
+    assert [str(op) for op in ops if op.is_compute].count("F_all(1)") == 1
 
 
 def test_dp_plans_are_in_the_family():
