@@ -24,6 +24,12 @@ import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError, chain_blocks, check_chain_output, check_device
+from offremat._call_checks import (
+    refuse_autocast,
+    refuse_compile,
+    refuse_recorded_outputs,
+    warn_autocast,
+)
 from offremat._discover import BlockRun, Call, as_call
 from offremat._model_chain import (
     ModelChain,
@@ -125,7 +131,7 @@ class OptimizedModule(nn.Module):
         if not self.training or not torch.is_grad_enabled():
             return self._model(*args, **kwargs)
         if torch.compiler.is_compiling():
-            _refuse_compile()
+            refuse_compile()
         return self._training_step(*args, **kwargs)
 
     @torch.compiler.disable
@@ -138,10 +144,10 @@ class OptimizedModule(nn.Module):
             elif planned is not None and AutocastState.capture(planned.device_type) != planned:
                 now = AutocastState.capture(planned.device_type)
                 if planned.enabled:
-                    _refuse_autocast(planned, now)
+                    refuse_autocast(planned, now)
                 if (planned, now) not in self._warned_autocast:
                     self._warned_autocast.add((planned, now))
-                    _warn_autocast(planned, now)
+                    warn_autocast(planned, now)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -155,7 +161,7 @@ class OptimizedModule(nn.Module):
             if tensors:
                 check_device(list(self._model), tensors[0].device)
             return self._plans.executor(args[0])(args[0])
-        _refuse_recorded_outputs(self._model, kwargs)
+        refuse_recorded_outputs(self._model, kwargs)
         executor = self._plans.executor(Call(args, kwargs))
         with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)
@@ -171,58 +177,6 @@ class OptimizedModule(nn.Module):
         plan = self.plan
         budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
         return f"plan={plan.solver}, budget={budget}, stages={plan.length}"
-
-
-def _warn_autocast(planned: AutocastState, now: AutocastState) -> None:
-    def describe(state: AutocastState) -> str:
-        return f"autocast {state.dtype}" if state.enabled else "no autocast"
-
-    logger.warning(
-        "the plan was profiled under %s but this step runs under %s, so its activation sizes "
-        "are not the plan's; call offremat.optimize inside the same autocast, or pass "
-        "autocast=dtype to have the optimized model run under it",
-        describe(planned),
-        describe(now),
-    )
-
-
-def _refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
-    """A plan profiled under autocast counts half-size activations: without it they would not
-    fit (measured: 1.67 times the budget on a GPT-2)."""
-    now_text = f"autocast {now.dtype}" if now.enabled else "no autocast"
-    raise RuntimeError(
-        f"the plan was profiled under autocast {planned.dtype} but this step runs under "
-        f"{now_text}, so its activations would not be the planned ones and could break the "
-        "budget: run the step inside the same autocast, or pass autocast=dtype to "
-        "offremat.optimize to have the optimized model enter it"
-    )
-
-
-@torch.compiler.disable
-def _refuse_compile() -> None:
-    # Called where dynamo traces the forward: not traced itself, it raises when the compiled
-    # code runs.
-    raise RuntimeError(
-        "torch.compile of an offremat-optimized model cannot compile its training step: "
-        "offremat runs the blocks itself, keeping, offloading and recomputing their "
-        "activations. Compile the blocks instead, before offremat.optimize: "
-        "`for block in blocks: block.compile()`"
-    )
-
-
-def _refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse to return every block's hidden state or attention: the chain hands one on."""
-    config = getattr(model, "config", None)
-    for flag in ("output_hidden_states", "output_attentions"):
-        wanted = kwargs.get(flag)
-        if wanted is None:
-            wanted = getattr(config, flag, False)
-        if wanted is True:
-            raise NotAChainError(
-                f"{flag}=True asks for every block's result, which an offremat training step "
-                f"does not keep; call with {flag}=False (and set model.config.{flag} = False), "
-                "or take them from a run under model.eval()"
-            )
 
 
 def optimize(

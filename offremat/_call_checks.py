@@ -1,0 +1,71 @@
+"""What a call of an optimized model is checked for before its training step runs.
+
+A step that would not be the planned one is refused with what to do instead: another
+autocast than the profile's (its activations are not the planned sizes), ``torch.compile``
+of the whole step, or a request for every block's hidden states.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from offremat._blocks import NotAChainError
+from offremat._stage import AutocastState
+
+logger = logging.getLogger(__name__)
+
+
+def warn_autocast(planned: AutocastState, now: AutocastState) -> None:
+    def describe(state: AutocastState) -> str:
+        return f"autocast {state.dtype}" if state.enabled else "no autocast"
+
+    logger.warning(
+        "the plan was profiled under %s but this step runs under %s, so its activation sizes "
+        "are not the plan's; call offremat.optimize inside the same autocast, or pass "
+        "autocast=dtype to have the optimized model run under it",
+        describe(planned),
+        describe(now),
+    )
+
+
+def refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
+    """A plan profiled under autocast counts half-size activations: without it they would not
+    fit (measured: 1.67 times the budget on a GPT-2)."""
+    now_text = f"autocast {now.dtype}" if now.enabled else "no autocast"
+    raise RuntimeError(
+        f"the plan was profiled under autocast {planned.dtype} but this step runs under "
+        f"{now_text}, so its activations would not be the planned ones and could break the "
+        "budget: run the step inside the same autocast, or pass autocast=dtype to "
+        "offremat.optimize to have the optimized model enter it"
+    )
+
+
+@torch.compiler.disable
+def refuse_compile() -> None:
+    # Called where dynamo traces the forward: not traced itself, it raises when the compiled
+    # code runs.
+    raise RuntimeError(
+        "torch.compile of an offremat-optimized model cannot compile its training step: "
+        "offremat runs the blocks itself, keeping, offloading and recomputing their "
+        "activations. Compile the blocks instead, before offremat.optimize: "
+        "`for block in blocks: block.compile()`"
+    )
+
+
+def refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse to return every block's hidden state or attention: the chain hands one on."""
+    config = getattr(model, "config", None)
+    for flag in ("output_hidden_states", "output_attentions"):
+        wanted = kwargs.get(flag)
+        if wanted is None:
+            wanted = getattr(config, flag, False)
+        if wanted is True:
+            raise NotAChainError(
+                f"{flag}=True asks for every block's result, which an offremat training step "
+                f"does not keep; call with {flag}=False (and set model.config.{flag} = False), "
+                "or take them from a run under model.eval()"
+            )

@@ -1,0 +1,246 @@
+"""One stage measured as the executor runs it, for :func:`offremat.profiler.profile_model`.
+
+The forward and backward times, the output and saved-set bytes (distinct storages, as
+:mod:`offremat._stage` holds them), the transient peaks of each pass (on every device, from
+:class:`offremat.measure.StepMemory`), the gradient bytes, and the time of a refill: a forward
+rerun up to the last tensor the stage's backward saves (:mod:`offremat._deferred`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import weakref
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from offremat._clock import MarkingPacker, mark, seconds, timed
+from offremat._stage import (
+    GradSlot,
+    SavedTensorPacker,
+    check_unmodified,
+    enter_stage,
+)
+from offremat._tensors import (
+    allocated_bytes,
+    copied,
+    flatten,
+    is_differentiable,
+    storage_allocated_bytes,
+    unflatten,
+    unique_storages,
+)
+from offremat.measure import StepMemory
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One stage's figures, before they become a :class:`Stage`."""
+
+    fwd_s: float
+    bwd_s: float
+    out_bytes: int
+    saved_bytes: int
+    fwd_tmp_bytes: int
+    bwd_tmp_bytes: int
+    nograd_fwd_tmp_bytes: int
+    grad_bytes: int
+    refill_s: float | None = None
+
+
+class StageProfile:
+    """One stage run as the executor runs it: the same boundary, hooks and gradient flow."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        value: Any,
+        flags: list[bool],
+        excluded: set[int],
+        check_inputs: bool = True,
+    ):
+        self.name = name
+        self.module = module
+        self.tensors, self.structure = flatten(value)
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self.excluded = excluded
+        self.diff = [k for k, flag in enumerate(flags) if flag]
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.check_inputs = check_inputs
+
+    def forward(
+        self, grad: bool, marks: list[Any] | None = None
+    ) -> tuple[Any, GradSlot, SavedTensorPacker]:
+        """One forward; with ``grad``, through the executor's boundary and pack hooks. With
+        ``marks``, a clock mark (:func:`offremat._clock.mark`) at its start and at each tensor it
+        holds."""
+        slot = GradSlot()
+        if marks is None:
+            packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
+        else:
+            marks.append(mark(self.device))
+            packer = MarkingPacker(self.name, self.tensors, self.excluded, marks, self.device)
+        versions = [t._version for t in self.tensors]
+        with ExitStack() as stack:
+            if grad:
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(packer.hooks())
+                inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
+            else:
+                stack.enter_context(torch.no_grad())
+                inputs = self.tensors
+            output = self.module(unflatten(inputs, self.structure))
+        if self.check_inputs:
+            check_unmodified(self.name, self.tensors, versions)
+        return output, slot, packer
+
+    @staticmethod
+    def incoming(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that carry a gradient, and a δ_i for them (resident before B(i))."""
+        outputs = [t for t in flatten(output)[0] if t.requires_grad]
+        return outputs, [torch.ones_like(t) for t in outputs]
+
+    def backward(
+        self, outputs: list[torch.Tensor], grads: list[torch.Tensor], slot: GradSlot
+    ) -> list[torch.Tensor]:
+        """B(i) as in training: parameter gradients accumulate, δ_{i-1} lands in the slot."""
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        return [g for g in slot.grads or () if g is not None]
+
+    def measure(
+        self, warmup: int, repeats: int, sizes_only: bool, last: bool
+    ) -> tuple[Measured, Any]:
+        """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times.
+        ``last``: the chain's last stage, whose outputs its caller keeps through B(i)."""
+        # Gradients exist, as in every training step after the first: a backward then holds
+        # only transient parameter gradients, which count as its temporaries. They exist for
+        # this stage alone, so that profiling a new shape mid-training costs one stage's.
+        made = [p for p in self.module.parameters() if p.requires_grad and p.grad is None]
+        for parameter in made:
+            parameter.grad = torch.zeros_like(parameter)
+        try:
+            return self._measure(warmup, repeats, sizes_only, last)
+        finally:
+            for parameter in made:
+                parameter.grad = None
+
+    def _measure(
+        self, warmup: int, repeats: int, sizes_only: bool, last: bool
+    ) -> tuple[Measured, Any]:
+        if self.device.type == "cuda":  # first-call workspaces (autotuning) are no temporaries
+            output, slot, _ = self.forward(grad=True)
+            self.backward(*self.incoming(output), slot)
+            del output, slot
+        with StepMemory(self.device) as forward_memory:
+            output, slot, packer = self.forward(grad=True)
+        out_tensors = flatten(output)[0]
+        grad_bytes = gradient_bytes(out_tensors)
+        out_storages = unique_storages(out_tensors)
+        out_bytes = sum(
+            storage_allocated_bytes(s) for k, s in out_storages.items() if k not in self.excluded
+        )
+        by_nodes = packer.saved_storages()
+        saved = {**by_nodes, **out_storages}
+        saved_bytes = sum(
+            storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
+        )
+        # The outputs this stage made go to the next stage as copies, so that the backward
+        # below holds them only as B(i) does: the chain's output stays (its caller holds it);
+        # any other goes as B(i) starts, or once the node that saved it has run
+        # (offremat._step_compute). The backward frees the saved tensors as it goes.
+        inputs = unique_storages(self.tensors)
+        made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
+        handed = unflatten(copied(out_tensors, made), flatten(output)[1])
+        backward_memory = StepMemory(
+            self.device,
+            existing=[
+                s
+                for k, s in saved.items()
+                if k not in self.excluded and (k not in out_storages or k in made)
+            ],
+        )
+        # Measured from after that release: the peak above a baseline that still held them
+        # could not fall below it, and bytes let go at once would read as no change at all.
+        # Only what really goes: a module that keeps its output (as logging code does) holds it.
+        unsaved = [
+            (weakref.ref(s), storage_allocated_bytes(s))
+            for k, s in out_storages.items()
+            if k in made and k not in by_nodes
+        ]
+        outputs, grads = self.incoming(output)
+        roots = [get_gradient_edge(t) for t in outputs]
+        del saved, out_storages, packer, by_nodes, inputs, output, outputs
+        out_tensors.clear()  # the profiler's last reference to the outputs, as at B(i)'s start
+        let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
+        del unsaved
+        with backward_memory:
+            produced = sum(
+                map(
+                    storage_allocated_bytes,
+                    unique_storages(self.backward(roots, grads, slot)).values(),
+                )
+            )
+        del slot, grads, roots
+        with StepMemory(self.device) as plain_memory:
+            plain_output = self.forward(grad=False)[0]
+        # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
+        # transient peak above its output differs from the grad-enabled one above x̄_i.
+        fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0)
+        nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0)
+        # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
+        # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
+        bwd_tmp = max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
+        del plain_output
+        if sizes_only:
+            return (
+                Measured(
+                    0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp, grad_bytes
+                ),
+                handed,
+            )
+        forward_times, backward_times, refill_times = [], [], []
+        for attempt in range(warmup + repeats):
+            marks: list[Any] = []
+            (timed_output, timed_slot, _), forward_s = timed(
+                self.device, partial(self.forward, True, marks)
+            )
+            incoming = self.incoming(timed_output)
+            _, backward_s = timed(self.device, partial(self.backward, *incoming, timed_slot))
+            if attempt >= warmup:
+                forward_times.append(forward_s)
+                backward_times.append(backward_s)
+                # A refill (offremat._deferred) runs this forward up to the last tensor it
+                # holds, and nothing at all for a stage that holds none.
+                refill_times.append(seconds(self.device, marks[0], marks[-1]))
+            del timed_output, timed_slot, incoming
+        forward_s = statistics.median(forward_times)
+        measured = Measured(
+            forward_s,
+            statistics.median(backward_times),
+            out_bytes,
+            saved_bytes,
+            fwd_tmp,
+            bwd_tmp,
+            nograd_fwd_tmp,
+            grad_bytes,
+            min(statistics.median(refill_times), forward_s),
+        )
+        return measured, handed
+
+
+def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient, as the
+    device's allocator counts it (:func:`offremat._tensors.allocated_bytes`)."""
+    return sum(
+        allocated_bytes(t.numel() * t.element_size(), t.device)
+        for t in tensors
+        if t.requires_grad and is_differentiable(t)
+    )
