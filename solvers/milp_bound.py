@@ -14,14 +14,18 @@ and, since the copy of x̄_i leaves only once F(i) has run and must be back befo
 for every k the first pass lasts at least f_1 + ... + f_k + Σ_{i >= k} o_i x̄_i / d2h and the
 rest at least Σ_{i >= k} o_i x̄_i / h2d + b_k + ... + b_1.
 
-Memory is checked when every backward starts, not only B(L). A saved set with r_i = o_i = 0
-was made before B(L) started and never again, so it stays on the GPU until B(i): when B(k)
-starts (k > i) it is there beside B(k)'s own working set W_k (δ_k, x̄_k, δ_{k-1} and its
-temporary), so for every k, Σ_{i < k} (1 - r_i - o_i) x̄_i <= budget - W_k. Early stages whose
-saved sets are large (a ResNet's) must be absent when their neighbours' backwards run, even
-where B(L)'s constraint alone would leave them. A MILP of 2(L - 1) binaries that HiGHS closes
-in milliseconds. Its optimum (or, if cut short,
-its proven dual bound) is a lower bound on every plan's time, never below ``lower_bound_s``.
+Memory is checked when every backward starts, not only B(L). When B(k) starts, beside its
+own working set W_k (δ_k, x̄_k, δ_{k-1} and its temporary), each x̄_i (i < k) is there unless it
+was recomputed after B(L) started (r_i), copied out before B(L) started (o_i), or copied out by
+the time B(k) starts (a fraction l_ik, continuous: a relaxation): a copy still under way when
+B(L) starts frees its bytes later, and neither recomputation nor o_i pays for that. So for
+every k, Σ_{i < k} (1 - r_i - o_i - l_ik) x̄_i <= budget - W_k, and the copies that leave by
+B(k) fit on the channel between F(1)'s end and B(k)'s start, which is at most the step's time
+less f_1 and b_k + ... + b_1. Early stages whose saved sets are large (a ResNet's) must be
+absent when their neighbours' backwards run, even where B(L)'s constraint alone would leave
+them. A MILP of 2(L - 1) binaries that HiGHS closes in milliseconds. Its optimum (or, if cut
+short, its proven dual bound) is a lower bound on every plan's time, never below
+``lower_bound_s``.
 """
 
 from __future__ import annotations
@@ -85,15 +89,27 @@ def whole_tensor_bound_s(
     for r, o in zip(recompute, moved, strict=True):
         problem += r + o <= 1
     unit = max(s.saved_bytes for _, s in earlier) or 1
+    copying = chain.link is not None and offload
     for k in range(2, chain.length + 1):
-        # x̄_1 .. x̄_{k-1}: those kept are on the GPU when B(k) starts.
-        kept = pulp.lpSum(
-            (1 - r - o) * (s.saved_bytes / unit)
-            for r, o, (_, s) in zip(recompute, moved, earlier[: k - 1], strict=False)
-        )
         room = budget_bytes - backward_working_set(chain, k)
         if room < 0:
             return math.inf  # B(k)'s own working set does not fit: no plan does
+        below = list(zip(recompute, moved, earlier[: k - 1], strict=False))
+        late = [0.0] * len(below)
+        if copying and k < chain.length:
+            late = [problem.add_variable(f"l{i}_{k}", 0, 1) for _, _, (i, _) in below]
+            for (r, o, _), gone in zip(below, late, strict=True):
+                problem += r + o + gone <= 1
+            out = pulp.lpSum(
+                (o + gone) * s.saved_bytes for (_, o, (_, s)), gone in zip(below, late, strict=True)
+            )
+            until_b_k = sum(chain.stage(j).bwd_s for j in range(1, k + 1)) + chain.stage(1).fwd_s
+            problem += out / d2h <= first_pass + rest - until_b_k / scale
+        # x̄_1 .. x̄_{k-1}: those not absent are on the GPU when B(k) starts.
+        kept = pulp.lpSum(
+            (1 - r - o - gone) * (s.saved_bytes / unit)
+            for (r, o, (_, s)), gone in zip(below, late, strict=True)
+        )
         problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
         problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))

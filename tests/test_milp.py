@@ -138,7 +138,8 @@ def test_recomputing_a_checkpoint_early_beats_rotors_family():
 def test_a_wasted_recomputation_beside_a_flying_prefetch_decodes_to_a_valid_plan():
     """An incumbent cut short by the time limit recomputed x̄1 while a1's prefetch was on its
     way and nothing read x̄1 (seen on a profiled GPT at 30%). The decoder used to list it as
-    F_ck(1), producing a1 twice; it leaves such a forward out, and the plan is no slower."""
+    F_ck(1), producing a1 twice; it leaves such a forward out and runs the one that B(1)
+    needs."""
     chain = random_chain(random.Random(0), 6)
     fates = ("offload_act", "offload_saved", "offload_saved", "offload_saved", "keep_saved")
     schedule = Schedule(

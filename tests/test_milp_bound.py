@@ -15,7 +15,17 @@ from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need
 from solvers.milp import solve_milp
 from solvers.milp_bound import whole_tensor_bound_s
+from solvers.ops import (
+    SAVED,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    offload,
+    prefetch,
+)
+from solvers.plan import validate
 from solvers.registry import keep_all_peak
+from solvers.simulator import simulate
 from tests.test_dp import exhaustive_optimum, random_chain
 
 
@@ -74,3 +84,48 @@ def test_never_above_the_milps_proven_optimum_with_offloading() -> None:
         plan = solve_milp(chain, max(budget, memory_need(chain)), time_limit_s=20)
         bound = whole_tensor_bound_s(chain, max(budget, memory_need(chain)))
         assert bound <= plan.predicted_time_s * (1 + 1e-9), seed
+
+
+def test_a_copy_still_under_way_when_the_last_backward_starts() -> None:
+    # x̄1 (10 bytes, 10 s on the link) leaves after F(2) and is still copying when B(4)
+    # starts; it is gone by B(3), whose 10-byte temporary leaves no room for it, and comes
+    # back for B(2). No recomputation, no copy done before B(4): 19.1 s at a budget of 17.
+    stages = (
+        Stage("s1", 5.0, 1.0, 1, 10),
+        Stage("s2", 1.0, 1.0, 1, 4),
+        Stage("s3", 1.0, 1.0, 1, 1, bwd_tmp_bytes=10),
+        Stage("s4", 1.0, 7.0, 1, 1),
+    )
+    chain = Chain("late copy", 1, stages, Link(1.0, 100.0))
+    ops = [forward_all(1), forward_checkpoint(2), offload(SAVED, 1), forward_all(3)]
+    ops += [forward_all(4), backward(4), backward(3), prefetch(SAVED, 1), forward_all(2)]
+    ops += [backward(2), backward(1)]
+    assert validate(ops, chain) == []
+    replay = simulate(ops, chain, 17)
+    assert replay.feasible and replay.makespan_s == pytest.approx(19.1)
+    assert whole_tensor_bound_s(chain, 17) <= replay.makespan_s
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_never_above_a_plan_that_offloads_its_saved_sets_late(seed: int) -> None:
+    """Keep every saved set, copy some out right after the next forward (the copies may
+    overlap the backward) and back in time for the backward that reads them: the bound at
+    the plan's own peak is never above its time."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        length = rng.randint(2, 7)
+        chain = random_chain(rng, length).with_link(Link(1.0, rng.uniform(1, 8)))
+        moved = {i for i in range(1, length - 1) if rng.random() < 0.5}
+        ops = []
+        for i in range(1, length + 1):
+            ops.append(forward_all(i))
+            if i - 1 in moved:
+                ops.append(offload(SAVED, i - 1))
+        for k in range(length, 0, -1):
+            ops.append(backward(k))
+            if k - 2 in moved:  # B(k - 1) reads a_{k-2} inside it
+                ops.append(prefetch(SAVED, k - 2))
+        assert validate(ops, chain) == []
+        replay = simulate(ops, chain, None)
+        bound = whole_tensor_bound_s(chain, replay.peak_bytes)
+        assert bound <= replay.makespan_s * (1 + 1e-9), (seed, moved)
