@@ -17,6 +17,7 @@ whose first stages are frozen, each plans the trained stages (:mod:`solvers.froz
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from solvers.chain import Chain
 from solvers.frozen import plans_trained_part
@@ -133,8 +134,12 @@ def offload_all(chain: Chain) -> Plan:
             "(--bandwidth 25GB/s, or bandwidth= in the API; or a 'link' with d2h_bytes_per_s "
             "and h2d_bytes_per_s in the chain), or pick a recompute solver"
         )
-    length = chain.length
-    offloaded = range(1, length - 1)
+    return _plan(chain, offload_ops(chain.length, range(1, chain.length - 1)), "offload-all")
+
+
+def offload_ops(length: int, offloaded: Collection[int]) -> list[Op]:
+    """:func:`offload_all`'s schedule for the saved sets ``offloaded`` (each below L - 1),
+    the others kept."""
     ops: list[Op] = [forward_all(1)]
     for i in range(2, length + 1):
         ops.append(forward_all(i))
@@ -144,7 +149,7 @@ def offload_all(chain: Chain) -> Plan:
         ops.append(backward(i))
         if i - 2 in offloaded:
             ops.append(prefetch(SAVED, i - 2))
-    return _plan(chain, ops, "offload-all")
+    return ops
 
 
 @plans_trained_part

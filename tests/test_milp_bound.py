@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("highspy")
 
+from solvers.baselines import offload_ops
 from solvers.bounds import lower_bound_s
 from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need
@@ -116,15 +117,7 @@ def test_never_above_a_plan_that_offloads_its_saved_sets_late(seed: int) -> None
         length = rng.randint(2, 7)
         chain = random_chain(rng, length).with_link(Link(1.0, rng.uniform(1, 8)))
         moved = {i for i in range(1, length - 1) if rng.random() < 0.5}
-        ops = []
-        for i in range(1, length + 1):
-            ops.append(forward_all(i))
-            if i - 1 in moved:
-                ops.append(offload(SAVED, i - 1))
-        for k in range(length, 0, -1):
-            ops.append(backward(k))
-            if k - 2 in moved:  # B(k - 1) reads a_{k-2} inside it
-                ops.append(prefetch(SAVED, k - 2))
+        ops = offload_ops(length, moved)
         assert validate(ops, chain) == []
         replay = simulate(ops, chain, None)
         bound = whole_tensor_bound_s(chain, replay.peak_bytes)
