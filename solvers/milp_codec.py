@@ -120,8 +120,9 @@ def decode(schedule: Schedule) -> list[Op]:
         on_gpu.add((ACTIVATION, 0))
 
         recomputed = {i: t for kk, i, t in schedule.recompute if kk == k}
-        # An incumbent cut short by the time limit may recompute what nothing reads: such a
-        # forward is left out, and its input released where the recomputation would have.
+        # The model charges a recomputation that nothing reads but does not forbid it, so a
+        # solution within the gap may hold one: such a forward is left out, and its input
+        # released where the recomputation would have.
         useful: set[int] = set()
         for i in sorted(recomputed, reverse=True):
             if i >= k - 1 or i + 1 in useful or schedule.carried(k, (recomputed[i], i)):

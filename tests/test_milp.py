@@ -136,8 +136,9 @@ def test_recomputing_a_checkpoint_early_beats_rotors_family():
 
 
 def test_a_wasted_recomputation_beside_a_flying_prefetch_decodes_to_a_valid_plan():
-    """An incumbent cut short by the time limit recomputed x̄1 while a1's prefetch was on its
-    way and nothing read x̄1 (seen on a profiled GPT at 30%). The decoder used to list it as
+    """A MILP solution recomputed x̄1 while a1's prefetch was on its way and nothing read
+    x̄1 (seen on a profiled GPT at 30%: the model charges such a forward, 0.1 ms there, but
+    does not forbid it). The decoder used to list it as
     F_ck(1), producing a1 twice; it leaves such a forward out and runs the one that B(1)
     needs."""
     chain = random_chain(random.Random(0), 6)
