@@ -19,26 +19,26 @@ from offremat._stage import AutocastState
 logger = logging.getLogger(__name__)
 
 
-def warn_autocast(planned: AutocastState, now: AutocastState) -> None:
-    def describe(state: AutocastState) -> str:
-        return f"autocast {state.dtype}" if state.enabled else "no autocast"
+def _describe(state: AutocastState) -> str:
+    return f"autocast {state.dtype}" if state.enabled else "no autocast"
 
+
+def warn_autocast(planned: AutocastState, now: AutocastState) -> None:
     logger.warning(
         "the plan was profiled under %s but this step runs under %s, so its activation sizes "
         "are not the plan's; call offremat.optimize inside the same autocast, or pass "
         "autocast=dtype to have the optimized model run under it",
-        describe(planned),
-        describe(now),
+        _describe(planned),
+        _describe(now),
     )
 
 
 def refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
     """A plan profiled under autocast counts half-size activations: without it they would not
     fit (measured: 1.67 times the budget on a GPT-2)."""
-    now_text = f"autocast {now.dtype}" if now.enabled else "no autocast"
     raise RuntimeError(
         f"the plan was profiled under autocast {planned.dtype} but this step runs under "
-        f"{now_text}, so its activations would not be the planned ones and could break the "
+        f"{_describe(now)}, so its activations would not be the planned ones and could break the "
         "budget: run the step inside the same autocast, or pass autocast=dtype to "
         "offremat.optimize to have the optimized model enter it"
     )
