@@ -9,8 +9,10 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
   (``solvers.baselines.checkpoint_sequential_plan``), 10 × ``--steps`` steps a round.
 - ``faults``: the GPT of ``peers_cpu.py`` at 30% and 50% of keep-all: ``checkpoint_sequential``
   with the segment count that won ``peers_cpu.py`` there (9 and 7), offremat running that
-  schedule, and offremat's dp plan, exact and with ``tolerance=0.005``; step time and minor
-  page faults per step (``getrusage``). It runs twice: with glibc's default settings (any
+  schedule, and offremat's dp plan, exact and with ``tolerance=0.005``, and the exact dp plan
+  run by ``torch.utils.checkpoint`` (each stage it recomputes checkpointed alone, where the
+  plan has that shape): the control that tells the plan's cost from the executor's. Step
+  time and minor page faults per step (``getrusage``). It runs twice: with glibc's default settings (any
   ``MALLOC_*`` variable of this environment left out), which give freed memory back to the
   system between allocations so that the next ones fault it in again, and with glibc told
   to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), as the CUDA caching
@@ -35,11 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import offremat
 from offremat.models import GPTConfig, build_gpt, gpt_batch
 from solvers.baselines import checkpoint_sequential_plan, keep_all
+from solvers.ops import BACKWARD, F_ALL, F_CK, backward, forward_all
+from solvers.plan import Plan
 from solvers.registry import keep_all_peak, solve
 from solvers.simulator import score
 
@@ -72,6 +76,10 @@ def methods(part: str, fraction: float) -> dict[str, Any]:
     else:
         plan = solve(chain, budget, "dp")  # the exact optimum
         found["offremat dp, exact"] = offremat.optimize(model, batch, chain=chain, plan=plan)
+        alone = checkpointed_alone(plan)
+        if alone is not None:
+            # The control: the same plan, run by torch's checkpoint instead of offremat.
+            found["dp's plan, run by torch.utils.checkpoint"] = per_stage_checkpoint(model, alone)
         found["offremat dp, tolerance 0.005"] = offremat.optimize(
             model, batch, budget=budget, chain=chain, tolerance=0.005
         )
@@ -83,6 +91,35 @@ def methods(part: str, fraction: float) -> dict[str, Any]:
         if budget is not None and hasattr(step, "plan")
     }
     return {"batch": batch, "methods": found, "predicted": predicted}
+
+
+def checkpointed_alone(plan: Plan) -> set[int] | None:
+    """The stages ``plan`` recomputes, if ``torch.utils.checkpoint`` runs it exactly: each of
+    them checkpointed alone (F_ck, then one F_all right before its B), the rest kept; else
+    None (a plan with F_none, offloads or repeated recomputations)."""
+    start = next(k for k, op in enumerate(plan.ops) if op.kind == BACKWARD)
+    first_pass = plan.ops[:start]
+    if [op.index for op in first_pass] != list(range(1, plan.length + 1)):
+        return None
+    if any(op.kind not in (F_CK, F_ALL) for op in first_pass):
+        return None
+    alone = {op.index for op in first_pass if op.kind == F_CK}
+    expected = []
+    for i in range(plan.length, 0, -1):
+        expected += [forward_all(i), backward(i)] if i in alone else [backward(i)]
+    return alone if list(plan.ops[start:]) == expected else None
+
+
+def per_stage_checkpoint(model: torch.nn.Sequential, alone: set[int]) -> Any:
+    """The model's step with the stages in ``alone`` each under ``checkpoint``."""
+    stages = list(model)
+
+    def step(value: Any) -> Any:
+        for i, stage in enumerate(stages, 1):
+            value = checkpoint(stage, value, use_reentrant=False) if i in alone else stage(value)
+        return value
+
+    return step
 
 
 def measure(part: str, fraction: float, rounds: int, steps: int) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""The control of ``experiments/overhead_cpu.py``: a dp plan run by torch's checkpoint.
+
+It separates a plan's cost from the executor's only if it runs the same computation: the same
+stages recomputed, the same gradients as plain autograd, and no control for a plan that
+``torch.utils.checkpoint`` cannot run as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import offremat
+from offremat.models import GPTConfig, build_gpt, gpt_batch
+from solvers.baselines import checkpoint_every_stage, checkpoint_sequential_plan, offload_all
+from solvers.chain import Link
+from solvers.registry import keep_all_peak, solve
+
+SCRIPT = Path(__file__).parent.parent / "experiments" / "overhead_cpu.py"
+CONFIG = GPTConfig(layers=4, hidden=16, heads=2, seq=8, vocab=32, dropout=0.1)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("overhead_cpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _grads(model: torch.nn.Module, step, batch) -> list[torch.Tensor]:
+    for parameter in model.parameters():
+        parameter.grad = None
+    torch.manual_seed(1)
+    step(batch).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_control_recomputes_the_plans_stages_and_matches_plain_autograd() -> None:
+    script = _script()
+    model, batch = build_gpt(CONFIG, seed=0), gpt_batch(CONFIG, 2, seed=0)
+    chain = offremat.profile_model(model, batch, warmup=0, repeats=1)
+    plan = solve(chain, int(0.5 * keep_all_peak(chain)), "dp")
+    alone = script.checkpointed_alone(plan)
+    assert alone  # the dp plan at half of keep-all recomputes some stages, each once
+    assert alone == {op.index for op in plan.ops[: chain.length] if op.kind == "F_ck"}
+    plain = copy.deepcopy(model)
+    expected = _grads(plain, plain, batch)
+    control = _grads(model, script.per_stage_checkpoint(model, alone), batch)
+    assert all(torch.equal(a, b) for a, b in zip(control, expected, strict=True))
+
+
+def test_no_control_for_plans_that_checkpoint_cannot_run_as_they_are() -> None:
+    script = _script()
+    model, batch = build_gpt(CONFIG, seed=0), gpt_batch(CONFIG, 2, seed=0)
+    chain = offremat.profile_model(model, batch, warmup=0, repeats=1)
+    linked = replace(chain, link=Link(1e10, 1e10))
+    assert script.checkpointed_alone(offload_all(linked)) is None  # offloads
+    segments = checkpoint_sequential_plan(chain, 2)  # F_none inside each segment
+    assert any(op.kind == "F_none" for op in segments.ops)
+    assert script.checkpointed_alone(segments) is None
+    assert script.checkpointed_alone(checkpoint_every_stage(chain)) == set(range(1, chain.length))
