@@ -48,7 +48,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from offremat._host import CudaStreams, HostArena
 from offremat._plain import run_plainly
-from offremat._scan import ModuleScan, scan_modules
+from offremat._scan import scan_modules
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import _Step
 from offremat._tensors import (
@@ -171,8 +171,7 @@ class PlanExecutor:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)
         step = _Step(self, tensors, structure, device, scans)
-        probe = _parameter_probe(scans)
-        outputs = _PlanFunction.apply(step, self._anchor(device), probe, *tensors)
+        outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
         return unflatten(outputs, step.output_structure)
 
     def _finished(self, timing: StepTiming) -> None:
@@ -205,35 +204,6 @@ class PlanExecutor:
         return self._pools[device], streams
 
 
-def _parameter_probe(scans: Sequence[ModuleScan]) -> torch.Tensor | None:
-    """A zero-element tensor whose graph reaches every trainable parameter of the stages.
-
-    It costs no memory; it lets the backward ask the engine whether the caller wants
-    parameter gradients (see :class:`_PlanFunction`).
-    """
-    parameters = [p for scan in scans for p in scan.trainable]
-    if not parameters:
-        return None
-    # A sharded parameter (FSDP2's DTensor) reaches the engine through its local shard.
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in parameters]
-    return _ParameterProbe.apply(*local)
-
-
-class _ParameterProbe(torch.autograd.Function):
-    """One graph node with an edge to every parameter: a per-parameter view (as_strided and
-    cat) costs a node each way per parameter, a millisecond a step on a hundred of them."""
-
-    @staticmethod
-    def forward(ctx: Any, *parameters: torch.Tensor) -> torch.Tensor:
-        ctx.set_materialize_grads(False)
-        ctx.count = len(parameters)
-        return parameters[0].new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
-        return (None,) * ctx.count
-
-
 class _PlanFunction(torch.autograd.Function):
     """The chain as one autograd function: forward and backward follow the plan.
 
@@ -241,10 +211,13 @@ class _PlanFunction(torch.autograd.Function):
     so B(i) accumulates parameter gradients into ``.grad`` as plain autograd does.
     ``torch.autograd.grad(loss, x)`` and ``backward(inputs=[x])`` run only the nodes on the way
     to ``x``: the engine then does not run the anchor's node, and B(i) computes the gradients
-    of the stage inputs alone, leaving ``.grad`` untouched. Gradients with respect to
-    parameters through ``torch.autograd.grad`` cannot be returned (each B(i) runs its own
-    backward), so the probe's node, which the engine runs exactly when parameters are asked
-    for, makes that an error, as is ``create_graph=True``.
+    of the stage inputs alone, leaving ``.grad`` untouched. The parameters are not inputs of
+    this function, and nothing of its graph reaches them: an edge to a parameter would make the
+    engine run the parameter's accumulation node once more after the plan's backward, with no
+    gradient, and run its hooks again (``register_hook`` with None, an optimizer step in
+    ``register_post_accumulate_grad_hook`` twice, DDP's readiness hooks twice). So the engine
+    sees no use of the parameters outside B(i): ``torch.autograd.grad`` with respect to them
+    reports them unused, as for a reentrant checkpoint. ``create_graph=True`` is refused.
     """
 
     @staticmethod
@@ -252,13 +225,11 @@ class _PlanFunction(torch.autograd.Function):
         ctx: Any,
         step: _Step,
         anchor: torch.Tensor,
-        probe: torch.Tensor | None,
         *tensors: torch.Tensor,
     ) -> Any:
         outputs = step.run_forward()
         ctx.step = step
         ctx.anchor_node = get_gradient_edge(anchor).node
-        ctx.probe_node = None if probe is None else probe.grad_fn
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outputs if not is_differentiable(o)])
         return outputs
@@ -273,8 +244,7 @@ class _PlanFunction(torch.autograd.Function):
                 "forward again"
             )
         ctx.step = None
-        runs = torch._C._will_engine_execute_node
-        accumulate = runs(ctx.anchor_node)
+        accumulate = torch._C._will_engine_execute_node(ctx.anchor_node)
         if torch.is_grad_enabled():
             step.abandon()
             raise RuntimeError(
@@ -282,12 +252,4 @@ class _PlanFunction(torch.autograd.Function):
                 "supported through an offremat-optimized model: its plan frees activations "
                 "as the backward goes. Compute the penalty on a model run without offremat"
             )
-        if not accumulate and ctx.probe_node is not None and runs(ctx.probe_node):
-            step.abandon()
-            raise RuntimeError(
-                "torch.autograd.grad with respect to parameters is not supported through an "
-                "offremat-optimized model: each stage's backward accumulates into .grad. Call "
-                "loss.backward() and read each parameter's .grad; gradients with respect to "
-                "the model's input work with torch.autograd.grad"
-            )
-        return (None, None, None, *step.run_backward(grads, accumulate))
+        return (None, None, *step.run_backward(grads, accumulate))
