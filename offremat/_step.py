@@ -20,6 +20,7 @@ from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import RngState, cuda_device_indices
 from offremat._scan import ModuleScan, fixed_storages
+from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
@@ -67,6 +68,7 @@ class _Step(Compute):
         self.generators = [scan.generators for scan in scans]
         self.autocast = AutocastState.of_step(device)
         self.trainable = [bool(scan.trainable) for scan in scans]
+        self.shared = SharedGradients([scan.trainable for scan in scans])
         # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.
         self.flags: dict[int, list[bool]] = {
             0: [t.requires_grad and is_differentiable(t) for t in tensors]

@@ -238,14 +238,17 @@ class Compute:
             for edge, g in zip(saved.edges, grad.tensors, strict=True)
             if g is not None and edge is not None
         ]
-        if pairs and (self.accumulate or saved.diff):
+        if pairs and self.accumulate:
+            with self.shared.backward_of(i):  # see offremat._shared_grads
+                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        elif pairs and saved.diff:
             # Without accumulation only the path to the stage's inputs runs: through
             # StageInput, whose input is the anchor.
             torch.autograd.backward(
-                [e for e, _ in pairs],
-                [g for _, g in pairs],
-                inputs=None if self.accumulate else [self.anchor],
+                [e for e, _ in pairs], [g for _, g in pairs], inputs=[self.anchor]
             )
+        if self.accumulate:
+            self.shared.accumulate_after(i)
         grads: list[torch.Tensor | None] = [None] * len(source.refs)
         for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
             grads[k] = g
