@@ -9,7 +9,8 @@ leaves a model as it was after a run made only to look at it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +21,8 @@ from offremat._eager import eager
 from offremat._rng import GeneratorWatch, RngState, cuda_device_indices
 from offremat._scan import module_generators
 from offremat._tensors import flatten
+
+logger = logging.getLogger(__name__)
 
 
 class NotAChainError(TypeError):
@@ -123,11 +126,12 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     outputs = []
     # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
     # differently from eager.
-    with untouched([model], device), torch.no_grad(), eager():
+    with untouched([model], device) as restore, torch.no_grad(), eager():
         generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(device), generators)
         for run in ("model", "chain"):
             state.restore()
+            restore()  # a forward may change buffers (counters, moving averages)
             value = example_input
             if run == "model":
                 with GeneratorWatch(generators):
@@ -144,8 +148,11 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
         raise NotAChainError(
             f"the chain of {type(model).__name__}'s blocks, run in order, does not give the "
             f"model's own output on the example input: its forward does more than run its "
-            f"children one after the other. Pass the blocks that forward runs, in order, as an "
-            f"nn.Sequential or a list (offremat.optimize([block0, block1, ...], ...))"
+            f"children one after the other, or a forward depends on state that is neither a "
+            f"parameter nor a buffer and that it changes (a Python counter, Python's random "
+            f"module), which a recomputation could not replay. Pass the blocks that forward "
+            f"runs, in order, as an nn.Sequential or a list "
+            f"(offremat.optimize([block0, block1, ...], ...)), and keep such state in buffers"
         )
 
 
@@ -161,22 +168,60 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 
 
 @contextmanager
-def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
-    """Restore RNG states (the modules' own generators too), buffers and parameter gradients."""
+def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Callable[[], None]]:
+    """Restore RNG states (the modules' own generators too), buffers, parameter gradients and
+    the parameters a forward changes in place; yields a function that restores buffers and
+    those parameters now (so that each of several runs starts from the same state).
+
+    A buffer a forward changes (a counter, a moving average, spectral norm's vectors) is put
+    back, in place or in the module where the forward assigned a new tensor. Of the parameters,
+    those of embeddings with ``max_norm`` (which renormalise their rows in place) are copied
+    beforehand and put back; any other parameter found changed in place is reported.
+    """
     cuda_devices = cuda_device_indices(device)
     generators = [g for module in modules for g in module_generators(module)]
     generator_states = [(g, g.get_state()) for g in generators]
-    buffers = [(buffer, buffer.clone()) for module in modules for buffer in module.buffers()]
-    grads = [(p, p.grad) for module in modules for p in module.parameters()]
+    buffers = [
+        (owner, name, buffer, buffer.clone())
+        for module in modules
+        for owner in module.modules()
+        for name, buffer in owner._buffers.items()
+        if buffer is not None
+    ]
+    parameters = {id(p): p for module in modules for p in module.parameters()}.values()
+    versions = [(p, p._version) for p in parameters]
+    renormed = [
+        (p, p.detach().clone())
+        for module in modules
+        for owner in module.modules()
+        if isinstance(owner, nn.Embedding) and owner.max_norm is not None
+        for p in owner.parameters(recurse=False)
+    ]
+    grads = [(p, p.grad) for p in parameters]
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
         parameter.grad = None
+
+    def restore() -> None:
+        with torch.no_grad():
+            for owner, name, buffer, copy in buffers:
+                owner._buffers[name] = buffer
+                buffer.copy_(copy)
+            for parameter, copy in renormed:
+                parameter.copy_(copy)
+
     with torch.random.fork_rng(devices=cuda_devices):
         try:
-            yield
+            yield restore
         finally:
-            with torch.no_grad():
-                for buffer, copy in buffers:
-                    buffer.copy_(copy)
+            restore()
+            restored = {id(p) for p, _ in renormed}
+            for parameter, version in versions:
+                if parameter._version != version and id(parameter) not in restored:
+                    logger.warning(
+                        "offremat ran the model's forward to profile and check it, and that "
+                        "forward changed a parameter of shape %s in place; it stays changed",
+                        tuple(parameter.shape),
+                    )
             for parameter, grad in grads:
                 parameter.grad = grad
             for generator, state in generator_states:

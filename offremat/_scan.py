@@ -20,6 +20,9 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from offremat._tensors import storage_key
 
+# The buffers of a moving normalisation layer that offremat._stage.frozen_running_stats covers.
+NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
 
 @dataclass(frozen=True)
 class ModuleScan:
@@ -29,29 +32,44 @@ class ModuleScan:
     fixed_storages: frozenset[int]
     norms: tuple[nn.Module, ...]
     generators: tuple[torch.Generator, ...]
+    # Every other buffer, as (module, name): those a forward may change (offremat._buffers).
+    buffers: tuple[tuple[nn.Module, str], ...] = ()
+    # Every parameter, trainable or not: a forward must not change one (offremat._buffers).
+    parameters: tuple[nn.Parameter, ...] = ()
 
 
 def scan_modules(root: nn.Module) -> ModuleScan:
     """The trainable parameters, fixed storages, moving norms and generators under ``root``."""
     trainable: dict[int, nn.Parameter] = {}
+    parameters: dict[int, nn.Parameter] = {}
     fixed: set[int] = set()
     norms: list[nn.Module] = []
     generators: dict[int, torch.Generator] = {}
+    buffers: list[tuple[nn.Module, str]] = []
     for module in root.modules():
         for parameter in module._parameters.values():
             if parameter is not None:
                 fixed.add(storage_key(parameter))
+                parameters.setdefault(id(parameter), parameter)
                 if parameter.requires_grad:
                     trainable.setdefault(id(parameter), parameter)
-        for buffer in module._buffers.values():
+        moving = isinstance(module, _NormBase) and module.training and module.track_running_stats
+        if moving:
+            norms.append(module)
+        for name, buffer in module._buffers.items():
             if buffer is not None:
                 fixed.add(storage_key(buffer))
-        if isinstance(module, _NormBase) and module.training and module.track_running_stats:
-            norms.append(module)
+                if not (moving and name in NORM_STATISTICS):
+                    buffers.append((module, name))
         for generator in _own_generators(module):
             generators.setdefault(id(generator), generator)
     return ModuleScan(
-        tuple(trainable.values()), frozenset(fixed), tuple(norms), tuple(generators.values())
+        tuple(trainable.values()),
+        frozenset(fixed),
+        tuple(norms),
+        tuple(generators.values()),
+        tuple(buffers),
+        tuple(parameters.values()),
     )
 
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from offremat._memory import Residency, TensorRef
+from offremat._scan import NORM_STATISTICS
 from offremat._tensors import storage_key, tensor_over, unique_storages
 
 
@@ -225,7 +226,7 @@ def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Ten
     originals = []
     copies = []
     for layer in layers:
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
+        for name in NORM_STATISTICS:
             buffer = layer._buffers.get(name)
             if buffer is not None:
                 originals.append((layer, name, buffer))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offremat._buffers import BufferSlot
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import RngState, cuda_device_indices
@@ -64,6 +65,10 @@ class _Step(Compute):
         self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)
         self.norms = [scan.norms for scan in scans]
+        self.buffers = [scan.buffers for scan in scans]
+        self.parameters = [scan.parameters for scan in scans]
+        # Per recomputed stage, its changed buffers' values from before its first forward.
+        self.buffer_copies: dict[int, dict[BufferSlot, torch.Tensor]] = {}
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
         self.autocast = AutocastState.of_step(device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from offremat._buffers import FirstForward, replayed_buffers
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
@@ -93,6 +94,11 @@ class Compute:
         else:
             rng = self.rng.get(i)
         versions = [tensor._version for tensor in inputs]
+        watch = None
+        if first and i in self.executor.recomputed:
+            watch = FirstForward(
+                self.buffers[i - 1], self.executor.buffer_writes.get(i), self.parameters[i - 1]
+            )
         packer = slot = None
         diff: list[int] = []
         excluded = self.excluded
@@ -101,6 +107,7 @@ class Compute:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                copies += stack.enter_context(replayed_buffers(self.buffer_copies.get(i, {})))
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
@@ -124,6 +131,10 @@ class Compute:
                 stack.enter_context(torch.no_grad())
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
+        if watch is not None:
+            self.buffer_copies[i], changed = watch.finish(name)
+            known = self.executor.buffer_writes.get(i, frozenset())
+            self.executor.buffer_writes[i] = known | changed
         tensors, structure = flatten(result)
         del result
         if first:
@@ -194,6 +205,7 @@ class Compute:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                stack.enter_context(replayed_buffers(self.buffer_copies.get(i, {})))
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())

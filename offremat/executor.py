@@ -39,6 +39,7 @@ Design notes.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ from solvers.chain import Chain
 from solvers.host import COMPUTE
 from solvers.plan import (
     BACKWARD,
+    FORWARD_KINDS,
     OFFLOAD,
     SAVED,
     Plan,
@@ -121,6 +123,11 @@ class PlanExecutor:
         self.direct = undisturbed_forwards(plan.ops)
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
+        # The stages the plan runs forward more than once, and the buffers each one's forward
+        # was seen to change (offremat._buffers).
+        forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
+        self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
+        self.buffer_writes: dict[int, frozenset[tuple[int, str]]] = {}
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._streams: dict[torch.device, CudaStreams] = {}

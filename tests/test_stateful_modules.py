@@ -1,0 +1,116 @@
+"""Modules that change their own state in a forward: counters, moving averages, spectral
+norm's power iteration, embeddings with ``max_norm``.
+
+Plain autograd runs each forward once; a plan runs some again. Each case trains a few steps
+through plans that recompute, beside plain autograd on a copy, and compares every gradient,
+buffer and parameter bit for bit (see offremat/_buffers.py and offremat._blocks.untouched).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+import offremat
+from solvers.baselines import keep_all
+
+WIDTH = 32
+ROWS = 64
+PLANS = ["checkpoint-every-stage", "chen", "offload-all"]
+
+
+class Counted(nn.Module):
+    """Counts its training calls in a buffer, in place or by a new tensor."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.in_place = in_place
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            self.calls += 1
+        else:
+            self.calls = self.calls + 1
+        return torch.tanh(self.linear(x))
+
+
+class Centred(nn.Module):
+    """Subtracts a moving average of its output from it, and moves the average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("average", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x)) - self.average
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(0.1 * y.mean(0))
+        return y
+
+
+class Looked(nn.Module):
+    """Adds rows of an embedding that renormalises them in place (``max_norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(ROWS, WIDTH, max_norm=1.0)
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + self.embedding(torch.arange(x.shape[0]))
+
+
+MODELS = {
+    "counter in place": lambda: [Counted(True) for _ in range(4)],
+    "counter assigned": lambda: [Counted(False) for _ in range(4)],
+    "moving average": lambda: [Centred() for _ in range(4)],
+    "spectral norm": lambda: [
+        nn.Sequential(spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh()) for _ in range(4)
+    ],
+}
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach() for t in [*model.parameters(), *model.buffers()]]
+
+
+@pytest.mark.parametrize("solver", PLANS)
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_forward_that_changes_state_trains_as_plain_autograd(kind: str, solver: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*MODELS[kind](), nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
+    # optimize ran the forward (profiling, checking) and left no trace.
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    assert om.plan.ops != keep_all(om.chain).ops
+    for _ in range(3):
+        om(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+
+
+def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Looked() for _ in range(4)], nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    keeping = offremat.optimize(model, x, budget=1.0, solver="offload-all", bandwidth=1e9)
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    for _ in range(2):  # a plan that runs each forward once trains as plain autograd
+        keeping(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    recomputing = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    with pytest.raises(RuntimeError, match="changes one of its parameters in place"):
+        recomputing(x).pow(2).mean().backward()
