@@ -11,13 +11,14 @@ their own treatment (throw-away copies, :func:`offremat._stage.frozen_running_st
 For every other buffer of a stage that the plan recomputes, the step keeps a copy of its value
 from before the stage's first forward, and runs each recomputation against a fresh copy of that
 value, leaving the module's buffer as the first forward left it. A change is an in-place write
-(the buffer's version counter moves) or a new tensor assigned in its place. Which buffers a
-stage changes is learnt: on a plan's first step every such buffer of a recomputed stage is
-copied, from then on only those seen to change. A buffer that changes in a later step, having
-not changed before, was not copied: that step is refused, not recomputed from another value.
-A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be replayed so,
-since its gradient must reach the parameter itself: a plan that recomputes its stage is
-refused at the first step.
+(the buffer's version counter moves), a new tensor assigned in its place, or, for a buffer
+copied beforehand, other values (a write through ``.data`` moves no version counter). Which
+buffers a stage changes is learnt: on a plan's first step every such buffer of a recomputed
+stage is copied, from then on only those seen to change. A buffer that changes in a later
+step, having not changed before, was not copied: that step is refused, not recomputed from
+another value, and from the next step on every buffer of that stage is copied. A parameter
+changed in place by a forward (an embedding's ``max_norm``) cannot be replayed so, since its
+gradient must reach the parameter itself: a plan that recomputes its stage is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ BufferSlot = tuple[nn.Module, str]
 
 def _key(slot: BufferSlot) -> tuple[int, str]:
     return id(slot[0]), slot[1]
+
+
+class MissedBufferChange(RuntimeError):
+    """A forward changed a buffer that the step had not copied beforehand."""
 
 
 class FirstForward:
@@ -67,19 +72,32 @@ class FirstForward:
         changed = [
             slot
             for (slot, tensor), version in zip(self.before, self.versions, strict=True)
-            if slot[0]._buffers.get(slot[1]) is not tensor or tensor._version != version
+            if _changed(slot, tensor, version, self.copies.get(_key(slot)))
         ]
         missed = [slot for slot in changed if _key(slot) not in self.copies]
         if missed:
             module, name = missed[0]
-            raise RuntimeError(
+            raise MissedBufferChange(
                 f"stage {stage!r} changed its buffer {name!r} ({type(module).__name__}) in "
-                "this forward, which it had not changed in the plan's earlier steps, and the "
-                "plan recomputes that stage: its recomputation would start from the changed "
-                "value. Call offremat.optimize again to plan the model as it runs now"
+                "this step's forward, which it had not done in this plan's earlier steps, so "
+                "no copy of its earlier value was kept, and the plan recomputes that stage: "
+                "this step cannot be recomputed exactly and stops here (the buffer has moved "
+                "once). From the next step on, every buffer of this stage is copied"
             )
         copies = {slot: self.copies[_key(slot)] for slot in changed}
         return copies, frozenset(_key(slot) for slot in changed)
+
+
+def _changed(
+    slot: BufferSlot, tensor: torch.Tensor, version: int, copy: torch.Tensor | None
+) -> bool:
+    """Whether the forward changed the buffer: a new tensor in its place, an in-place write
+    (its version moved), or, where a copy was kept, other values (a write through ``.data``
+    moves no version counter)."""
+    now = slot[0]._buffers.get(slot[1])
+    if now is not tensor or tensor._version != version:
+        return True
+    return copy is not None and not torch.equal(copy, now)
 
 
 @contextmanager

@@ -134,11 +134,12 @@ def check_model_chain_output(
     outputs = []
     # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
     # differently from eager.
-    with untouched([model], _device(model, batch)), torch.no_grad(), eager():
+    with untouched([model], _device(model, batch)) as restore, torch.no_grad(), eager():
         generators = module_generators(model)
         state = RngState.capture(cuda_device_indices(_device(model, batch)), generators)
         for chained in (False, True):
             state.restore()
+            restore()  # a forward may change buffers (counters, moving averages)
             if chained:
                 with RunInterception(found.run, lambda value: _run_stages(stages, value)):
                     outputs.append(flatten(call_model(model, batch))[0])
@@ -152,7 +153,10 @@ def check_model_chain_output(
         raise NotAChainError(
             f"{type(model).__name__} run with its blocks {found.run.calls[0].path} .. "
             f"{found.run.calls[-1].path} as a chain does not give the model's own output: name "
-            "the blocks that its forward runs one after the other with blocks="
+            "the blocks that its forward runs one after the other with blocks=; a block whose "
+            "forward depends on state that is neither a parameter nor a buffer and that it "
+            "changes (a Python counter, Python's random module) cannot be recomputed: keep "
+            "such state in buffers"
         )
 
 

@@ -7,22 +7,23 @@ parameter that several stages use (a block used twice, weights tied between stag
 accumulated once per stage: its hooks would run once per stage on that stage's part, and into
 a ``.grad`` that already holds G (gradient accumulation) the parts would be added one by one,
 ((G + g_j) + g_i), where plain autograd adds their sum, G + (g_j + g_i): equal up to rounding
-only. So around B(i) :class:`SharedGradients` sets such a parameter's ``.grad`` and its hooks
-aside, takes what B(i) accumulated as stage i's part and adds it to the parameter's running
-sum (later stages first, the order in which plain autograd's buffer adds them). After the
-backward of the last stage that uses the parameter, the sum goes to the parameter's
-accumulation node in one engine call: it is added to ``.grad`` and the hooks run once, on the
-whole gradient. Hooks registered on the accumulation node itself, rather than on the
-parameter, cannot be set aside and still run once per stage.
+only. So the running sum of the parts goes into each B(i) as one more root of its engine call,
+at the parameter's gradient edge: the engine's graph root runs first, so the sum enters the
+parameter's input buffer before the stage's parts, and the parts are added to it in the order
+in which plain autograd's buffer adds them (a parameter used twice in one stage included).
+Before the last stage that uses the parameter, ``.grad`` and the parameter's hooks are set
+aside for the call, and what the accumulation node leaves in ``.grad`` is the new running sum;
+in the last one they stay, and the node adds the whole sum to ``.grad`` and runs the hooks
+once. Hooks registered on the accumulation node itself, rather than on the parameter, cannot
+be set aside and still run once per stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class SharedGradients:
@@ -31,45 +32,52 @@ class SharedGradients:
     def __init__(self, stage_parameters: Sequence[Sequence[torch.Tensor]]):
         users: dict[int, list[int]] = {}
         for i, parameters in enumerate(stage_parameters, 1):
-            for parameter in {id(p): p for p in parameters}.values():
+            for parameter in parameters:
                 users.setdefault(id(parameter), []).append(i)
-        shared = {key for key, stages in users.items() if len(stages) > 1}
-        # Stage i's shared parameters, and those whose last backward (lowest stage) is B(i).
-        self.used_by: dict[int, list[torch.Tensor]] = {}
-        self.last_in: dict[int, list[torch.Tensor]] = {}
-        for i, parameters in enumerate(stage_parameters, 1):
-            for parameter in {id(p): p for p in parameters}.values():
-                if id(parameter) in shared:
-                    self.used_by.setdefault(i, []).append(parameter)
-                    if min(users[id(parameter)]) == i:
-                        self.last_in.setdefault(i, []).append(parameter)
+        # Stage i's shared parameters, each with whether B(i) is the last backward to use it.
+        self.used_by: dict[int, list[tuple[torch.Tensor, bool]]] = {}
+        if any(len(stages) > 1 for stages in users.values()):
+            for i, parameters in enumerate(stage_parameters, 1):
+                for parameter in parameters:
+                    stages = users[id(parameter)]
+                    if len(stages) > 1:
+                        entry = (parameter, min(stages) == i)
+                        self.used_by.setdefault(i, []).append(entry)
         self.sums: dict[int, torch.Tensor] = {}
 
-    @contextmanager
-    def backward_of(self, i: int) -> Iterator[None]:
-        """Run B(i) inside: its parts of the shared parameters' gradients are kept aside."""
-        parameters = self.used_by.get(i, [])
-        aside = [(p, p.grad, _set_hooks_aside(p)) for p in parameters]
-        for parameter in parameters:
-            parameter.grad = None
+    def backward(self, i: int, roots: list[GradientEdge], grads: list[torch.Tensor]) -> None:
+        """B(i): ``torch.autograd.backward(roots, grads)``, its shared parameters as above."""
+        shared = self.used_by.get(i, [])
+        if not shared:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            return
+        extra: list[tuple[torch.Tensor, torch.Tensor]] = []
+        aside = []
+        for parameter, last in shared:
+            total = self.sums.pop(id(parameter), None)
+            if not roots and not last:
+                if total is not None:
+                    self.sums[id(parameter)] = total  # nothing to add in this stage
+                continue
+            if total is not None:
+                extra.append((parameter, total))
+            if not last:
+                aside.append((parameter, parameter.grad, _set_hooks_aside(parameter)))
+                parameter.grad = None
         try:
-            yield
+            if roots or extra:
+                torch.autograd.backward(
+                    [*roots, *(get_gradient_edge(p) for p, _ in extra)],
+                    [*grads, *(total for _, total in extra)],
+                )
         finally:
             for parameter, grad, hooks in aside:
-                part, parameter.grad = parameter.grad, grad
+                total, parameter.grad = parameter.grad, grad
                 for hook_dict, items in hooks:
                     hook_dict.update(items)
-                if part is not None:
-                    key = id(parameter)
-                    self.sums[key] = part if key not in self.sums else self.sums[key] + part
-
-    def accumulate_after(self, i: int) -> None:
-        """After B(i): the sums of the parameters no later backward uses go to ``.grad``."""
-        due = [(p, self.sums.pop(id(p))) for p in self.last_in.get(i, []) if id(p) in self.sums]
-        if due:
-            torch.autograd.backward(
-                [get_gradient_edge(p) for p, _ in due], [total for _, total in due]
-            )
+                if total is not None:
+                    self.sums[id(parameter)] = total
 
 
 def _set_hooks_aside(parameter: torch.Tensor) -> list[tuple[dict, list]]:

@@ -156,6 +156,15 @@ class _Step(Compute):
             return [None] * len(wanted)
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
 
+    def hooked_parameters(self) -> list[torch.Tensor]:
+        """The trainable parameters of the stages that have hooks on their gradient."""
+        return [
+            p
+            for parameters in self.parameters
+            for p in parameters
+            if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)
+        ]
+
     def _close(self) -> None:
         """Settle copies and give back host buffers; drop every tensor of the step."""
         self._closer()  # closes the residency once, whoever calls first
@@ -164,6 +173,7 @@ class _Step(Compute):
         self.offloaded_by.clear()
         self.grads.clear()
         self.kept.clear()
+        self.buffer_copies.clear()
 
     def _run(self, actions: Sequence[HostAction]) -> None:
         for action in actions:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._buffers import FirstForward, replayed_buffers
+from offremat._buffers import FirstForward, MissedBufferChange, replayed_buffers
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
@@ -132,7 +132,11 @@ class Compute:
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
         if watch is not None:
-            self.buffer_copies[i], changed = watch.finish(name)
+            try:
+                self.buffer_copies[i], changed = watch.finish(name)
+            except MissedBufferChange:
+                self.executor.buffer_writes.pop(i, None)  # copy every buffer from now on
+                raise
             known = self.executor.buffer_writes.get(i, frozenset())
             self.executor.buffer_writes[i] = known | changed
         tensors, structure = flatten(result)
@@ -250,17 +254,14 @@ class Compute:
             for edge, g in zip(saved.edges, grad.tensors, strict=True)
             if g is not None and edge is not None
         ]
-        if pairs and self.accumulate:
-            with self.shared.backward_of(i):  # see offremat._shared_grads
-                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        if self.accumulate:  # parameters several stages use: see offremat._shared_grads
+            self.shared.backward(i, [e for e, _ in pairs], [g for _, g in pairs])
         elif pairs and saved.diff:
             # Without accumulation only the path to the stage's inputs runs: through
             # StageInput, whose input is the anchor.
             torch.autograd.backward(
                 [e for e, _ in pairs], [g for _, g in pairs], inputs=[self.anchor]
             )
-        if self.accumulate:
-            self.shared.accumulate_after(i)
         grads: list[torch.Tensor | None] = [None] * len(source.refs)
         for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
             grads[k] = g

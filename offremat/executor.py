@@ -127,6 +127,7 @@ class PlanExecutor:
         # was seen to change (offremat._buffers).
         forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
+        _refuse_recomputed_renorm(self.stages, self.recomputed, chain.stage_names)
         self.buffer_writes: dict[int, frozenset[tuple[int, str]]] = {}
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
@@ -211,6 +212,23 @@ class PlanExecutor:
         return self._pools[device], streams
 
 
+def _refuse_recomputed_renorm(
+    stages: Sequence[nn.Module], recomputed: frozenset[int], names: Sequence[str]
+) -> None:
+    """An embedding with ``max_norm`` renormalises its weight in place in every forward: a
+    recomputation would do it a second time (see offremat/_buffers.py)."""
+    for i in sorted(recomputed):
+        for module in stages[i - 1].modules():
+            if isinstance(module, nn.Embedding) and module.max_norm is not None:
+                raise ValueError(
+                    f"stage {names[i - 1]!r} holds an nn.Embedding with max_norm, which "
+                    "renormalises its weight in place in every forward, and the plan "
+                    "recomputes that stage, which would renormalise it again: use a plan that "
+                    "keeps or offloads this stage (a larger budget, or solver='offload-all' "
+                    "with a link), or renormalise outside the forward"
+                )
+
+
 class _PlanFunction(torch.autograd.Function):
     """The chain as one autograd function: forward and backward follow the plan.
 
@@ -251,7 +269,20 @@ class _PlanFunction(torch.autograd.Function):
                 "forward again"
             )
         ctx.step = None
-        accumulate = torch._C._will_engine_execute_node(ctx.anchor_node)
+        runs = torch._C._will_engine_execute_node
+        accumulate = runs(ctx.anchor_node)
+        if accumulate:
+            # The rest of the graph accumulates into these too: a second run of their hooks.
+            hooked = [p for p in step.hooked_parameters() if runs(get_gradient_edge(p).node)]
+            if hooked:
+                step.abandon()
+                raise RuntimeError(
+                    f"a parameter of the chain (shape {tuple(hooked[0].shape)}) is also used "
+                    "outside it (a weight penalty in the loss, a weight tied to a layer outside "
+                    "the chain) and has gradient hooks: its gradient reaches .grad in two parts, "
+                    "from the plan's backward and from the rest of the graph, so its hooks "
+                    "would run twice. Move that use into the chain, or remove the hooks"
+                )
         if torch.is_grad_enabled():
             step.abandon()
             raise RuntimeError(

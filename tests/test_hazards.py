@@ -121,7 +121,10 @@ def test_a_block_used_twice_gets_its_gradient_once(solver: str) -> None:
     once per backward on the whole gradient."""
     torch.manual_seed(0)
     shared = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[shared] * 3, nn.Linear(WIDTH, 1))
+    # Twice in one stage, then once in each of two others.
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.Sequential(shared, shared), shared, shared, nn.Linear(WIDTH, 1)
+    )
     reference = copy.deepcopy(model)
     x = torch.randn(ROWS, WIDTH)
     budget = 0.9 if solver == "dp" else 1.0
@@ -139,6 +142,18 @@ def test_a_block_used_twice_gets_its_gradient_once(solver: str) -> None:
     assert all(g is not None for g in seen["mine"])
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_hooked_parameter_also_used_outside_the_chain_is_refused() -> None:
+    """A weight penalty in the loss: the rest of the graph accumulates into the parameter too,
+    which would run its hooks a second time."""
+    model, _, om, x = input_gradient_setup("checkpoint-every-stage")
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    (om(x).pow(2).mean() + penalty).backward()  # without hooks: accepted
+    model[0][0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    with pytest.raises(RuntimeError, match="also used outside it"):
+        (om(x).pow(2).mean() + penalty).backward()
 
 
 class FailingBackward(torch.autograd.Function):
