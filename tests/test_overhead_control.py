@@ -46,10 +46,20 @@ def test_the_control_recomputes_the_plans_stages_and_matches_plain_autograd() ->
     plan = solve(chain, int(0.5 * keep_all_peak(chain)), "dp")
     alone = script.checkpointed_alone(plan)
     assert alone  # the dp plan at half of keep-all recomputes some stages, each once
-    assert alone == {op.index for op in plan.ops[: chain.length] if op.kind == "F_ck"}
     plain = copy.deepcopy(model)
     expected = _grads(plain, plain, batch)
+    # The stages' own forward calls, counted from outside: the control runs every stage the
+    # executor runs, as often.
+    executor = offremat.optimize(model, batch, chain=chain, plan=plan)
+    calls: list[int] = []
+    for index, stage in enumerate(model, 1):
+        stage.register_forward_pre_hook(lambda *_, index=index: calls.append(index))
     control = _grads(model, script.per_stage_checkpoint(model, alone), batch)
+    by_control = sorted(calls)
+    calls.clear()
+    _grads(model, executor, batch)
+    assert by_control == sorted(calls)
+    assert by_control == sorted([*range(1, chain.length + 1), *alone])
     assert all(torch.equal(a, b) for a, b in zip(control, expected, strict=True))
 
 
