@@ -23,24 +23,16 @@ def _describe(state: AutocastState) -> str:
     return f"autocast {state.dtype}" if state.enabled else "no autocast"
 
 
-def warn_autocast(planned: AutocastState, now: AutocastState) -> None:
-    logger.warning(
-        "the plan was profiled under %s but this step runs under %s, so its activation sizes "
-        "are not the plan's; call offremat.optimize inside the same autocast, or pass "
-        "autocast=dtype to have the optimized model run under it",
-        _describe(planned),
-        _describe(now),
-    )
-
-
 def refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
-    """A plan profiled under autocast counts half-size activations: without it they would not
-    fit (measured: 1.67 times the budget on a GPT-2)."""
+    """A step under another autocast than the profile's does not hold the planned activations:
+    planned under autocast, fp32 activations would not fit (measured: 1.67 times the budget on
+    a GPT-2); planned without it, autocast saves a low-precision copy of every weight it casts
+    for the backward, which no plan counted."""
     raise RuntimeError(
-        f"the plan was profiled under autocast {planned.dtype} but this step runs under "
+        f"the plan was profiled under {_describe(planned)} but this step runs under "
         f"{_describe(now)}, so its activations would not be the planned ones and could break the "
-        "budget: run the step inside the same autocast, or pass autocast=dtype to "
-        "offremat.optimize to have the optimized model enter it"
+        "budget: run the step inside the same autocast as offremat.optimize, or pass "
+        "autocast=dtype to offremat.optimize to have the optimized model enter it"
     )
 
 

@@ -150,10 +150,12 @@ def _plan(
         )
         plan = score(plan, chain, budget_bytes)
         if budget_bytes is not None and not plan.feasible:
-            logger.warning(
-                "the plan's simulated peak %s exceeds its budget %s",
-                format_bytes(plan.predicted_peak_bytes or 0),
-                format_bytes(budget_bytes),
+            raise ValueError(
+                f"the given plan's simulated peak on this chain, "
+                f"{format_bytes(plan.predicted_peak_bytes or 0)}, exceeds its budget "
+                f"{format_bytes(budget_bytes)} (a plan made for a smaller input or another "
+                f"model?): omit plan= to solve for this budget, or pass a budget of at least "
+                f"{plan.predicted_peak_bytes} bytes to run this plan as it is"
             )
     logger.info(
         "%s plan: predicted step %.4g s, peak %s of %s",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from offremat._plan_cache import PlanCache
@@ -130,6 +131,7 @@ class ShapePlans:
         self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
+        self.kinds = self._parameter_kinds()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -161,8 +163,21 @@ class ShapePlans:
         self.profiled[signature] = chain
         return chain
 
+    def _parameter_kinds(self) -> frozenset[tuple[torch.dtype, torch.device]]:
+        """The dtypes and devices of the stages' parameters (the first of each stage's)."""
+        firsts = (next(stage.parameters(), None) for stage in self.stages)
+        return frozenset((p.dtype, p.device) for p in firsts if p is not None)
+
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
+        kinds = self._parameter_kinds()
+        if kinds != self.kinds:
+            # model.to(dtype or device): every activation size changed, so every plan goes.
+            logger.info("the parameters' dtype or device changed: planning each shape again")
+            self.executors.clear()
+            self.profiled.clear()
+            self.provisional.clear()
+            self.kinds = kinds
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:

@@ -10,6 +10,7 @@ backward half, as the simulator listed them (:mod:`solvers.host`). The design no
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
 from offremat._tensors import Structure, is_differentiable
 from offremat.measure import StepMemory
+from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
     ACTIVATION,
@@ -40,6 +42,9 @@ from solvers.semantics import stage_input
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
+
+
+logger = logging.getLogger(__name__)
 
 
 class _Step(Compute):
@@ -150,11 +155,30 @@ class _Step(Compute):
         self._mark()
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
+            self._report_over_budget(self.memory.peak_bytes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused
             return [None] * len(wanted)
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
+
+    def _report_over_budget(self, measured: int) -> None:
+        """Warn, once per plan, when the independent measurement exceeds the budget."""
+        budget = self.executor.plan.budget_bytes
+        if budget is None or measured <= budget or self.executor.reported_over_budget:
+            return
+        self.executor.reported_over_budget = True
+        logger.warning(
+            "this step measured %s of activations, over its budget of %s (its plan "
+            "predicted %s). Either the step allocated the parameters' gradients (keep them "
+            "between steps: zero_grad(set_to_none=False)), or the model's activation sizes "
+            "depend on more than the input's shapes (the values of a padding mask, a routing "
+            "decision) or differ from the sizes predicted for this shape: then lower the "
+            "budget given to offremat.optimize by that margin",
+            format_bytes(measured),
+            format_bytes(budget),
+            format_bytes(self.executor.plan.predicted_peak_bytes or 0),
+        )
 
     def hooked_parameters(self) -> list[torch.Tensor]:
         """The trainable parameters of the stages that have hooks on their gradient."""

@@ -129,6 +129,7 @@ class PlanExecutor:
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
         _refuse_recomputed_renorm(self.stages, self.recomputed, chain.stage_names)
         self.buffer_writes: dict[int, frozenset[tuple[int, str]]] = {}
+        self.reported_over_budget = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._streams: dict[torch.device, CudaStreams] = {}

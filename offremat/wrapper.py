@@ -28,7 +28,6 @@ from offremat._call_checks import (
     refuse_autocast,
     refuse_compile,
     refuse_recorded_outputs,
-    warn_autocast,
 )
 from offremat._discover import BlockRun, Call, as_call
 from offremat._model_chain import (
@@ -42,7 +41,7 @@ from offremat._planning import QUICK, Request, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
 from offremat._stage import AutocastState
-from offremat._tensors import flatten
+from offremat._tensors import flatten, storage_bytes
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
 from offremat.profiler import profile_model, stage_modules
@@ -67,7 +66,6 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
         # Autocast mismatches already warned about, once per optimized model.
-        object.__setattr__(self, "_warned_autocast", set())
 
     @property
     def model(self) -> nn.Module:
@@ -142,12 +140,7 @@ class OptimizedModule(nn.Module):
             if planned is not None and self._forced_autocast:
                 planned.enter(stack)
             elif planned is not None and AutocastState.capture(planned.device_type) != planned:
-                now = AutocastState.capture(planned.device_type)
-                if planned.enabled:
-                    refuse_autocast(planned, now)
-                if (planned, now) not in self._warned_autocast:
-                    self._warned_autocast.add((planned, now))
-                    warn_autocast(planned, now)
+                refuse_autocast(planned, AutocastState.capture(planned.device_type))
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -348,6 +341,12 @@ def _optimize_sequential(
             sequential, example_input, stages=request.stages, bandwidth=request.bandwidth
         ),
     )
+    if request.chain is not None and chain.input_bytes != storage_bytes(tensors):
+        raise ValueError(
+            f"the given chain was profiled with an input of {chain.input_bytes} bytes, but the "
+            f"example input has {storage_bytes(tensors)}: its sizes are another input's. Omit "
+            "chain= to profile this input, or give the input the chain was profiled with"
+        )
     modules = stage_modules(sequential, chain)
     check_chain_output(
         model if isinstance(model, nn.Module) else sequential, modules, example_input

@@ -260,3 +260,67 @@ def test_dp_through_optimize_is_exact_unless_given_a_tolerance() -> None:
     assert "tolerance" not in exact.plan.info
     assert tolerant.plan.info["tolerance"] == 0.05
     assert tolerant.plan.predicted_time_s <= exact.plan.predicted_time_s * 1.05
+
+
+def test_a_chain_or_plan_made_for_another_input_is_refused(tmp_path) -> None:
+    """A chain profiled on another batch size would plan another model's memory (measured: 3
+    times the budget); a plan whose simulated peak on this chain exceeds its budget too."""
+    from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+    config = GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64, dropout=0.0)
+    model = build_gpt(config, seed=0)
+    small, large = gpt_batch(config, 2), gpt_batch(config, 8)
+    om = offremat.optimize(model, small, budget=0.5)
+    om.chain.save(tmp_path / "chain.json")
+    om.plan.save(tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="profiled with an input of"):
+        offremat.optimize(model, large, chain=tmp_path / "chain.json", budget=0.5)
+    with pytest.raises(ValueError, match="exceeds its budget"):
+        offremat.optimize(model, large, plan=tmp_path / "plan.json")
+
+
+def test_a_model_moved_to_another_dtype_is_planned_again() -> None:
+    from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+    config = GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64, dropout=0.0)
+    model = build_gpt(config, seed=0)
+    batch = gpt_batch(config, 4)
+    om = offremat.optimize(model, batch, budget=4 * 2**20)
+    before = om.chain.stages[1].out_bytes
+    om.to(torch.float64)
+    om(batch).backward()
+    assert om.chain.stages[1].out_bytes == 2 * before  # profiled again, in float64
+
+
+def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
+    """Activation sizes that depend on the input's values: a plan cannot know them, but the
+    independent measurement sees the step pass the budget, and says so."""
+
+    class Selecting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, batch):
+            x, gate = batch
+            y = self.linear(x)
+            chosen = y[gate > 0]
+            return torch.tanh(y) + (chosen.unsqueeze(0) * chosen.unsqueeze(1)).sum() * 0, gate
+
+    class Head(nn.Module):
+        def forward(self, batch):
+            return batch[0].pow(2).mean()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Selecting() for _ in range(6)], Head())
+    x = torch.randn(16, 64)
+    few = -torch.ones(16, 64)
+    few[0, :4] = 1
+    om = offremat.optimize(model, (x, few), budget=0.5, measure_memory=True)
+    for parameter in model.parameters():  # gradients kept between steps are not activations
+        parameter.grad = torch.zeros_like(parameter)
+    om((x, few)).backward()
+    assert "over its budget" not in caplog.text
+    om((x, torch.ones(16, 64))).backward()
+    assert om.stats.measured_peak_bytes > om.plan.budget_bytes
+    assert "over its budget" in caplog.text
