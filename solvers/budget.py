@@ -4,6 +4,7 @@ is too small. One parser each, for every command and the API."""
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any
 
@@ -54,12 +55,16 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
     of ``keep_all_peak_bytes``, the peak of plain autograd; a byte count is a whole number of
     at least :data:`SMALLEST_BYTE_COUNT` or takes a unit (``12B``). Anything else is refused.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ValueError(
             f"budget {value!r} is not a size: give bytes (6442450944), a size with a unit "
             "(6GiB) or a fraction of the keep-all peak in (0, 1] (0.25)"
         )
     written = value
+    if isinstance(value, numbers.Integral):  # numpy's integers too
+        value = int(value)
+    elif isinstance(value, numbers.Real):
+        value = float(value)
     if isinstance(value, str):
         match = _SIZE.match(value)
         if not match or match.group(2).lower() not in _UNITS:

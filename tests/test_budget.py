@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from solvers.budget import InfeasibleBudgetError, byte_unit, format_bytes, parse_budget
@@ -21,6 +22,8 @@ from solvers.budget import InfeasibleBudgetError, byte_unit, format_bytes, parse
         (0.25, 250),
         ("0.25", 250),
         (1.0, 1000),
+        (np.int64(6442450944), 6442450944),  # numpy's numbers are numbers
+        (np.float64(0.25), 250),
     ],
 )
 def test_parse_budget_reads_bytes_sizes_and_fractions(written: object, expected: int) -> None:
