@@ -70,8 +70,8 @@ def test_numpy_backed_input_and_two_autocast_micro_batches_under_offloading() ->
     model = blocks()
     reference = copy.deepcopy(model)
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((ROWS, WIDTH), np.float32))
-    om = offloading(model, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        om = offloading(model, x)  # profiled under the autocast its steps run under
         for _ in range(2):
             om(x).float().sum().backward()
             reference(x).float().sum().backward()
@@ -229,10 +229,11 @@ def test_no_autocast_weight_cast_outlives_the_step(solver: str) -> None:
 
     model = blocks(6)
     x = torch.randn(ROWS, WIDTH)
-    om = offremat.optimize(model, x, budget=0.9 if solver == "dp" else 1.0, solver=solver)
     for parameter in model.parameters():  # gradients are not the step's to free
         parameter.grad = torch.zeros_like(parameter)
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        budget = 0.9 if solver == "dp" else 1.0
+        om = offremat.optimize(model, x, budget=budget, solver=solver)
         with LiveStorageTracker() as tracker:
             om(x).float().sum().backward()
         assert tracker.live_bytes == 0
