@@ -12,11 +12,11 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
   schedule, and offremat's dp plan, exact and with ``tolerance=0.005``, and the exact dp plan
   run by ``torch.utils.checkpoint`` (each stage it recomputes checkpointed alone, where the
   plan has that shape): the control that tells the plan's cost from the executor's. Step
-  time and minor page faults per step (``getrusage``). It runs twice: with glibc's default settings (any
-  ``MALLOC_*`` variable of this environment left out), which give freed memory back to the
-  system between allocations so that the next ones fault it in again, and with glibc told
-  to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), as the CUDA caching
-  allocator keeps freed blocks on a GPU.
+  time and minor page faults per step (``getrusage``). It runs twice: with glibc's default
+  settings (any ``MALLOC_*`` variable of this environment left out), which give freed
+  memory back to the system between allocations so that the next ones fault it in again,
+  and with glibc told to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``),
+  as the CUDA caching allocator keeps freed blocks on a GPU.
 
     python experiments/overhead_cpu.py --out experiments/results/overhead_cpu.md
 """
