@@ -7,7 +7,6 @@ of the whole step, or a request for every block's hidden states.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -15,8 +14,6 @@ from torch import nn
 
 from offremat._blocks import NotAChainError
 from offremat._stage import AutocastState
-
-logger = logging.getLogger(__name__)
 
 
 def _describe(state: AutocastState) -> str:

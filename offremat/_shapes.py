@@ -10,7 +10,8 @@ sequence length) and lies between two of them, or near three of them, gets a cha
 from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
-quick solver's plan (the DP's) and the slow one replaces it at the shape's next step.
+quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
+the parameters' dtypes or devices change (``model.to(...)``), every plan is made again.
 """
 
 from __future__ import annotations
@@ -164,19 +165,20 @@ class ShapePlans:
         return chain
 
     def _parameter_kinds(self) -> frozenset[tuple[torch.dtype, torch.device]]:
-        """The dtypes and devices of the stages' parameters (the first of each stage's)."""
-        firsts = (next(stage.parameters(), None) for stage in self.stages)
-        return frozenset((p.dtype, p.device) for p in firsts if p is not None)
+        """The dtypes and devices of the stages' parameters."""
+        return frozenset((p.dtype, p.device) for stage in self.stages for p in stage.parameters())
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         kinds = self._parameter_kinds()
         if kinds != self.kinds:
-            # model.to(dtype or device): every activation size changed, so every plan goes.
+            # model.to(dtype or device): every activation size changed, so every plan goes,
+            # and the disk cache, keyed by the model as optimize saw it, no longer applies.
             logger.info("the parameters' dtype or device changed: planning each shape again")
             self.executors.clear()
             self.profiled.clear()
             self.provisional.clear()
+            self.disk = None
             self.kinds = kinds
         signature = input_signature(batch)
         executor = self.executors.get(signature)

@@ -261,6 +261,11 @@ class AutocastState:
         """The autocast states a step on ``device`` runs under: its device type's and the CPU's."""
         return [cls.capture(kind) for kind in sorted({device.type, "cpu"})]
 
+    def runs_as(self, other: AutocastState) -> bool:
+        """Whether a step under ``other`` computes as under this state (a disabled autocast's
+        dtype makes no difference)."""
+        return self.enabled == other.enabled and (not self.enabled or self.dtype == other.dtype)
+
     def enter(self, stack: ExitStack) -> None:
         """Enter this autocast state, with its weight cache off, inside ``stack``.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._buffers import FirstForward, MissedBufferChange, replayed_buffers
+from offremat._buffers import FirstForward, replayed_buffers
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
@@ -96,9 +96,7 @@ class Compute:
         versions = [tensor._version for tensor in inputs]
         watch = None
         if first and i in self.executor.recomputed:
-            watch = FirstForward(
-                self.buffers[i - 1], self.executor.buffer_writes.get(i), self.parameters[i - 1]
-            )
+            watch = FirstForward(self.buffers[i - 1], self.parameters[i - 1])
         packer = slot = None
         diff: list[int] = []
         excluded = self.excluded
@@ -132,13 +130,7 @@ class Compute:
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
         if watch is not None:
-            try:
-                self.buffer_copies[i], changed = watch.finish(name)
-            except MissedBufferChange:
-                self.executor.buffer_writes.pop(i, None)  # copy every buffer from now on
-                raise
-            known = self.executor.buffer_writes.get(i, frozenset())
-            self.executor.buffer_writes[i] = known | changed
+            self.buffer_copies[i] = watch.finish(name)
         tensors, structure = flatten(result)
         del result
         if first:

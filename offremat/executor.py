@@ -123,12 +123,10 @@ class PlanExecutor:
         self.direct = undisturbed_forwards(plan.ops)
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
-        # The stages the plan runs forward more than once, and the buffers each one's forward
-        # was seen to change (offremat._buffers).
+        # The stages the plan runs forward more than once (offremat._buffers).
         forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
         _refuse_recomputed_renorm(self.stages, self.recomputed, chain.stage_names)
-        self.buffer_writes: dict[int, frozenset[tuple[int, str]]] = {}
         self.reported_over_budget = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]

@@ -65,7 +65,6 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_plans", plans)
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
-        # Autocast mismatches already warned about, once per optimized model.
 
     @property
     def model(self) -> nn.Module:
@@ -139,8 +138,10 @@ class OptimizedModule(nn.Module):
         with ExitStack() as stack:
             if planned is not None and self._forced_autocast:
                 planned.enter(stack)
-            elif planned is not None and AutocastState.capture(planned.device_type) != planned:
-                refuse_autocast(planned, AutocastState.capture(planned.device_type))
+            elif planned is not None:
+                now = AutocastState.capture(planned.device_type)
+                if not planned.runs_as(now):
+                    refuse_autocast(planned, now)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -326,6 +327,21 @@ def _optimize(
     return OptimizedModule(model, plans, run=found.run)
 
 
+def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
+    """Refuse a chain profiled on an input of another size: its sizes are another input's.
+
+    The profile counts the storages behind the input; a view of a larger tensor (``x[:, :-1]``)
+    is compared by its own bytes too.
+    """
+    sizes = {storage_bytes(tensors), sum(t.numel() * t.element_size() for t in tensors)}
+    if chain.input_bytes not in sizes:
+        raise ValueError(
+            f"the given chain was profiled with an input of {chain.input_bytes} bytes, but the "
+            f"example input has {min(sizes)}: its sizes are another input's. Omit chain= to "
+            "profile this input, or give the input the chain was profiled with"
+        )
+
+
 def _optimize_sequential(
     model: nn.Sequential | Sequence[nn.Module], example_input: Any, request: Request
 ) -> OptimizedModule:
@@ -335,18 +351,14 @@ def _optimize_sequential(
     )
     tensors, _ = flatten(example_input)
     check_device([module for _, module in blocks], tensors[0].device)
+    if request.chain is not None:
+        _check_chain_input(request.chain, tensors)
     chain, plan = request.example_plan(
         example_input,
         lambda: profile_model(
             sequential, example_input, stages=request.stages, bandwidth=request.bandwidth
         ),
     )
-    if request.chain is not None and chain.input_bytes != storage_bytes(tensors):
-        raise ValueError(
-            f"the given chain was profiled with an input of {chain.input_bytes} bytes, but the "
-            f"example input has {storage_bytes(tensors)}: its sizes are another input's. Omit "
-            "chain= to profile this input, or give the input the chain was profiled with"
-        )
     modules = stage_modules(sequential, chain)
     check_chain_output(
         model if isinstance(model, nn.Module) else sequential, modules, example_input

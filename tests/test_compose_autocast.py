@@ -66,6 +66,9 @@ def test_a_step_under_an_autocast_it_was_not_planned_under_is_refused() -> None:
         ),
     ):
         om(batch).backward()
+    # An autocast region that is switched off (autocast(enabled=use_amp)) is no autocast.
+    with torch.autocast("cpu", torch.float16, enabled=False):
+        om(batch).backward()
 
 
 def test_a_step_without_the_autocast_it_was_planned_under_is_refused() -> None:

@@ -275,6 +275,9 @@ def test_a_chain_or_plan_made_for_another_input_is_refused(tmp_path) -> None:
     om.plan.save(tmp_path / "plan.json")
     with pytest.raises(ValueError, match="profiled with an input of"):
         offremat.optimize(model, large, chain=tmp_path / "chain.json", budget=0.5)
+    # A view of a larger tensor with the profiled shape is the same input.
+    wider = tuple(torch.cat([t, t], dim=1)[:, : t.shape[1]] for t in small)
+    offremat.optimize(model, wider, chain=tmp_path / "chain.json", budget=0.5)
     with pytest.raises(ValueError, match="exceeds its budget"):
         offremat.optimize(model, large, plan=tmp_path / "plan.json")
 

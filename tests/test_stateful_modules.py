@@ -64,6 +64,21 @@ class DataWritten(Centred):
         return y
 
 
+class LateData(Centred):
+    """Starts moving its average, through ``.data``, only from its third call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.tanh(self.linear(x)) - self.average
+        if self.calls >= 3:
+            self.average.data.mul_(0.9).add_(0.1 * y.detach().mean(0))
+        return y
+
+
 class Looped(nn.Module):
     """Its blocks run in a loop over a ModuleList (offremat finds the run of blocks)."""
 
@@ -95,6 +110,7 @@ MODELS = {
     "counter assigned": lambda: [Counted(False) for _ in range(4)],
     "moving average": lambda: [Centred() for _ in range(4)],
     "moving average through .data": lambda: [DataWritten() for _ in range(4)],
+    "moving average from a later step": lambda: [LateData() for _ in range(4)],
     "spectral norm": lambda: [
         nn.Sequential(spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh()) for _ in range(4)
     ],
