@@ -324,6 +324,7 @@ def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
         parameter.grad = torch.zeros_like(parameter)
     om((x, few)).backward()
     assert "over its budget" not in caplog.text
-    om((x, torch.ones(16, 64))).backward()
-    assert om.stats.measured_peak_bytes > om.plan.budget_bytes
-    assert "over its budget" in caplog.text
+    for _ in range(2):
+        om((x, torch.ones(16, 64))).backward()
+        assert om.stats.measured_peak_bytes > om.plan.budget_bytes
+    assert caplog.text.count("over its budget") == 1  # once per plan
