@@ -264,6 +264,12 @@ def test_profile_imports_the_user_file_s_siblings(tmp_path, capsys) -> None:
     [
         ("def build(:\n    pass\n", "SyntaxError"),
         ("def build():\n    raise RuntimeError('no weights here')\n", "no weights here"),
+        (  # the model fails on its own example input while profiling
+            "import torch\nfrom torch import nn\n\n"
+            "def build():\n    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), "
+            "torch.randn(4, 5)\n",
+            "cannot be multiplied",
+        ),
     ],
 )
 def test_profile_reports_an_error_in_the_user_file_in_one_line(body, shown, tmp_path, capsys):

@@ -139,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
             check_model_chain_output(model, example, found, stages)
     except (NotAChainError, ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
+    except RuntimeError as error:  # the model's own forward or backward on its example
+        if getattr(args, "verbose", False):
+            raise
+        raise UsageError(
+            f"profiling {args.model} raised RuntimeError: {error} (run with -v for the traceback)"
+        ) from None
     try:
         chain.save(args.out)
     except OSError as error:
