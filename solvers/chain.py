@@ -274,7 +274,9 @@ class Chain:
             try:
                 stages.append(Stage(**raw))
             except ChainFormatError as error:
-                raise ChainFormatError(f"{where}: {error}") from None
+                # Stage names itself; the file's position replaces that.
+                said = str(error).removeprefix(f"stage {raw['name']!r}: ")
+                raise ChainFormatError(f"{where}: {said}") from None
         link = None
         if data.get("link") is not None:
             raw_link = data["link"]
