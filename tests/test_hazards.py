@@ -114,6 +114,23 @@ def test_a_block_used_twice_runs_twice() -> None:
         assert torch.equal(mine.grad, theirs.grad)
 
 
+def _hooked_steps_match(model, reference, om, x, steps: int) -> None:
+    """With a scaling gradient hook and a post-accumulate hook on every parameter, ``steps``
+    accumulating backwards: hooks run as often, never on None, and .grad is bit-equal."""
+    seen: dict[str, list] = {"mine": [], "theirs": []}
+    for name, module in (("mine", model), ("theirs", reference)):
+        for p in module.parameters():
+            p.register_hook(lambda g, log=seen[name]: log.append(g) or g * 0.5)
+            p.register_post_accumulate_grad_hook(lambda t, log=seen[name]: log.append("post"))
+    for _ in range(steps):  # from the second on, .grad holds a value (accumulation)
+        om(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+    assert len(seen["mine"]) == len(seen["theirs"])
+    assert all(g is not None for g in seen["mine"])
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
 @pytest.mark.parametrize("solver", ["dp", "checkpoint-every-stage", "offload-all"])
 def test_a_block_used_twice_gets_its_gradient_once(solver: str) -> None:
     """Its parts from each stage are summed first and accumulated once, as plain autograd
@@ -130,18 +147,7 @@ def test_a_block_used_twice_gets_its_gradient_once(solver: str) -> None:
     budget = 0.9 if solver == "dp" else 1.0
     om = offremat.optimize(model, x, budget=budget, solver=solver, bandwidth=1e9)
     assert om.plan.ops != keep_all(om.chain).ops
-    seen: dict[str, list] = {"mine": [], "theirs": []}
-    for name, module in (("mine", model), ("theirs", reference)):
-        for p in module.parameters():
-            p.register_hook(lambda g, log=seen[name]: log.append(g) or g * 0.5)
-            p.register_post_accumulate_grad_hook(lambda t, log=seen[name]: log.append("post"))
-    for _ in range(3):  # gradient accumulation: .grad holds a value from the second on
-        om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-    assert len(seen["mine"]) == len(seen["theirs"])
-    assert all(g is not None for g in seen["mine"])
-    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(mine.grad, theirs.grad)
+    _hooked_steps_match(model, reference, om, x, steps=3)
 
 
 def test_a_hooked_parameter_also_used_outside_the_chain_is_refused() -> None:
@@ -304,18 +310,7 @@ def test_parameter_hooks_run_once_with_the_gradient(solver: str) -> None:
     is accumulated; a post-accumulate hook runs once per backward (DDP's readiness hooks and
     optimizers run in the backward rely on both)."""
     model, reference, om, x = input_gradient_setup(solver)
-    seen: dict[str, list] = {"mine": [], "theirs": []}
-    for name, module in (("mine", model), ("theirs", reference)):
-        for p in module.parameters():
-            p.register_hook(lambda g, log=seen[name]: log.append(g) or g * 0.5)
-            p.register_post_accumulate_grad_hook(lambda t, log=seen[name]: log.append("post"))
-    for _ in range(2):  # the second backward accumulates into .grad
-        om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-    assert len(seen["mine"]) == len(seen["theirs"])
-    assert all(g is not None for g in seen["mine"])
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
+    _hooked_steps_match(model, reference, om, x, steps=2)
 
 
 def test_an_optimizer_step_in_the_backward_is_taken_once() -> None:

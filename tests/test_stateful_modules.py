@@ -121,6 +121,20 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
     return [t.detach() for t in [*model.parameters(), *model.buffers()]]
 
 
+def _same_state(model: nn.Module, reference: nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+
+
+def _train_beside(om, model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """Three steps of each, gradients and state compared bit for bit after every one."""
+    for _ in range(3):
+        om(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        assert _same_state(model, reference)
+
+
 @pytest.mark.parametrize("solver", PLANS)
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_a_forward_that_changes_state_trains_as_plain_autograd(kind: str, solver: str) -> None:
@@ -130,14 +144,9 @@ def test_a_forward_that_changes_state_trains_as_plain_autograd(kind: str, solver
     x = torch.randn(ROWS, WIDTH)
     om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
     # optimize ran the forward (profiling, checking) and left no trace.
-    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    assert _same_state(model, reference)
     assert om.plan.ops != keep_all(om.chain).ops
-    for _ in range(3):
-        om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(mine.grad, theirs.grad)
-        assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    _train_beside(om, model, reference, x)
 
 
 def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed() -> None:
@@ -146,11 +155,11 @@ def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed()
     reference = copy.deepcopy(model)
     x = torch.randn(ROWS, WIDTH)
     keeping = offremat.optimize(model, x, budget=1.0, solver="offload-all", bandwidth=1e9)
-    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    assert _same_state(model, reference)
     for _ in range(2):  # a plan that runs each forward once trains as plain autograd
         keeping(x).pow(2).mean().backward()
         reference(x).pow(2).mean().backward()
-    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    assert _same_state(model, reference)
     before = _state(model)
     with pytest.raises(ValueError, match=r"nn\.Embedding with max_norm"):
         offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
@@ -164,10 +173,5 @@ def test_a_found_run_of_blocks_with_moving_averages_trains_as_plain_autograd(sol
     reference = copy.deepcopy(model)
     x = torch.randn(ROWS, WIDTH)
     om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
-    assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
-    for _ in range(3):
-        om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(mine.grad, theirs.grad)
-        assert all(torch.equal(a, b) for a, b in zip(_state(model), _state(reference), strict=True))
+    assert _same_state(model, reference)
+    _train_beside(om, model, reference, x)
