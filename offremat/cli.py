@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        # Flush here, inside the handler for a reader gone away: a flush at interpreter exit
+        # would raise it where nothing catches it (exit status 120).
+        sys.stdout.flush()
+        return status
     except UsageError as error:
         print(f"offremat {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
