@@ -72,7 +72,7 @@ class _Step(Compute):
         self.norms = [scan.norms for scan in scans]
         self.buffers = [scan.buffers for scan in scans]
         self.parameters = [scan.parameters for scan in scans]
-        # Per recomputed stage, its changed buffers' values from before its first forward.
+        # Per recomputed stage, its buffers' values from before its first forward.
         self.buffer_copies: dict[int, dict[BufferSlot, torch.Tensor]] = {}
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
