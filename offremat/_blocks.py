@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -123,23 +123,14 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     """
     parameters = [p for stage in stages for p in stage.parameters()]
     device = parameters[0].device if parameters else flatten(example_input)[0][0].device
-    outputs = []
-    # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
-    # differently from eager.
-    with untouched([model], device) as restore, torch.no_grad(), eager():
-        generators = module_generators(model)
-        state = RngState.capture(cuda_device_indices(device), generators)
-        for run in ("model", "chain"):
-            state.restore()
-            restore()  # a forward may change buffers (counters, moving averages)
-            value = example_input
-            if run == "model":
-                with GeneratorWatch(generators):
-                    value = model(value)
-            else:
-                for stage in stages:
-                    value = stage(value)
-            outputs.append(flatten(value))
+
+    def run_chain() -> Any:
+        value = example_input
+        for stage in stages:
+            value = stage(value)
+        return value
+
+    outputs = model_and_chain_outputs(model, device, lambda: model(example_input), run_chain)
     (model_tensors, model_structure), (chain_tensors, chain_structure) = outputs
     same = model_structure == chain_structure and all(
         torch.equal(a, b) for a, b in zip(model_tensors, chain_tensors, strict=True)
@@ -154,6 +145,31 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
             f"runs, in order, as an nn.Sequential or a list "
             f"(offremat.optimize([block0, block1, ...], ...)), and keep such state in buffers"
         )
+
+
+def model_and_chain_outputs(
+    model: nn.Module,
+    device: torch.device,
+    run_model: Callable[[], Any],
+    run_chain: Callable[[], Any],
+) -> list[tuple[list[torch.Tensor], Any]]:
+    """The flattened outputs of the model's own run and of its chain's, both without autograd
+    and eager, from the same RNG and buffer state, the model left as it was; the model's run
+    refuses a random draw that recomputation could not replay (:class:`GeneratorWatch`).
+
+    Eager both: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
+    differently from eager.
+    """
+    outputs = []
+    with untouched([model], device) as restore, torch.no_grad(), eager():
+        generators = module_generators(model)
+        state = RngState.capture(cuda_device_indices(device), generators)
+        for run, watch in ((run_model, GeneratorWatch(generators)), (run_chain, nullcontext())):
+            state.restore()
+            restore()  # a forward may change buffers (counters, moving averages)
+            with watch:
+                outputs.append(flatten(run()))
+    return outputs
 
 
 def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:

@@ -27,12 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import NotAChainError, untouched
+from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
-from offremat._eager import eager
-from offremat._rng import GeneratorWatch, RngState, cuda_device_indices
 from offremat._run import RunInterception, run_blocks
-from offremat._scan import module_generators
 from offremat._tensors import flatten, is_differentiable, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules
@@ -131,22 +128,14 @@ def check_model_chain_output(
 ) -> None:
     """Refuse a chain whose model output differs from the model's own on ``batch``, and a
     random draw that recomputation could not replay (:class:`GeneratorWatch`)."""
-    outputs = []
-    # Both eagerly: GeneratorWatch runs compiled blocks eagerly, and compiled code rounds
-    # differently from eager.
-    with untouched([model], _device(model, batch)) as restore, torch.no_grad(), eager():
-        generators = module_generators(model)
-        state = RngState.capture(cuda_device_indices(_device(model, batch)), generators)
-        for chained in (False, True):
-            state.restore()
-            restore()  # a forward may change buffers (counters, moving averages)
-            if chained:
-                with RunInterception(found.run, lambda value: _run_stages(stages, value)):
-                    outputs.append(flatten(call_model(model, batch))[0])
-            else:
-                with GeneratorWatch(generators):
-                    outputs.append(flatten(call_model(model, batch))[0])
-    plain, chained_output = outputs
+
+    def run_chain() -> Any:
+        with RunInterception(found.run, lambda value: _run_stages(stages, value)):
+            return call_model(model, batch)
+
+    (plain, _), (chained_output, _) = model_and_chain_outputs(
+        model, _device(model, batch), lambda: call_model(model, batch), run_chain
+    )
     if len(plain) != len(chained_output) or not all(
         torch.equal(a, b) for a, b in zip(plain, chained_output, strict=True)
     ):
