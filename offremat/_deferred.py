@@ -88,7 +88,6 @@ class DeferringPacker(SavedTensorPacker):
         if len(self.slots) != self.expected_packs:
             self.changed_after_saving = True
 
-    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         packed = super().pack(tensor)
         if self.refs and self.refs[-1] is packed:  # a saved tensor the step would hold
@@ -107,7 +106,6 @@ class DeferringPacker(SavedTensorPacker):
             self.armed = MutationWatch(self)
             self.armed.__enter__()
 
-    @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Placeholder):
             if packed.ref is None:
@@ -182,7 +180,6 @@ class Refill:
         """The context manager that installs the filling hooks."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
 
-    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> None:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
         self.position += 1

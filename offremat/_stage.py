@@ -158,9 +158,12 @@ class SavedTensorPacker:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the packing hooks."""
+        # The hooks here and in offremat._deferred carry no torch.compiler.disable: autograd
+        # calls them from C++, in no frame dynamo evaluates, compiled blocks included
+        # (tests/test_compose_compile.py), and that wrapper cost about 0.5 ms a step on a
+        # ten-stage model (experiments/overhead_cpu.py's own-cost part).
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         """Describe input aliases; hold the rest through a :class:`TensorRef`."""
         key = storage_key(tensor)
@@ -182,7 +185,6 @@ class SavedTensorPacker:
             self.refs.append(ref)
         return ref
 
-    @torch.compiler.disable
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""
         check_versions(self.stage, [packed])
