@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,29 @@ from solvers.registry import keep_all_peak, solve
 from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def in_training_mode(model: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
+    """Run the inside with ``model`` in training mode where it is in eval mode, then give every
+    module its own flag back.
+
+    Only a model in training mode runs its steps on a plan, and dropout saves masks in
+    training mode only: a model optimized in eval mode (as Hugging Face's ``from_pretrained``
+    returns it) and then trained would run a plan made for a smaller step.
+    """
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    evaluating = [root for root in roots if not root.training]
+    flags = [(module, module.training) for root in evaluating for module in root.modules()]
+    if evaluating:
+        logger.info("the model is in eval mode: profiled in training mode, as it trains")
+    try:
+        for root in evaluating:
+            root.train()
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
 
 
 @dataclass(frozen=True)

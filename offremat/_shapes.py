@@ -11,7 +11,8 @@ from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed 
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
 quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
-the parameters' dtypes or devices change (``model.to(...)``), every plan is made again.
+the parameters' dtypes or devices change (``model.to(...)``), or a stage module is switched
+between training and eval mode (dropout off, a batch norm frozen), every plan is made again.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class ShapePlans:
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.kinds = self._parameter_kinds()
+        self.modes = self._modes()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -168,18 +170,24 @@ class ShapePlans:
         """The dtypes and devices of the stages' parameters."""
         return frozenset((p.dtype, p.device) for stage in self.stages for p in stage.parameters())
 
+    def _modes(self) -> tuple[bool, ...]:
+        """The training flag of every module of the stages."""
+        return tuple(m.training for stage in self.stages for m in stage.modules())
+
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        kinds = self._parameter_kinds()
-        if kinds != self.kinds:
-            # model.to(dtype or device): every activation size changed, so every plan goes,
-            # and the disk cache, keyed by the model as optimize saw it, no longer applies.
-            logger.info("the parameters' dtype or device changed: planning each shape again")
+        kinds, modes = self._parameter_kinds(), self._modes()
+        if kinds != self.kinds or modes != self.modes:
+            # model.to(dtype or device) changes every activation size; a dropout switched off
+            # or a batch norm frozen changes what a stage saves. Every plan goes, and the disk
+            # cache, keyed by the model as optimize saw it, no longer applies.
+            changed = "dtype or device" if kinds != self.kinds else "training or eval mode"
+            logger.info("the stages' %s changed: planning each shape again", changed)
             self.executors.clear()
             self.profiled.clear()
             self.provisional.clear()
             self.disk = None
-            self.kinds = kinds
+            self.kinds, self.modes = kinds, modes
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:

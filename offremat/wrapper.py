@@ -37,7 +37,7 @@ from offremat._model_chain import (
     profile_model_chain,
 )
 from offremat._plan_cache import PlanCache, model_fingerprint
-from offremat._planning import QUICK, Request, link_of, same_stages
+from offremat._planning import QUICK, Request, in_training_mode, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
 from offremat._stage import AutocastState
@@ -229,6 +229,7 @@ def optimize(
         raise TypeError(f"autocast= takes a dtype such as torch.bfloat16, got {autocast!r}")
     with ExitStack() as stack:
         planned.enter(stack)  # weight cache off, as the executor runs its stages
+        stack.enter_context(in_training_mode(model))
         optimized = _optimize(
             model,
             example_batch,

@@ -295,6 +295,52 @@ def test_a_model_moved_to_another_dtype_is_planned_again() -> None:
     assert om.chain.stages[1].out_bytes == 2 * before  # profiled again, in float64
 
 
+def test_a_model_optimized_in_eval_mode_is_planned_for_its_training_steps() -> None:
+    """Hugging Face's ``from_pretrained`` returns a model in eval mode. ``optimize`` profiles it
+    in training mode (dropout saves its masks there), gives every module its own flag back,
+    and the training step after ``model.train()`` fits the budget and is plain autograd's."""
+    config = GPTConfig(layers=4, hidden=64, heads=2, seq=64, vocab=64, dropout=0.1)
+    model = build_gpt(config, seed=0)
+    reference = copy.deepcopy(model)
+    inputs = gpt_batch(config, 4)
+    model.eval()
+    model.block1.train()  # a mixed state, given back as it was
+    flags = [m.training for m in model.modules()]
+    om = offremat.optimize(model, inputs, budget=0.4, measure_memory=True)
+    assert [m.training for m in model.modules()] == flags
+    model.train()
+    for parameter in model.parameters():  # gradients kept between steps are not activations
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(3)
+    om(inputs).backward()
+    assert om.cache_info()["plans"] == 1  # the plan made by optimize, for training mode
+    assert om.stats.measured_peak_bytes <= om.plan.budget_bytes
+    torch.manual_seed(3)
+    reference(inputs).backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_stage_switched_to_eval_mode_is_planned_again() -> None:
+    """Dropout switched off in one block after optimize: that block saves no mask now, so the
+    steps get a plan profiled in the new modes, and follow plain autograd."""
+    config = GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64, dropout=0.1)
+    model = build_gpt(config, seed=0)
+    reference = copy.deepcopy(model)
+    inputs = gpt_batch(config, 4)
+    om = offremat.optimize(model, inputs, budget=0.5)
+    before = om.chain
+    for network in (model, reference):
+        network.block2.eval()
+    torch.manual_seed(4)
+    om(inputs).backward()
+    assert om.chain is not before and om.cache_info()["plans"] == 1
+    torch.manual_seed(4)
+    reference(inputs).backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
 def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
     """Activation sizes that depend on the input's values: a plan cannot know them, but the
     independent measurement sees the step pass the budget, and says so."""
