@@ -16,7 +16,10 @@ version counter, and a buffer may start changing at any step), and buffers are s
 stage's activations. The copies live until the step ends and are not part of the plan's
 count. A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
 replayed so, since its gradient must reach the parameter itself: its version counter is
-checked, and a recomputed stage that changes one is refused.
+checked, and a recomputed stage that changes one is refused. So is a parameter changed in
+place between a stage's forward and its recomputation (an optimizer step before the
+backward): plain autograd computes the gradient from the values the forward saw, which a
+recomputation no longer has.
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ class FirstForward:
         self.parameters = [(p, p._version) for p in parameters]
         self.copies = {slot: slot[0]._buffers[slot[1]].clone() for slot in slots}
 
-    def finish(self, stage: str) -> dict[BufferSlot, torch.Tensor]:
-        """The copies, for the stage's recomputations; refuses a parameter changed in place."""
-        if any(p._version != version for p, version in self.parameters):
+    def _changed(self) -> bool:
+        return any(p._version != version for p, version in self.parameters)
+
+    def finish(self, stage: str) -> None:
+        """Refuse a forward that changed one of the stage's parameters in place."""
+        if self._changed():
             raise RuntimeError(
                 f"stage {stage!r} changes one of its parameters in place in its forward: "
                 "plain autograd does that once a step, and the plan recomputes this stage, "
@@ -49,7 +55,17 @@ class FirstForward:
                 "larger budget, or solver='offload-all' with a link), or make the change "
                 "outside the forward"
             )
-        return self.copies
+
+    def check_recomputable(self, stage: str) -> None:
+        """Refuse to recompute the stage from parameters changed in place since its forward."""
+        if self._changed():
+            raise RuntimeError(
+                f"a parameter of stage {stage!r} was changed in place after the forward and "
+                "before the backward (an optimizer step or a weight update in between?): plain "
+                "autograd computes the gradient from the values the forward saw, and the plan "
+                "recomputes this stage from the new ones. Change parameters after backward, "
+                "or use a plan that keeps or offloads this stage"
+            )
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offremat._buffers import BufferSlot
+from offremat._buffers import FirstForward
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import RngState, cuda_device_indices
@@ -72,8 +72,9 @@ class _Step(Compute):
         self.norms = [scan.norms for scan in scans]
         self.buffers = [scan.buffers for scan in scans]
         self.parameters = [scan.parameters for scan in scans]
-        # Per recomputed stage, its buffers' values from before its first forward.
-        self.buffer_copies: dict[int, dict[BufferSlot, torch.Tensor]] = {}
+        # Per recomputed stage, its buffers' values from before its first forward and its
+        # parameters' versions.
+        self.first_forwards: dict[int, FirstForward] = {}
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
         self.autocast = AutocastState.of_step(device)
@@ -197,7 +198,7 @@ class _Step(Compute):
         self.offloaded_by.clear()
         self.grads.clear()
         self.kept.clear()
-        self.buffer_copies.clear()
+        self.first_forwards.clear()
 
     def _run(self, actions: Sequence[HostAction]) -> None:
         for action in actions:

@@ -8,7 +8,7 @@ plan's tensors as the step holds it.
 
 from __future__ import annotations
 
-from contextlib import ExitStack, suppress
+from contextlib import AbstractContextManager, ExitStack, suppress
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +105,7 @@ class Compute:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                copies += stack.enter_context(replayed_buffers(self.buffer_copies.get(i, {})))
+                copies += stack.enter_context(self._replayed_buffers(i, name))
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
@@ -130,7 +130,8 @@ class Compute:
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
         if watch is not None:
-            self.buffer_copies[i] = watch.finish(name)
+            watch.finish(name)
+            self.first_forwards[i] = watch
         tensors, structure = flatten(result)
         del result
         if first:
@@ -186,6 +187,15 @@ class Compute:
             upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
         ]
 
+    def _replayed_buffers(self, i: int, name: str) -> AbstractContextManager[list[torch.Tensor]]:
+        """The context of a recomputation of stage i: its buffers as its first forward found
+        them, its parameters as that forward used them (else refused)."""
+        first_forward = self.first_forwards.get(i)
+        if first_forward is None:
+            return replayed_buffers({})
+        first_forward.check_recomputable(name)
+        return replayed_buffers(first_forward.copies)
+
     def _refill(self, i: int) -> None:
         """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
         kept = self.kept.pop(i)
@@ -201,7 +211,7 @@ class Compute:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                stack.enter_context(replayed_buffers(self.buffer_copies.get(i, {})))
+                stack.enter_context(self._replayed_buffers(i, name))
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())

@@ -175,3 +175,27 @@ def test_a_found_run_of_blocks_with_moving_averages_trains_as_plain_autograd(sol
     om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
     assert _same_state(model, reference)
     _train_beside(om, model, reference, x)
+
+
+def test_a_parameter_changed_between_forward_and_backward_is_refused_for_recomputation() -> None:
+    """A bias (which autograd does not save) updated between forward and backward: plain
+    autograd computes the gradients from the forward's values, a recomputation would read the
+    new bias. The step is refused, with what to do, and the next one trains as plain autograd."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Counted(False) for _ in range(4)], nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    bias = model[1].linear.bias
+    before = bias.detach().clone()
+    loss = om(x).pow(2).mean()
+    with torch.no_grad():
+        bias.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place after the forward and before"):
+        loss.backward()
+    with torch.no_grad():
+        bias.copy_(before)
+        for block in reference[:4]:  # the refused step's forward counted its calls
+            block.calls += 1
+    model.zero_grad()
+    _train_beside(om, model, reference, x)
