@@ -104,7 +104,12 @@ def _storage_leaves(value: Any, found: list[Any]) -> None:
     ``tree_leaves`` for them at a fraction of its cost, which is paid on every op a tracked
     step runs (profiling a new input shape runs each stage tracked).
     """
-    if isinstance(value, (torch.Tensor, torch.UntypedStorage)):
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        # A sparse tensor (an nn.Embedding(sparse=True)'s gradient) has no storage of its
+        # own: its memory is that of its parts.
+        for part in _sparse_parts(value):
+            _storage_leaves(part, found)
+    elif isinstance(value, (torch.Tensor, torch.UntypedStorage)):
         found.append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
@@ -112,6 +117,17 @@ def _storage_leaves(value: Any, found: list[Any]) -> None:
     elif isinstance(value, dict):
         for item in value.values():
             _storage_leaves(item, found)
+
+
+def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a sparse tensor's indices and values."""
+    if tensor.layout == torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    raise TypeError(f"cannot measure a tensor of layout {tensor.layout}")
 
 
 def _key(leaf: torch.Tensor | torch.UntypedStorage) -> int:

@@ -374,3 +374,31 @@ def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
         om((x, torch.ones(16, 64))).backward()
         assert om.stats.measured_peak_bytes > om.plan.budget_bytes
     assert caplog.text.count("over its budget") == 1  # once per plan
+
+
+def test_a_sparse_embedding_trains_as_plain_autograd_within_its_budget() -> None:
+    """nn.Embedding(sparse=True) makes a sparse gradient, which has no storage of its own: the
+    independent measurement counts its indices and values (it used to fail on it)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32, sparse=True), *[Block() for _ in range(4)])
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (16, 64))
+    om = offremat.optimize(model, ids, budget=0.7, measure_memory=True)
+    assert "recompute" in om.plan.decisions.values()
+    for network, step in ((model, om), (reference, reference)):
+        for parameter in network.parameters():
+            parameter.grad = None
+        step(ids).square().mean().backward()
+    assert om.stats.measured_peak_bytes <= om.plan.budget_bytes
+    assert model[0].weight.grad.is_sparse
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad.to_dense(), theirs.grad.to_dense())
