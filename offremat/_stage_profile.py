@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._clock import MarkingPacker, mark, seconds, timed
@@ -33,6 +34,7 @@ from offremat._tensors import (
     flatten,
     is_differentiable,
     storage_allocated_bytes,
+    storage_key,
     unflatten,
     unique_storages,
 )
@@ -142,6 +144,7 @@ class StageProfile:
         with StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         out_tensors = flatten(output)[0]
+        refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
         grad_bytes = gradient_bytes(out_tensors)
         out_storages = unique_storages(out_tensors)
         out_bytes = sum(
@@ -234,6 +237,45 @@ class StageProfile:
             min(statistics.median(refill_times), forward_s),
         )
         return measured, handed
+
+
+def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:
+    """Refuse a stage whose custom ``autograd.Function`` keeps activations as ``ctx``
+    attributes (``ctx.x = x``) rather than through ``ctx.save_for_backward``.
+
+    Autograd's saved-tensor hooks never see such tensors: the graph holds them from the
+    forward to the backward whatever the plan decides, so no chain can say what the stage
+    holds, and a plan that recomputes or offloads it would pass its budget. Parameters and
+    buffers on ``ctx`` (``excluded``) are no activations, nor are integer tensors such as the
+    RNG state that reentrant ``torch.utils.checkpoint`` keeps there: both are allowed.
+    """
+    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[int] = set()
+    found = []
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, BackwardCFunction):
+            kept = [
+                name
+                for name, value in vars(node).items()
+                if isinstance(value, torch.Tensor)
+                and (value.is_floating_point() or value.is_complex())
+                and storage_key(value) not in excluded
+            ]
+            if kept:
+                function = getattr(type(node), "_forward_cls", type(node)).__name__
+                found.append(f"{function} (ctx.{', ctx.'.join(sorted(kept))})")
+        nodes += [following for following, _ in node.next_functions]
+    if found:
+        raise ValueError(
+            f"stage {stage!r} keeps activations as ctx attributes of custom autograd "
+            f"Functions: {'; '.join(sorted(set(found)))}. Autograd holds them until the "
+            "backward whatever the plan decides, so no plan could keep its budget: store them "
+            "with ctx.save_for_backward"
+        )
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
