@@ -20,6 +20,13 @@ checked, and a recomputed stage that changes one is refused. So is a parameter c
 place between a stage's forward and its recomputation (an optimizer step before the
 backward): plain autograd computes the gradient from the values the forward saw, which a
 recomputation no longer has.
+
+A forward may also assign the modules' plain attributes (``self.saved = h``, as
+activation-logging code does). A refill (:mod:`offremat._deferred`) reruns a forward only to
+fill the saved tensors of a graph an earlier forward kept, and that earlier graph is the one
+the backward runs: each attribute the refill assigns is given back the object the earlier
+forward left, which is in that graph (and so gets its ``retain_grad`` gradient), as under
+plain autograd.
 """
 
 from __future__ import annotations
@@ -81,3 +88,22 @@ def replayed_buffers(copies: dict[BufferSlot, torch.Tensor]) -> Iterator[list[to
     finally:
         for (module, name), tensor in current:
             module._buffers[name] = tensor
+
+
+@contextmanager
+def restored_attributes(stage: nn.Module) -> Iterator[None]:
+    """Run a refill of ``stage``, then give each of its modules back the attributes it had
+    before (a reassigned one its object, an added one removed)."""
+    before = [(module.__dict__, dict(module.__dict__)) for module in stage.modules()]
+    try:
+        yield
+    finally:
+        for attributes, kept in before:
+            for name in [name for name in attributes if name not in kept]:
+                del attributes[name]
+            for name, value in kept.items():
+                if attributes.get(name, _MISSING) is not value:
+                    attributes[name] = value
+
+
+_MISSING = object()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._buffers import FirstForward, replayed_buffers
+from offremat._buffers import FirstForward, replayed_buffers, restored_attributes
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
@@ -212,6 +212,7 @@ class Compute:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 stack.enter_context(self._replayed_buffers(i, name))
+                stack.enter_context(restored_attributes(self.executor.stages[i - 1]))
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())

@@ -199,3 +199,36 @@ def test_a_parameter_changed_between_forward_and_backward_is_refused_for_recompu
             block.calls += 1
     model.zero_grad()
     _train_beside(om, model, reference, x)
+
+
+class Logged(nn.Module):
+    """Keeps an intermediate and its gradient, as activation-logging and saliency code do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.up(x)
+        if hidden.requires_grad:
+            hidden.retain_grad()
+        self.seen = hidden
+        return x + self.down(torch.relu(hidden))
+
+
+@pytest.mark.parametrize("solver", ["dp", "checkpoint-every-stage"])
+def test_a_kept_intermediate_gets_its_gradient_as_under_plain_autograd(solver: str) -> None:
+    """A refill reran the forward and left its own tensor, outside the graph the backward ran,
+    on the module: its ``.grad`` was None."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Logged() for _ in range(5)], nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.5 if solver == "dp" else 1.0, solver=solver)
+    assert "recompute" in om.plan.decisions.values()
+    om(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for mine, theirs in zip(model[:5], reference[:5], strict=True):
+        assert torch.equal(mine.seen, theirs.seen)
+        assert theirs.seen.grad is not None and torch.equal(mine.seen.grad, theirs.seen.grad)
