@@ -39,6 +39,7 @@ from torch import nn
 
 # A buffer: the module that holds it and its name there.
 BufferSlot = tuple[nn.Module, str]
+_MISSING = object()
 
 
 class FirstForward:
@@ -104,6 +105,3 @@ def restored_attributes(stage: nn.Module) -> Iterator[None]:
             for name, value in kept.items():
                 if attributes.get(name, _MISSING) is not value:
                     attributes[name] = value
-
-
-_MISSING = object()
