@@ -177,7 +177,6 @@ def simulate(
             wait_total += start - compute_free
             memory.add(start, persistent + transient)
             instant = end == start
-            memory.add(end, -transient, instant)
             for tensor in inputs:
                 if tensor is not None and tensor[0] != GRAD:
                     last_reader_end[tensor] = end
@@ -192,6 +191,9 @@ def simulate(
                 memory.add(end, chain.held_bytes, instant)
             if alone in gone:
                 release(alone, end, instant)
+            # After the releases: a negative temporary (a backward that frees part of x̄_i by
+            # its peak) gives back bytes that the release of x̄_i has just counted again.
+            memory.add(end, -transient, instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
             times[n] = OpTimes(ready, start, end)
             compute_free = end

@@ -174,6 +174,18 @@ def test_zero_length_ops_still_count_their_temporaries() -> None:
     assert result.peak_bytes == 1 + 1 + 1 + 50  # a_0, δ_1, x̄_1 and the forward temporary
 
 
+@pytest.mark.parametrize("backward_s", [0.0, 1e-15, 1.0])
+def test_a_backward_that_frees_part_of_its_saved_set_peaks_alike_however_long(
+    backward_s: float,
+) -> None:
+    """A negative backward temporary: B(2) has freed 20 of x̄_2's 30 bytes by its peak. A
+    backward that took no time gave those bytes back before releasing x̄_2, a spike of 20."""
+    stages = (Stage("s1", 1.0, 1.0, 10, 10), Stage("s2", 1.0, backward_s, 10, 30, 0, -20))
+    result = simulate([*KEEP_ALL[:2], backward(2), backward(1)], Chain("n", 0, stages), None)
+    # F_all(2): x̄_1, δ_2 and x̄_2; B(2) adds δ_1 less the 20 freed by its peak.
+    assert result.peak_bytes == 10 + 10 + 30
+
+
 def test_free_of_a_tensor_still_arriving_waits_for_its_prefetch() -> None:
     ops = [forward_all(1), forward_all(2), offload("saved", 1), forward_all(3)]
     ops += [backward(3), prefetch("saved", 1), free("saved", 1)]
