@@ -50,7 +50,8 @@ def necessary_budget_bytes(chain: Chain) -> int:
         if k < length:
             temporary = min(temporary, stage.nograd_fwd_tmp_bytes)
         need = max(need, x[0] + g[length] + a_previous + output + temporary)
-    return need
+    # After B(1), which releases a_0, the step still holds δ_0 and what the caller keeps.
+    return max(need, g[0] + chain.held_bytes)
 
 
 def absent_saved_bytes(chain: Chain, budget_bytes: int) -> int | None:

@@ -93,6 +93,10 @@ class _Sizes:
         """The memory opt(m, i, i) needs besides a_{i-1}."""
         g, xb = self.grad, self.saved
         need = max(g[i] + xb[i] + self.fwd_tmp[i], working_set(g, xb, self.bwd_tmp, i))
+        if i == 1 == len(self.activation) - 1:
+            # A one-stage chain ends on B(1), which releases a_0: then δ_0 and what the caller
+            # holds remain (on longer chains the sub-problems after B(L) count those bytes).
+            need = max(need, g[0] + self.held - self.activation[0])
         return int(need + self.held_after(i))
 
     def forward_room(self, s: int, t: int) -> int:

@@ -133,6 +133,8 @@ def _dtr_ops(chain: Chain, budget_bytes: int) -> list[Op]:
         if (SAVED, i) not in run.resident:
             run.run(forward_all(i))
         run.run(backward(i))
+    if run.resident_bytes() > budget_bytes:  # δ_0 and what the caller holds, at the end
+        raise _OutOfMemory
     return run.ops
 
 
@@ -146,14 +148,19 @@ def _fits(chain: Chain, budget_bytes: int) -> bool:
 
 def dtr_least_budget(chain: Chain, above: int = 0) -> int:
     """The least budget greater than ``above`` at which DTR completes the step, by bisection
-    below plain autograd's peak, at which it never evicts. DTR is greedy, so its success is
-    not monotone in the budget: the budget named is one at which it does succeed, with none
-    found between ``above`` and it."""
+    below one at which it does (plain autograd's peak, as a rule). DTR is greedy, so its
+    success is not monotone in the budget: the budget named is one at which it does succeed,
+    with none found between ``above`` and it."""
     if chain.frozen_stages:
         return least_budget(chain, dtr_least_budget)
-    # At plain autograd's peak DTR never evicts: it runs keep-all's operations.
+    # At plain autograd's peak DTR usually never evicts. Its admission counts an operation's
+    # output and temporaries before it runs, which can ask for more than the simulated peak
+    # (a backward with a negative temporary that takes no time): grow the budget until it fits.
     ceiling = simulate(keep_all(chain), chain).peak_bytes
     low, high = above, max(ceiling, above + 1)
+    step = max(1, high // 64)
+    while not _fits(chain, high):
+        low, high, step = high, high + step, 2 * step
     while high - low > 1:
         middle = (low + high) // 2
         if _fits(chain, middle):

@@ -89,7 +89,15 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
         )
     if solver in BASELINES:
         return _solve_baseline(chain, budget_bytes, solver)
-    return _optimizer(solver)(chain, budget_bytes, **given)
+    plan = _optimizer(solver)(chain, budget_bytes, **given)
+    if plan.predicted_peak_bytes is None or plan.predicted_peak_bytes > budget_bytes:
+        # Never hand on a plan the simulator puts over its budget, whatever its solver says.
+        raise RuntimeError(
+            f"solver {solver!r} returned a plan whose simulated peak, "
+            f"{plan.predicted_peak_bytes} B, passes the budget of {budget_bytes} B: this is a "
+            "bug in offremat; please report it with the chain"
+        )
+    return plan
 
 
 def _optimizer(solver: str) -> Callable[..., Plan]:

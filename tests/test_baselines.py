@@ -33,7 +33,7 @@ from solvers.registry import (
     min_feasible_budget,
     solve,
 )
-from solvers.simulator import simulate
+from solvers.simulator import score, simulate
 
 # Four unequal stages: (f, b, x, x̄, ftmp, btmp); input x_0 = 8.
 SPECS = [(1.0, 2.0, 10, 40, 3, 5), (2.0, 3.0, 20, 60, 4, 6), (1.0, 1.0, 10, 30, 2, 2)]
@@ -297,7 +297,7 @@ def test_registry_passes_milp_options(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fake_solve_milp(chain: Chain, budget_bytes: int, **options: Any) -> Plan:
         received.update(options, budget=budget_bytes)
-        return keep_all(chain)
+        return score(keep_all(chain), chain, budget_bytes)
 
     fake = types.ModuleType("solvers.milp")
     fake.solve_milp = fake_solve_milp  # type: ignore[attr-defined]

@@ -178,3 +178,36 @@ def test_checkmate_is_the_milp_without_offloading() -> None:
     with pytest.raises(InfeasibleBudgetError, match="no checkmate plan") as caught:
         solve(chain, memory_need(chain) - 1, "checkmate", time_limit_s=5)
     assert caught.value.min_budget_bytes == memory_need(chain)
+
+
+HELD_AFTER_THE_STEP = Chain(
+    "held", 1000, (Stage("s0", 0.001, 0.002, 1000, 5000),), held_bytes=50000
+)
+ZERO_TIME_OPS = Chain(
+    "zero-time",
+    72103,
+    (
+        Stage("s0", 0.0073, 0.0, 0, 923208, grad_bytes=0),
+        Stage("s1", 0.0, 0.0149, 107119, 445598, 4438, -97678, grad_bytes=0),
+    ),
+    input_grad_bytes=0,
+    held_bytes=24446,
+)
+
+
+@pytest.mark.parametrize("chain", [HELD_AFTER_THE_STEP, ZERO_TIME_OPS], ids=lambda c: c.name)
+@pytest.mark.parametrize("solver", ["dp", "dtr", "milp", "checkmate", "min-peak", "chen"])
+def test_every_solver_fits_or_names_a_budget_at_which_it_does(chain: Chain, solver: str) -> None:
+    """Chains at the edges of the memory model: a one-stage chain whose caller keeps more after
+    B(1) than the step held before (dp, dtr and milp returned plans at twice their budget), and
+    zero-length operations (dtr named peak + 1 B, then peak + 2 B, ... without end)."""
+    options = {"time_limit_s": 2.0} if solver in ("milp", "checkmate") else {}
+    for budget in (keep_all_peak(chain) // 2, keep_all_peak(chain)):
+        try:
+            plan = solve(chain, budget, solver, **options)
+        except InfeasibleBudgetError as error:
+            assert error.min_budget_bytes > budget
+            plan = solve(chain, error.min_budget_bytes, solver, **options)
+            budget = error.min_budget_bytes
+        assert plan.predicted_peak_bytes <= budget
+        assert simulate(plan, chain, budget).peak_bytes == plan.predicted_peak_bytes
