@@ -258,6 +258,11 @@ class Chain:
         if fmt != CHAIN_FORMAT:
             raise ChainFormatError(f"chain: field 'format' is {fmt!r}; expected {CHAIN_FORMAT!r}")
         _require(data, ("name", "input_bytes", "stages"), "chain")
+        unknown = set(data) - _CHAIN_FIELDS
+        if unknown:
+            raise ChainFormatError(f"chain: unknown field(s) {sorted(unknown)}")
+        if not isinstance(data["name"], str):
+            raise ChainFormatError(f"chain: field 'name' must be a string, got {data['name']!r}")
         if not isinstance(data["stages"], list):
             raise ChainFormatError("chain: field 'stages' must be a list")
         stages = []
@@ -283,12 +288,15 @@ class Chain:
             if not isinstance(raw_link, dict):
                 raise ChainFormatError("link: must be a JSON object")
             _require(raw_link, ("d2h_bytes_per_s", "h2d_bytes_per_s"), "link")
+            unknown = set(raw_link) - {"d2h_bytes_per_s", "h2d_bytes_per_s"}
+            if unknown:
+                raise ChainFormatError(f"link: unknown field(s) {sorted(unknown)}")
             link = Link(raw_link["d2h_bytes_per_s"], raw_link["h2d_bytes_per_s"])
-        metadata = data.get("metadata") or {}
+        metadata = {} if data.get("metadata") is None else data["metadata"]
         if not isinstance(metadata, dict):
             raise ChainFormatError("chain: field 'metadata' must be a JSON object")
         return cls(
-            name=str(data["name"]),
+            name=data["name"],
             input_bytes=data["input_bytes"],
             input_grad_bytes=data.get("input_grad_bytes"),
             held_bytes=data.get("held_bytes", 0),
@@ -335,6 +343,17 @@ STAGE_BYTE_FIELDS = (
 """The sizes a stage gives, in bytes."""
 
 _STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
+_CHAIN_FIELDS = {
+    "format",
+    "name",
+    "input_bytes",
+    "input_grad_bytes",
+    "held_bytes",
+    "frozen_stages",
+    "stages",
+    "link",
+    "metadata",
+}
 
 
 def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:

@@ -67,7 +67,15 @@ class Op:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Op:
         """Parse one JSON op."""
-        return cls(kind=data["op"], index=int(data["index"]), target=data.get("tensor"))
+        if not isinstance(data, dict):
+            raise ValueError(f"an op must be a JSON object, got {data!r}")
+        unknown = set(data) - {"op", "index", "tensor"}
+        if unknown:
+            raise ValueError(f"op {data}: unknown field(s) {sorted(unknown)}")
+        index = data["index"]
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"op {data}: field 'index' must be an integer, got {index!r}")
+        return cls(kind=data["op"], index=index, target=data.get("tensor"))
 
 
 def forward_all(i: int) -> Op:

@@ -74,6 +74,18 @@ __all__ = [
 ]
 
 PLAN_FORMAT = "offremat.plan/1"
+_PLAN_FIELDS = {
+    "format",
+    "chain",
+    "stages",
+    "solver",
+    "budget_bytes",
+    "predicted_time_s",
+    "predicted_peak_bytes",
+    "decisions",
+    "ops",
+    "info",
+}
 
 
 class PlanError(ValueError):
@@ -161,6 +173,11 @@ class Plan:
         for name in ("stages", "solver", "ops"):
             if name not in data:
                 raise ValueError(f"plan: missing field {name!r}")
+        unknown = set(data) - _PLAN_FIELDS
+        if unknown:
+            raise ValueError(f"plan: unknown field(s) {sorted(unknown)}")
+        if not isinstance(data["ops"], list):
+            raise ValueError("plan: field 'ops' must be a list")
         try:
             ops = tuple(Op.from_dict(raw) for raw in data["ops"])
         except (KeyError, TypeError, ValueError) as error:

@@ -125,6 +125,11 @@ def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
         (_set(("stages", 1, "name"), 5), ["stage 2", "name", "string"]),
         (_set(("stages", 1, "name"), "block0"), ["stage 2", "block0", "earlier stage"]),
         (_set(("metadata",), [1]), ["metadata", "object"]),
+        (_set(("metadata",), []), ["metadata", "object"]),
+        (_set(("frozen_stage",), 2), ["chain", "frozen_stage", "unknown"]),
+        (_set(("held_byte",), 8), ["chain", "held_byte", "unknown"]),
+        (_set(("link", "d2h_latency_s"), 1e-5), ["link", "d2h_latency_s", "unknown"]),
+        (_set(("name",), 7), ["chain", "name", "string"]),
     ],
 )
 def test_validation_error_names_the_stage_and_field(

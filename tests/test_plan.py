@@ -99,6 +99,31 @@ def test_op_text_names_the_tensor() -> None:
             },
             "budget_bytes",
         ),
+        (
+            {"format": "offremat.plan/1", "stages": [], "solver": "x", "ops": [], "budget_byte": 9},
+            "unknown field.*budget_byte",
+        ),
+        (
+            {
+                "format": "offremat.plan/1",
+                "stages": [],
+                "solver": "x",
+                "ops": [{"op": "B", "index": 1, "tensro": "saved"}],
+            },
+            "unknown field.*tensro",
+        ),
+        *(
+            (
+                {
+                    "format": "offremat.plan/1",
+                    "stages": [],
+                    "solver": "x",
+                    "ops": [{"op": "B", "index": index}],
+                },
+                "index.*integer",
+            )
+            for index in (1.7, "2", True)
+        ),
     ],
 )
 def test_malformed_plans_name_the_field(raw: dict, message: str) -> None:
