@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -79,8 +80,7 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     given = {name: value for name, value in options.items() if value is not None}
-    if "slots" in given:
-        check_count("slots", given["slots"])
+    _check_option_types(given)
     unknown = sorted(set(given) - SOLVER_OPTIONS[solver])
     if unknown:
         accepted = ", ".join(sorted(SOLVER_OPTIONS[solver])) or "none"
@@ -98,6 +98,24 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
             "bug in offremat; please report it with the chain"
         )
     return plan
+
+
+def _check_option_types(given: dict[str, Any]) -> None:
+    """Refuse an option of the wrong type by name (``offload="no"`` would read as true)."""
+    if "slots" in given:
+        check_count("slots", given["slots"])
+    if "offload" in given and not isinstance(given["offload"], bool):
+        raise ValueError(f"offload must be True or False, got {given['offload']!r}")
+    for name in ("time_limit_s", "gap"):
+        value = given.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+        ):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if "backend" in given and not isinstance(given["backend"], str):
+        raise ValueError(f"backend must be a name, got {given['backend']!r}")
+    if "progress" in given and not callable(given["progress"]):
+        raise ValueError(f"progress must be callable, got {given['progress']!r}")
 
 
 def _optimizer(solver: str) -> Callable[..., Plan]:

@@ -429,3 +429,21 @@ def test_baselines_are_valid_and_fit_or_name_a_budget_that_fits(
 def test_offload_all_moves_only_saved_sets() -> None:
     plan = offload_all(equal_chain(1.0))
     assert {op.target for op in plan.ops if not op.is_compute} == {SAVED}
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"offload": "no"}, "offload"),
+        ({"offload": 0}, "offload"),
+        ({"time_limit_s": float("nan")}, "time_limit_s"),
+        ({"time_limit_s": "1"}, "time_limit_s"),
+        ({"gap": "0.1"}, "gap"),
+        ({"backend": 3}, "backend"),
+        ({"progress": 5}, "progress"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_by_name(options: dict, named: str) -> None:
+    """``offload="no"`` read as true and offloaded; the others failed deep in the solver."""
+    with pytest.raises(ValueError, match=named):
+        solve(tiny(Link(1e9, 1e9)), keep_all_peak(tiny()), "milp", **options)
