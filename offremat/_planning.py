@@ -19,7 +19,7 @@ from offremat.profiler import parse_bandwidth
 from solvers.budget import format_bytes, parse_budget
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.registry import keep_all_peak, solve
+from solvers.registry import check_request, keep_all_peak, solve
 from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
@@ -164,11 +164,8 @@ def _plan(
             )
         plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
     else:
-        if solver_options:
-            logger.warning(
-                "plan= is given, so nothing is solved and the solver options %s are ignored",
-                ", ".join(sorted(solver_options)),
-            )
+        # Nothing is solved for this input, but a new input shape is solved with them.
+        check_request(solver, solver_options)
         budget_bytes = (
             plan.budget_bytes if budget is None else parse_budget(budget, keep_all_peak(chain))
         )

@@ -75,18 +75,9 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     ``ValueError`` for an unknown solver, a bad option or an offload baseline on a chain
     without a link.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    given = check_request(solver, options)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
-    given = {name: value for name, value in options.items() if value is not None}
-    _check_option_types(given)
-    unknown = sorted(set(given) - SOLVER_OPTIONS[solver])
-    if unknown:
-        accepted = ", ".join(sorted(SOLVER_OPTIONS[solver])) or "none"
-        raise ValueError(
-            f"solver {solver!r} does not take option(s) {', '.join(unknown)}; it takes: {accepted}"
-        )
     if solver in BASELINES:
         return _solve_baseline(chain, budget_bytes, solver)
     plan = _optimizer(solver)(chain, budget_bytes, **given)
@@ -98,6 +89,22 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
             "bug in offremat; please report it with the chain"
         )
     return plan
+
+
+def check_request(solver: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options :func:`solve` passes to ``solver`` (those not None); a ValueError naming
+    an unknown solver, an option it does not take or one of the wrong type."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    given = {name: value for name, value in options.items() if value is not None}
+    _check_option_types(given)
+    unknown = sorted(set(given) - SOLVER_OPTIONS[solver])
+    if unknown:
+        accepted = ", ".join(sorted(SOLVER_OPTIONS[solver])) or "none"
+        raise ValueError(
+            f"solver {solver!r} does not take option(s) {', '.join(unknown)}; it takes: {accepted}"
+        )
+    return given
 
 
 def _check_option_types(given: dict[str, Any]) -> None:

@@ -154,7 +154,7 @@ def test_budget_forms_and_their_errors() -> None:
         offremat.optimize(model, x, chain=chain)
 
 
-def test_chain_and_plan_from_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_chain_and_plan_from_files(tmp_path: Path) -> None:
     model = mlp()
     x = batch()[0]
     first = offremat.optimize(model, x, budget=0.8, stages=3)
@@ -163,7 +163,11 @@ def test_chain_and_plan_from_files(tmp_path: Path, caplog: pytest.LogCaptureFixt
     again = offremat.optimize(
         model, x, chain=tmp_path / "chain.json", plan=tmp_path / "plan.json", slots=50
     )
-    assert "solver options slots are ignored" in caplog.text
+    # The solver and its options are not used for this input, but for a new input shape: they
+    # are checked now, not at the first step on another shape.
+    for wrong in ({"solver": "dpp"}, {"tolerance": 0.1, "solver": "milp"}):
+        with pytest.raises(ValueError, match=r"dpp|tolerance"):
+            offremat.optimize(model, x, chain=first.chain, plan=first.plan, **wrong)
     assert again.plan.ops == first.plan.ops
     assert again.plan.budget_bytes == first.plan.budget_bytes
     assert again.plan.predicted_peak_bytes == first.plan.predicted_peak_bytes
