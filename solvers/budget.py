@@ -42,6 +42,8 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# "25Gb/s", "512Mb": an upper-case prefix then a lower-case b is how bits are written.
+_BITS = re.compile(r"^[KMGT]i?b$")
 
 
 SMALLEST_BYTE_COUNT = 16
@@ -72,7 +74,13 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
                 f"budget {value!r} is not a size: write bytes (6442450944), a size with a unit "
                 "(6GiB, 512MB) or a fraction of the keep-all peak in (0, 1] (0.25)"
             )
-        text, unit = match.group(1), match.group(2).lower()
+        written_unit = match.group(2)
+        if _BITS.match(written_unit):
+            raise ValueError(
+                f"{value!r} reads as bits ({written_unit}, a lower-case b after a prefix): "
+                f"offremat counts bytes, so write {written_unit[:-1]}B for bytes, or divide by 8"
+            )
+        text, unit = match.group(1), written_unit.lower()
         if unit:
             return _positive(int(_finite(float(text) * _UNITS[unit], written)), written)
         value = int(text) if text.isdigit() else float(text)
@@ -144,7 +152,9 @@ def _bytes_per_second(value: Any) -> float:
         except ValueError:
             try:
                 rate = float(parse_budget(text))
-            except ValueError:
+            except ValueError as error:
+                if "reads as bits" in str(error):
+                    raise ValueError(f"bandwidth {error}") from None
                 raise ValueError(
                     f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
                     "size per second (25GB/s, 12GiB/s)"

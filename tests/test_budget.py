@@ -7,7 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from solvers.budget import InfeasibleBudgetError, byte_unit, format_bytes, parse_budget
+from solvers.budget import (
+    InfeasibleBudgetError,
+    byte_unit,
+    format_bytes,
+    parse_bandwidth,
+    parse_budget,
+)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +47,8 @@ def test_parse_budget_reads_bytes_sizes_and_fractions(written: object, expected:
         ("0.1B", "must be positive"),
         (1e-9, "must be positive"),
         (-0.5, "outside (0, 1]"),
+        ("6Gb", "reads as bits"),
+        ("512Mb", "write MB for bytes"),
     ],
 )
 def test_parse_budget_refuses_what_is_not_a_positive_budget(written: object, message: str) -> None:
@@ -66,3 +74,10 @@ def test_infeasible_budget_error_says_what_to_raise_it_to() -> None:
     error = InfeasibleBudgetError(1000, 2048, "dp")
     assert (error.budget_bytes, error.min_budget_bytes, error.solver) == (1000, 2048, "dp")
     assert "2.00 KiB (2048 B)" in str(error) and "raise the budget" in str(error)
+
+
+def test_a_link_in_bits_is_refused_not_read_as_bytes() -> None:
+    """PCIe and networks are quoted in bits: 25Gb/s read as 25 GB/s was 8x too fast."""
+    with pytest.raises(ValueError, match=re.escape("reads as bits")):
+        parse_bandwidth("25Gb/s")
+    assert parse_bandwidth("25GB/s").d2h_bytes_per_s == 25e9
