@@ -59,6 +59,11 @@ class Stage:
         where = f"stage {self.name!r}"
         for attr in ("fwd_s", "bwd_s"):
             _check_number(getattr(self, attr), f"{where}: field {attr!r}")
+            if getattr(self, attr) > LONGEST_SECONDS:
+                raise ChainFormatError(
+                    f"{where}: field {attr!r} is {getattr(self, attr)} s, longer than any "
+                    f"stage runs (at most {LONGEST_SECONDS:g} s): give seconds"
+                )
         if self.refill_s is None:
             object.__setattr__(self, "refill_s", self.fwd_s)
         _check_number(self.refill_s, f"{where}: field 'refill_s'")
@@ -331,6 +336,10 @@ class Chain:
 
 LARGEST_BYTES = 2**60
 """One exbibyte: no memory a chain describes is larger, and sizes stay exact integers."""
+
+LONGEST_SECONDS = 1e9
+"""About 30 years: no stage's forward or backward takes longer, and sums of times stay far
+from overflowing."""
 
 STAGE_BYTE_FIELDS = (
     "out_bytes",

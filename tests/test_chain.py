@@ -130,6 +130,7 @@ def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
         (_set(("held_byte",), 8), ["chain", "held_byte", "unknown"]),
         (_set(("link", "d2h_latency_s"), 1e-5), ["link", "d2h_latency_s", "unknown"]),
         (_set(("name",), 7), ["chain", "name", "string"]),
+        (_set(("stages", 0, "fwd_s"), 1e308), ["stage 1", "fwd_s", "longer than any"]),
     ],
 )
 def test_validation_error_names_the_stage_and_field(
