@@ -7,7 +7,17 @@ import logging
 import os
 import sys
 
-from offremat.commands import EXIT_OK, EXIT_USAGE, UsageError, demo, plot, profile, solve, sweep
+from offremat.commands import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    demo,
+    plot,
+    profile,
+    solve,
+    sweep,
+)
 
 # Adding a subcommand: a module in offremat/commands/ and one entry here.
 COMMANDS = (solve, plot, profile, sweep, demo)
@@ -61,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         # at devnull so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as error:
+        # Output that cannot be written (a full disk): said in one line; what is still
+        # buffered goes nowhere, or the interpreter's final flush would fail again.
+        print(f"offremat {args.command}: error: cannot write: {error}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

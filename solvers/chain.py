@@ -322,6 +322,8 @@ class Chain:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ChainFormatError(f"chain: not valid JSON ({error})") from None
+        except RecursionError:
+            raise ChainFormatError("chain: not a chain (JSON nested too deeply to read)") from None
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:

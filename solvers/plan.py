@@ -212,7 +212,11 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan from JSON."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except RecursionError:
+            raise ValueError("plan: not a plan (JSON nested too deeply to read)") from None
+        return cls.from_dict(data)
 
 
 def _info(raw: Any) -> dict[str, Any]:

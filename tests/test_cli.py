@@ -298,3 +298,25 @@ def test_number_flags_are_checked_by_the_parser() -> None:
     ):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             parse(text)
+
+
+def test_unreadable_input_and_unwritable_output_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100000 + "]" * 100000)
+    code, _, err = run_cli(capsys, "solve", str(nested), "--budget", "0.5")
+    assert code == 2 and "nested too deeply" in err and "Traceback" not in err
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [sys.executable, "-m", "offremat.cli", "solve", "cnn", "-b", "0.5", "--json"],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        assert done.returncode == 1
+        assert done.stderr.strip().splitlines() == [
+            "offremat solve: error: cannot write: [Errno 28] No space left on device"
+        ]

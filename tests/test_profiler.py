@@ -196,6 +196,8 @@ def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
         "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(batch_size, 4)\n"
         "def broken():\n"
         "    return 3\n"
+        "def not_a_module():\n"
+        "    return 'gpt2', torch.randn(2, 4)\n"
     )
     out = tmp_path / "chain.json"
     common = ["--out", str(out), "--warmup", "0", "--repeats", "1"]
@@ -203,6 +205,8 @@ def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["input_bytes"] == 5 * 4 * FLOAT
     assert main(["profile", f"{source}:broken", *common]) == 2
+    assert main(["profile", f"{source}:not_a_module", *common]) == 2
+    assert main(["profile", f"{source}:mlp", "--device", "meta", *common]) == 2
     assert main(["profile", f"{source}:missing", *common]) == 2
     assert main(["profile", "no-such-model", *common]) == 2
     assert main(["profile", "gpt-tiny", "--stages", "0", *common]) == 2

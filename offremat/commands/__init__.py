@@ -22,6 +22,7 @@ from solvers.plan import Plan
 from solvers.registry import keep_all_peak
 
 EXIT_OK = 0
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 

@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as error:
         raise UsageError(f"--device {args.device!r}: {error}") from None
+    if device.type not in ("cpu", "cuda"):
+        # Elsewhere nothing is timed as it runs (a meta tensor computes nothing at all).
+        raise UsageError(f"--device {args.device!r}: offremat profiles on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device")
     bandwidth = args.bandwidth
@@ -113,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir() or not out.parent.is_dir():  # say so before minutes of profiling
         raise UsageError(f"--out {args.out}: give a file path in an existing folder")
     model, example = _build(args.model, args.batch, getattr(args, "verbose", False))
+    blocks = model if isinstance(model, (list, tuple)) else [model]
+    if not all(isinstance(block, torch.nn.Module) for block in blocks):
+        raise UsageError(
+            f"{args.model} gave {type(model).__name__}, not a torch.nn.Module (or a list of "
+            "them): return (model, example batch)"
+        )
     tensors, structure = flatten(example)
     example = unflatten([t.to(device) for t in tensors], structure)
     if isinstance(model, (list, tuple)):
