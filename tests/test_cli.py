@@ -170,7 +170,7 @@ def _linkless_chain(tmp_path: Path) -> Path:
         (["cnn", "--budget", "1.0", "--slots", "0"], "--slots"),
         (["cnn", "--budget", "1.0", "--solver", "greedy"], "invalid choice"),
         (["cnn"], "--budget"),
-        (["cnn", "--budget", "1.0", "--out", "/no/such/dir/plan.json"], "cannot write the plan"),
+        (["cnn", "--budget", "1.0", "--out", "/no/such/dir/plan.json"], "in an existing folder"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(
@@ -320,3 +320,15 @@ def test_unreadable_input_and_unwritable_output_are_one_line_errors(
         assert done.stderr.strip().splitlines() == [
             "offremat solve: error: cannot write: [Errno 28] No space left on device"
         ]
+
+
+def test_a_bad_plot_path_is_refused_before_solving(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    plan = tmp_path / "plan.json"
+    for plot in ("plan.jpg", "missing/plan.png"):
+        code, _, err = run_cli(
+            capsys, "solve", "cnn", "-b", "0.5", "--out", str(plan), "--plot", str(tmp_path / plot)
+        )
+        assert code == 2 and "plan" in err
+        assert not plan.exists()

@@ -145,7 +145,7 @@ def test_plot_command_draws_a_saved_plan_and_refuses_one_for_another_chain(tmp_p
     assert "cannot read plan file" in capsys.readouterr().err
     unwritable = str(tmp_path / "no" / "such" / "p.png")
     assert main(["plot", str(chain_path), str(plan_path), "--out", unwritable]) == 2
-    assert "cannot write the plot" in capsys.readouterr().err
+    assert "no folder" in capsys.readouterr().err
 
 
 def test_every_solver_has_a_line_style_in_the_sweep_plot():

@@ -163,6 +163,10 @@ def test_sweep_command_usage_errors_exit_2(tmp_path, capsys):
     blocker.write_text("")
     assert main(["sweep", "transformer", "--out", str(blocker / "x"), "--methods", "chen"]) == 2
     assert "cannot make the output folder" in capsys.readouterr().err
+    assert main(["sweep", "transformer", "--out", out, "--methods", "dp,chen,dp"]) == 2
+    assert "dp listed twice" in capsys.readouterr().err
+    assert main(["sweep", "transformer", "--out", out, "--batch", "64"]) == 2
+    assert "--batch sets the batch of --model" in capsys.readouterr().err
 
 
 def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):

@@ -114,16 +114,23 @@ def load_chain(spec: str) -> Chain:
         raise UsageError(f"cannot read chain file {candidate}: {error}") from None
 
 
+def check_plot_path(path: str) -> None:
+    """Refuse a plot path that is no PNG file path in an existing folder."""
+    if Path(path).suffix.lower() != ".png":
+        raise UsageError(f"the plot goes to a PNG file: give a path ending in .png, not {path!r}")
+    if Path(path).is_dir():
+        raise UsageError(f"{path} is a folder: give a PNG file path such as {path}/plan.png")
+    if not Path(path).parent.is_dir():
+        raise UsageError(f"{path}: no folder {Path(path).parent}; give a path in one that exists")
+
+
 def draw_plan(chain: Chain, plan: Plan, path: str, budget_bytes: int | None = None) -> None:
     """Write the plan's timeline and memory curve to the PNG ``path`` (see offremat.plots).
 
     The path is written as given, or refused: matplotlib would add ``.png`` to a name without
     one, or pick another format from another suffix.
     """
-    if Path(path).suffix.lower() != ".png":
-        raise UsageError(f"the plot goes to a PNG file: give a path ending in .png, not {path!r}")
-    if Path(path).is_dir():
-        raise UsageError(f"{path} is a folder: give a PNG file path such as {path}/plan.png")
+    check_plot_path(path)
     # matplotlib loads only when a plot is asked for, so the other subcommands start fast.
     try:
         from offremat.plots import plot_plan

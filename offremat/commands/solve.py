@@ -9,6 +9,7 @@ import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -24,6 +25,7 @@ from offremat.commands import (
     UsageError,
     bandwidth_rate,
     chain_help,
+    check_plot_path,
     draw_plan,
     integer_at_least,
     json_text,
@@ -116,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
     if args.bandwidth is not None:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
     budget = resolve_budget(args.budget, chain)
+    # Said before a solve that can take the whole time limit.
+    if args.plot:
+        check_plot_path(args.plot)
+    if args.out and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
+        raise UsageError(f"--out {args.out}: give a file path in an existing folder")
     try:
         with _search_line(args.solver in ("milp", "checkmate") and sys.stderr.isatty()) as progress:
             options = _options(args) | ({"progress": progress} if progress else {})

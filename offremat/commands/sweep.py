@@ -106,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise UsageError(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:
+        raise UsageError(f"--methods: {', '.join(twice)} listed twice")
+    if args.model is None and args.batch is not None:
+        raise UsageError("--batch sets the batch of --model; a chain file has its batch already")
     chain = _chain(args)
     if args.bandwidth is not None:
         chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
