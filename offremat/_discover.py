@@ -94,6 +94,14 @@ def as_call(batch: Any) -> Call:
     return Call((batch,), {})
 
 
+def call_of(model: nn.Module, batch: Any) -> Call:
+    """How ``model`` is called with ``batch``: :func:`as_call`, except that an
+    ``nn.Sequential`` takes its batch as its one input (a tuple too, as it runs its chain)."""
+    if isinstance(model, nn.Sequential) and not isinstance(batch, Call):
+        return Call((batch,), {})
+    return as_call(batch)
+
+
 def call_model(model: nn.Module, batch: Any) -> Any:
     """Call ``model`` with ``batch`` (see :func:`as_call`)."""
     call = as_call(batch)

@@ -29,7 +29,7 @@ from offremat._call_checks import (
     refuse_compile,
     refuse_recorded_outputs,
 )
-from offremat._discover import BlockRun, Call, as_call
+from offremat._discover import BlockRun, Call, call_of
 from offremat._model_chain import (
     ModelChain,
     check_model_chain_output,
@@ -306,7 +306,7 @@ def _optimize(
             "pass the model, or the list without blocks="
         )
     check_device([model], tensors[0].device)
-    call = as_call(example_batch)
+    call = call_of(model, example_batch)
     found = ModelChain.find(model, call, blocks)
     chain, plan = request.example_plan(
         call, lambda: profile_model_chain(model, call, found, stages, bandwidth)

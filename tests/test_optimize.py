@@ -406,3 +406,16 @@ def test_a_sparse_embedding_trains_as_plain_autograd_within_its_budget() -> None
     assert model[0].weight.grad.is_sparse
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine.grad.to_dense(), theirs.grad.to_dense())
+
+
+def test_blocks_named_in_a_sequential_take_its_batch_as_one_input() -> None:
+    """An nn.Sequential takes its batch, a tuple too, as one input: with blocks= its tuple was
+    spread into two arguments, and the error was Sequential.forward's TypeError."""
+    from offremat._blocks import NotAChainError
+
+    config = GPTConfig(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    model, inputs = build_gpt(config), gpt_batch(config, 2)
+    with pytest.raises(NotAChainError, match="no submodule 'nothing'"):
+        offremat.optimize(model, inputs, budget=1.0, blocks="nothing")
+    with pytest.raises(NotAChainError, match="is a TransformerBlock"):
+        offremat.optimize(model, inputs, budget=1.0, blocks="block0")

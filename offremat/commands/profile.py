@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from offremat._blocks import NotAChainError
+    from offremat._discover import call_of
     from offremat._model_chain import (
         ModelChain,
         check_model_chain_output,
@@ -142,10 +143,11 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError("--blocks names blocks inside a model; this one is a list")
             chain = profile_model(model, example, **options)
         else:
-            found = ModelChain.find(model, example, args.blocks)
-            chain = profile_model_chain(model, example, found, **options)
+            call = call_of(model, example)
+            found = ModelChain.find(model, call, args.blocks)
+            chain = profile_model_chain(model, call, found, **options)
             stages = model_chain_stages(found, chain)
-            check_model_chain_output(model, example, found, stages)
+            check_model_chain_output(model, call, found, stages)
     except (NotAChainError, ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     except RuntimeError as error:  # the model's own forward or backward on its example
