@@ -46,7 +46,12 @@ class PlanCache:
 
     def __init__(self, directory: str | Path, key: dict[str, Any]):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(
+                f"cache_dir={str(directory)!r} is a file, or inside one: give a folder"
+            ) from None
         self.key = key
 
     def _entry(self, signature: str) -> tuple[dict[str, Any], Path]:

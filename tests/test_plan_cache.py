@@ -105,3 +105,11 @@ def test_two_processes_writing_one_entry_never_leave_a_torn_file(tmp_path, caplo
     assert None not in loads
     assert {plan.budget_bytes for _, plan in [*loads, cache.load("(64,)")]} <= {900, 700}
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".tmp-")] == []
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(tmp_path) -> None:
+    blocker = tmp_path / "plans"
+    blocker.write_text("")
+    for directory in (blocker, blocker / "inside"):
+        with pytest.raises(ValueError, match="is a file, or inside one"):
+            PlanCache(directory, {"model": "m"})
