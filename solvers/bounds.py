@@ -16,15 +16,19 @@ from solvers.frozen import least_budget, trained_part
 def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):
     """The bytes (or units) B(k) itself holds: δ_k and x̄_k in, δ_{k-1} and its temporary out.
 
-    Its input a_{k-1}, a_0 and whatever else the plan keeps come on top.
+    Its input a_{k-1}, a_0 and whatever else the plan keeps come on top. A temporary can be
+    negative (the backward frees part of x̄_k by its peak), but not before B(k) starts: δ_k
+    and x̄_k are there then, whatever else comes on top (after B(L), the caller's bytes).
     """
-    return grad[k] + saved[k] + grad[k - 1] + tmp[k]
+    return grad[k] + saved[k] + max(0, grad[k - 1] + tmp[k])
 
 
 def backward_working_set(chain: Chain, k: int) -> int:
     """:func:`working_set` of B(k) on ``chain``, in bytes."""
     stage = chain.stage(k)
-    return chain.grad_bytes(k) + stage.saved_bytes + chain.grad_bytes(k - 1) + stage.bwd_tmp_bytes
+    grads = [chain.grad_bytes(k - 1), chain.grad_bytes(k)]
+    saved = [0, stage.saved_bytes]
+    return working_set(grads, saved, [0, stage.bwd_tmp_bytes], 1)
 
 
 def necessary_budget_bytes(chain: Chain) -> int:

@@ -70,7 +70,8 @@ class _Run:
         assert holder is not None, f"{op} has no input"
         pinned = {*change.reads, holder, *keep}
         needed = semantics.tensor_bytes(change.allocates, self.chain)
-        needed += semantics.temporary_bytes(op, self.chain)
+        # A negative temporary does not make room before the op starts.
+        needed = max(0, needed + semantics.temporary_bytes(op, self.chain))
         while self.resident_bytes() + needed > self.budget_bytes:
             self.evict(pinned)
         self.ops.append(op)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from solvers.chain import Chain
 from solvers.host import HostAction, OpTimes, host_actions
 from solvers.plan import (
-    ACTIVATION,
     BACKWARD,
     FREE,
     OFFLOAD,
@@ -43,6 +42,12 @@ from solvers.semantics import (
 )
 
 COMPUTE_LANE, D2H_LANE, H2D_LANE = "compute", "d2h", "h2d"
+
+SHORTEST_OP_S = 1e-12
+"""A compute op takes at least this long: a chain may say 0 s (a stage too quick to time),
+and ops that end when they start would share their instant with their neighbours, whose
+order within it then decides the peak. At a picosecond each op has its own instants, as the
+DP's and the MILP's memory models have them, and no predicted time moves visibly."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,13 @@ class _Memory:
         self.pending: list[tuple[float, int, int, int]] = []
         self.settled = 0
 
-    def add(self, time: float, delta: int, instant: bool = False) -> None:
-        """Record a change; ``instant`` marks a release by an op that took no time."""
+    def add(self, time: float, delta: int, in_order: bool = False) -> None:
+        """Record a change; ``in_order`` keeps it in the order it happened (an op's start, and
+        the end of an op that took no time) even where it frees bytes."""
         # At one instant, releases by ops that took time go first (an op may start the instant
-        # another ends); allocations and the releases of zero-length ops follow in the order
-        # they happened.
-        phase = 1 if delta > 0 or instant else 0
+        # another ends); allocations, an op's start and the end of a zero-length op follow in
+        # the order they happened.
+        phase = 1 if delta > 0 or in_order else 0
         event = (time, phase, len(self.changes), delta)
         self.changes.append(event)
         self.pending.append(event)
@@ -157,10 +163,10 @@ def simulate(
     times: dict[int, OpTimes] = {}
     wait_total = 0.0
 
-    def release(tensor: Tensor, time: float, instant: bool = False) -> None:
+    def release(tensor: Tensor) -> int:
         del gpu_ready_at[tensor]
         last_reader_end.pop(tensor, None)
-        memory.add(time, -size(tensor), instant)
+        return -size(tensor)
 
     for n, op in enumerate(ops):
         label = str(op)
@@ -173,27 +179,23 @@ def simulate(
             persistent, transient = size(change.allocates), temporary_bytes(op, chain)
             memory.settle(last_compute_start)
             start = memory.admit(ready, persistent + transient, budget)
-            end = start + duration_s(op, chain, n in refilled)
+            end = start + max(duration_s(op, chain, n in refilled), SHORTEST_OP_S)
             wait_total += start - compute_free
-            memory.add(start, persistent + transient)
-            instant = end == start
+            memory.add(start, persistent + transient, in_order=True)
             for tensor in inputs:
                 if tensor is not None and tensor[0] != GRAD:
                     last_reader_end[tensor] = end
-            alone = (ACTIVATION, i - 1)
             gone = released(op, gpu_ready_at)
             gpu_ready_at[change.allocates] = end
-            for tensor in gone:
-                if tensor != alone:
-                    release(tensor, end, instant)
+            # At its end the op gives back its temporary (bytes back, when it is negative: a
+            # backward that freed part of x̄_i by its peak) and its releases; after B(L) the
+            # caller holds its output and seed. Decreases first, as for an op that took time.
+            ending = [-transient, *(release(tensor) for tensor in gone)]
             if op.kind == BACKWARD and i == chain.length:
-                # What the caller holds from here to the step's end.
-                memory.add(end, chain.held_bytes, instant)
-            if alone in gone:
-                release(alone, end, instant)
-            # After the releases: a negative temporary (a backward that frees part of x̄_i by
-            # its peak) gives back bytes that the release of x̄_i has just counted again.
-            memory.add(end, -transient, instant)
+                ending.append(chain.held_bytes)
+            instant = end == start
+            for delta in sorted(ending, key=lambda delta: delta > 0):
+                memory.add(end, delta, in_order=instant)
             timeline.append(Interval(n, label, COMPUTE_LANE, start, end))
             times[n] = OpTimes(ready, start, end)
             compute_free = end
@@ -224,7 +226,8 @@ def simulate(
             times[n] = OpTimes(ready, start, end)
         elif op.kind == FREE:
             # A tensor still arriving is freed once its prefetch has ended.
-            release(op.tensor, max(compute_free, gpu_ready_at[op.tensor]))
+            freed_at = max(compute_free, gpu_ready_at[op.tensor])
+            memory.add(freed_at, release(op.tensor))
 
     curve = _levels(memory.changes)
     peak = max(level for _, level in curve)
