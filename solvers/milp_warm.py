@@ -17,7 +17,14 @@ from solvers.baselines import BASELINES
 from solvers.bounds import necessary_budget_bytes
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.dp import estimated_seconds, least_memory_plan, memory_need, solve_dp
+from solvers.dp import (
+    WARN_SECONDS,
+    estimated_seconds,
+    least_memory_plan,
+    memory_need,
+    solve_dp,
+    table_bytes,
+)
 from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.milp_codec import NotInFamilyError, Schedule, decode, encode
 from solvers.milp_model import JointModel
@@ -58,6 +65,7 @@ FINER_SLOTS = (10, 100)
 # search did not always win back (ResNet-152 at 20% and 25%, ResNet-200 at 20%).
 FINER_WARM_FACTOR = 4
 FINER_WARM_SHARE = 0.05
+FINER_WARM_TABLE_BYTES = 2**30
 
 
 def warm_start_candidates(
@@ -74,11 +82,12 @@ def warm_start_candidates(
     with contextlib.suppress(InfeasibleBudgetError):
         found.append(("dp", solve_dp(chain, budget_bytes, slots)))
     finer = slots * FINER_WARM_FACTOR
-    quick = estimated_seconds(chain.length, finer) <= FINER_WARM_SHARE * (
-        deadline - time.monotonic()
-    )
-    if found and quick:
-        found.append((f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer)))
+    # Quick, small and below the DP's own warning, or not at all: it is only a warm start.
+    seconds = min(FINER_WARM_SHARE * (deadline - time.monotonic()), WARN_SECONDS)
+    quick = estimated_seconds(chain.length, finer) <= seconds
+    if found and quick and table_bytes(chain.length, finer) <= FINER_WARM_TABLE_BYTES:
+        with contextlib.suppress(InfeasibleBudgetError, ValueError):
+            found.append((f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer)))
     for name, build in BASELINES.items():
         if name == "offload-all" and not offload:
             continue
