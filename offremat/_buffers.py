@@ -26,7 +26,8 @@ activation-logging code does). A refill (:mod:`offremat._deferred`) reruns a for
 fill the saved tensors of a graph an earlier forward kept, and that earlier graph is the one
 the backward runs: each attribute the refill assigns is given back the object the earlier
 forward left, which is in that graph (and so gets its ``retain_grad`` gradient), as under
-plain autograd.
+plain autograd. Only assignments are undone: a tensor appended to a list or written into a
+dict attribute stays the refill's.
 """
 
 from __future__ import annotations

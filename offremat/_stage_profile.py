@@ -241,7 +241,8 @@ class StageProfile:
 
 def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:
     """Refuse a stage whose custom ``autograd.Function`` keeps activations as ``ctx``
-    attributes (``ctx.x = x``) rather than through ``ctx.save_for_backward``.
+    attributes (``ctx.x = x``, or in a tuple, list or dict there) rather than through
+    ``ctx.save_for_backward``.
 
     Autograd's saved-tensor hooks never see such tensors: the graph holds them from the
     forward to the backward whatever the plan decides, so no chain can say what the stage
@@ -261,9 +262,7 @@ def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded:
             kept = [
                 name
                 for name, value in vars(node).items()
-                if isinstance(value, torch.Tensor)
-                and (value.is_floating_point() or value.is_complex())
-                and storage_key(value) not in excluded
+                if any(_is_activation(tensor, excluded) for tensor in _one_level(value))
             ]
             if kept:
                 function = getattr(type(node), "_forward_cls", type(node)).__name__
@@ -276,6 +275,23 @@ def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded:
             "backward whatever the plan decides, so no plan could keep its budget: store them "
             "with ctx.save_for_backward"
         )
+
+
+def _one_level(value: Any) -> list[Any]:
+    """``value``, or the items of a tuple, list or dict (``ctx.tensors = (x, w)``)."""
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    return [value]
+
+
+def _is_activation(value: Any, excluded: set[int]) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and (value.is_floating_point() or value.is_complex())
+        and storage_key(value) not in excluded
+    )
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
