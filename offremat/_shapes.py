@@ -133,8 +133,7 @@ class ShapePlans:
         self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
-        self.kinds = self._parameter_kinds()
-        self.modes = self._modes()
+        self.kinds, self.modes = self._planned_state()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -166,17 +165,23 @@ class ShapePlans:
         self.profiled[signature] = chain
         return chain
 
-    def _parameter_kinds(self) -> frozenset[tuple[torch.dtype, torch.device]]:
-        """The dtypes and devices of the stages' parameters."""
-        return frozenset((p.dtype, p.device) for stage in self.stages for p in stage.parameters())
-
-    def _modes(self) -> tuple[bool, ...]:
-        """The training flag of every module of the stages."""
-        return tuple(m.training for stage in self.stages for m in stage.modules())
+    def _planned_state(
+        self,
+    ) -> tuple[frozenset[tuple[torch.dtype, torch.device]], tuple[bool, ...]]:
+        """The dtypes and devices of the stages' parameters and the training flag of every
+        module of the stages, in one walk (it runs at every step)."""
+        kinds, modes = set(), []
+        for stage in self.stages:
+            for module in stage.modules():
+                modes.append(module.training)
+                kinds.update(
+                    (p.dtype, p.device) for p in module._parameters.values() if p is not None
+                )
+        return frozenset(kinds), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        kinds, modes = self._parameter_kinds(), self._modes()
+        kinds, modes = self._planned_state()
         if kinds != self.kinds or modes != self.modes:
             # model.to(dtype or device) changes every activation size; a dropout switched off
             # or a batch norm frozen changes what a stage saves. Every plan goes, and the disk

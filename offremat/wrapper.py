@@ -290,7 +290,9 @@ def _disk(
         logger.warning("chain= or plan= is given, so cache_dir= is not used")
         return None
     modules_of = model if isinstance(model, nn.Module) else nn.ModuleList(model)
-    return PlanCache(cache_dir, {"model": model_fingerprint(modules_of), **key})
+    # A dropout switched off or a frozen batch norm changes what the stages save.
+    modes = "".join("1" if module.training else "0" for module in modules_of.modules())
+    return PlanCache(cache_dir, {"model": model_fingerprint(modules_of), "modes": modes, **key})
 
 
 def _optimize(
