@@ -29,6 +29,17 @@ class InfeasibleBudgetError(ValueError):
         )
 
 
+class BitsUnitError(ValueError):
+    """A size or rate written in bits (``25Gb/s``), where offremat counts bytes."""
+
+    def __init__(self, written: str, unit: str, what: str = ""):
+        self.unit = unit
+        super().__init__(
+            f"{what}{written!r} reads as bits ({unit}, a lower-case b after a prefix): "
+            f"offremat counts bytes, so write {unit[:-1]}B for bytes, or divide by 8"
+        )
+
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -76,10 +87,7 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
             )
         written_unit = match.group(2)
         if _BITS.match(written_unit):
-            raise ValueError(
-                f"{value!r} reads as bits ({written_unit}, a lower-case b after a prefix): "
-                f"offremat counts bytes, so write {written_unit[:-1]}B for bytes, or divide by 8"
-            )
+            raise BitsUnitError(value, written_unit)
         text, unit = match.group(1), written_unit.lower()
         if unit:
             return _positive(int(_finite(float(text) * _UNITS[unit], written)), written)
@@ -152,9 +160,9 @@ def _bytes_per_second(value: Any) -> float:
         except ValueError:
             try:
                 rate = float(parse_budget(text))
-            except ValueError as error:
-                if "reads as bits" in str(error):
-                    raise ValueError(f"bandwidth {error}") from None
+            except BitsUnitError as error:
+                raise BitsUnitError(value, error.unit, "bandwidth ") from None
+            except ValueError:
                 raise ValueError(
                     f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
                     "size per second (25GB/s, 12GiB/s)"

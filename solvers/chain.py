@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,7 +263,7 @@ class Chain:
         if fmt != CHAIN_FORMAT:
             raise ChainFormatError(f"chain: field 'format' is {fmt!r}; expected {CHAIN_FORMAT!r}")
         _require(data, ("name", "input_bytes", "stages"), "chain")
-        unknown = set(data) - _CHAIN_FIELDS
+        unknown = set(data) - {"format", *(f.name for f in fields(cls))}
         if unknown:
             raise ChainFormatError(f"chain: unknown field(s) {sorted(unknown)}")
         if not isinstance(data["name"], str):
@@ -354,17 +354,6 @@ STAGE_BYTE_FIELDS = (
 """The sizes a stage gives, in bytes."""
 
 _STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
-_CHAIN_FIELDS = {
-    "format",
-    "name",
-    "input_bytes",
-    "input_grad_bytes",
-    "held_bytes",
-    "frozen_stages",
-    "stages",
-    "link",
-    "metadata",
-}
 
 
 def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:

@@ -71,9 +71,10 @@ def solve(chain: Chain, budget_bytes: int, solver: str = "dp", **options: Any) -
     ``options`` go to the solver: ``slots`` and ``tolerance`` for dp; ``offload``,
     ``time_limit_s``, ``gap``, ``backend`` and ``slots`` for milp, the same less ``offload``
     for checkmate; none for dtr and the baselines. Raises
-    :class:`InfeasibleBudgetError` (with ``min_budget_bytes``) when the plan does not fit, and
+    :class:`InfeasibleBudgetError` (with ``min_budget_bytes``) when the plan does not fit,
     ``ValueError`` for an unknown solver, a bad option or an offload baseline on a chain
-    without a link.
+    without a link, and ``RuntimeError`` if a solver returns a plan the simulator puts over
+    the budget (a bug).
     """
     given = check_request(solver, options)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -119,6 +120,8 @@ def _check_option_types(given: dict[str, Any]) -> None:
             isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
         ):
             raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(given.get("time_limit_s", 0.0)):
+        raise ValueError(f"time_limit_s must be finite, got {given['time_limit_s']!r}")
     if "backend" in given and not isinstance(given["backend"], str):
         raise ValueError(f"backend must be a name, got {given['backend']!r}")
     if "progress" in given and not callable(given["progress"]):
