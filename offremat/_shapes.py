@@ -187,7 +187,8 @@ class ShapePlans:
             # or a batch norm frozen changes what a stage saves. Every plan goes, and the disk
             # cache, keyed by the model as optimize saw it, no longer applies.
             changed = "dtype or device" if kinds != self.kinds else "training or eval mode"
-            logger.info("the stages' %s changed: planning each shape again", changed)
+            # Said aloud: each change profiles again, and a plan given to optimize is gone.
+            logger.warning("the stages' %s changed: planning each shape again", changed)
             self.executors.clear()
             self.profiled.clear()
             self.provisional.clear()
