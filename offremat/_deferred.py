@@ -18,7 +18,13 @@ half-filled graph. A stop skips the operations after the last saved tensor, so a
 change they make to a saved tensor, which autograd refuses, would go unseen (it does under
 ``torch.utils.checkpoint``): :class:`MutationWatch` sees the in-place changes that those
 operations make (all of the stage's first forward, then from its last saved tensor on), and a
-stage that makes one is refilled to its end, where unpacking raises autograd's error. A
+stage that makes one is refilled to its end, where unpacking raises autograd's error. The stop
+also cuts short the operation whose saving is the last pack: autograd saves an operation's
+inputs before it runs, so an operation that fills a tensor it saved (RReLU's noise, made
+empty and written by the kernel) would leave it unwritten. A watch armed at the last pack, in
+the middle of that operation, cannot see its write; the stage's first forward, watched from
+its start, does, and the step remembers such a stage (``changes_saved``): its refills run to
+the end at every later step. A
 tensor kept on an autograd context other than through ``save_for_backward`` stays with the
 kept graph, as under ``torch.utils.checkpoint``.
 """
@@ -55,11 +61,13 @@ class DeferringPacker(SavedTensorPacker):
         inputs: Sequence[torch.Tensor],
         excluded: set[int] | frozenset[int],
         expected_packs: int | None = None,
+        changes_saved: bool = False,
     ):
         super().__init__(stage, inputs, excluded)
         self.slots: list[Placeholder | None] = []
         self.saved_keys: set[int] = set()
-        self.changed_after_saving = False
+        # Known from an earlier forward of the stage: nothing to watch, refills run to the end.
+        self.changed_after_saving = changes_saved
         self.expected_packs = expected_packs
         # Watched from its start, this forward ran compiled blocks eagerly (offremat._eager).
         self.eager = expected_packs is None
@@ -75,6 +83,9 @@ class DeferringPacker(SavedTensorPacker):
         at the last pack. A forward that packs another number of tensors computed something
         else, and is refilled to its end.
         """
+        if self.changed_after_saving:
+            yield
+            return
         if self.expected_packs is None:
             with MutationWatch(self):
                 yield
@@ -102,6 +113,8 @@ class DeferringPacker(SavedTensorPacker):
         return packed
 
     def _arm(self) -> None:
+        if self.changed_after_saving:
+            return
         if len(self.slots) == self.expected_packs and self.armed is None:
             self.armed = MutationWatch(self)
             self.armed.__enter__()

@@ -118,7 +118,8 @@ class Compute:
                     packer = None if direct else SavedTensorPacker(name, inputs, excluded)
                 else:
                     expected = self.executor.pack_counts.get(i)
-                    packer = DeferringPacker(name, inputs, excluded, expected)
+                    changes = i in self.executor.changes_saved
+                    packer = DeferringPacker(name, inputs, excluded, expected, changes)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 if packer is not None:
@@ -157,6 +158,8 @@ class Compute:
             self.kept[i] = KeptGraph(packer, slot, diff, edges)
             # The latest count: a compiled stage's first forward runs eagerly (_deferred).
             self.executor.pack_counts[i] = len(packer.slots)
+            if packer.changed_after_saving:
+                self.executor.changes_saved.add(i)
         del edges
         del tensors
         key = effect(op).allocates

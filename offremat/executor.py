@@ -123,6 +123,8 @@ class PlanExecutor:
         self.direct = undisturbed_forwards(plan.ops)
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
+        # Stages whose deferred forward writes to a tensor it saved: refilled to the end.
+        self.changes_saved: set[int] = set()
         # The stages the plan runs forward more than once (offremat._buffers).
         forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
