@@ -113,6 +113,29 @@ def stage_module(blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
     return nn.Sequential(*[block for _, block in blocks])
 
 
+def refuse_own_hooks(model: nn.Module) -> None:
+    """Refuse hooks on a model whose training step runs its children as stages.
+
+    The step calls the stages, never the model itself, so hooks on the model would silently
+    not run (a hook that changes the output or a gradient would train another model); the
+    optimized wrapper's own call runs hooks registered on it.
+    """
+    hooks = {
+        "forward pre-hook": model._forward_pre_hooks,
+        "forward hook": model._forward_hooks,
+        "backward pre-hook": model._backward_pre_hooks,
+        "backward hook": model._backward_hooks,
+    }
+    kinds = [kind for kind, registered in hooks.items() if registered]
+    if kinds:
+        raise NotAChainError(
+            f"this {type(model).__name__} has a {' and a '.join(kinds)} of its own, which an "
+            "optimized training step would not run: it runs the children as the plan's stages "
+            "and never calls the container. Register the hook on the module offremat.optimize "
+            "returns (its call runs it), or on one of the children"
+        )
+
+
 def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:
     """Refuse a chain whose output on ``example_input`` is not the model's own.
 

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import NotAChainError, chain_blocks, check_chain_output, check_device
+from offremat._blocks import (
+    NotAChainError,
+    chain_blocks,
+    check_chain_output,
+    check_device,
+    refuse_own_hooks,
+)
 from offremat._call_checks import (
     refuse_autocast,
     refuse_compile,
@@ -151,6 +157,7 @@ class OptimizedModule(nn.Module):
                     "this model is a chain of blocks and takes one input (a tensor or a tuple), "
                     f"got {len(args)} positional and {len(kwargs)} keyword arguments"
                 )
+            refuse_own_hooks(self._model)
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
@@ -352,6 +359,7 @@ def _optimize_sequential(
     sequential = (
         model if isinstance(model, nn.Sequential) else nn.Sequential(*[m for _, m in blocks])
     )
+    refuse_own_hooks(model if isinstance(model, nn.Module) else sequential)
     tensors, _ = flatten(example_input)
     check_device([module for _, module in blocks], tensors[0].device)
     if request.chain is not None:

@@ -487,6 +487,38 @@ def test_an_operation_that_fills_a_tensor_it_saved_is_refilled_whole_at_every_st
         reference.zero_grad()
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_hooks_on_the_container_are_refused_and_run_on_the_wrapper() -> None:
+    # A training step runs the children as stages, never the nn.Sequential itself: its hooks
+    # would silently not run. The wrapper's call runs the hooks registered on it.
+    def doubled(module, inputs, output):
+        return output * 2
+
+    def tripled(module, grad_output):
+        return (grad_output[0] * 3,)
+
+    model, x = blocks(), torch.randn(ROWS, WIDTH)
+    reference = copy.deepcopy(model)
+    hooked = copy.deepcopy(model)
+    hooked.register_forward_hook(doubled)
+    with pytest.raises(offremat.NotAChainError, match="forward hook of its own"):
+        offremat.optimize(hooked, x, budget=1.0, solver="checkpoint-every-stage")
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    handle = model.register_full_backward_pre_hook(tripled)
+    with pytest.raises(offremat.NotAChainError, match="backward pre-hook of its own"):
+        om(x)
+    handle.remove()
+    for module in (om, reference):
+        module.register_forward_hook(doubled)
+        module.register_full_backward_pre_hook(tripled)
+    ours, theirs = om(x), reference(x)
+    assert torch.equal(ours, theirs)
+    ours.pow(2).mean().backward()
+    theirs.pow(2).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_measuring_is_opt_in() -> None:
     model = blocks()
     x = torch.randn(ROWS, WIDTH)
