@@ -10,11 +10,15 @@ their own treatment (throw-away copies, :func:`offremat._stage.frozen_running_st
 
 So before the first forward of a stage that the plan recomputes, the step copies every other
 buffer of the stage, and runs each recomputation against fresh copies of those values, leaving
-the module's buffers as the first forward left them. Every buffer is copied, at every step:
-a change cannot be told from its absence in general (a write through ``.data`` moves no
-version counter, and a buffer may start changing at any step), and buffers are small beside a
-stage's activations. The copies live until the step ends and are not part of the plan's
-count. A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
+the module's buffers as the first forward left them. A change cannot be told from its absence
+in advance (a buffer may start changing at any step, and a write through ``.data`` moves no
+version counter), so every buffer is copied at every step; but right after that forward, the
+copies of the buffers it left as they were (the same tensor, version and values) go: a
+recomputation reads those buffers themselves. So a large buffer that never changes (a causal
+mask) costs its copy only during that forward, which the profile counts among the stage's
+forward temporaries (:func:`buffer_copy_bytes`). The copies of buffers that do change live
+until the step ends and are not part of the plan's count.
+A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
 replayed so, since its gradient must reach the parameter itself: its version counter is
 checked, and a recomputed stage that changes one is refused. So is a parameter changed in
 place between a stage's forward and its recomputation (an optimizer step before the
@@ -49,7 +53,10 @@ class FirstForward:
 
     def __init__(self, slots: Sequence[BufferSlot], parameters: Sequence[torch.Tensor] = ()):
         self.parameters = [(p, p._version) for p in parameters]
+        self.before = {slot: _state(slot) for slot in slots}
         self.copies = {slot: slot[0]._buffers[slot[1]].clone() for slot in slots}
+        # The buffers the forward left as they were: a recomputation reads them themselves.
+        self.unchanged: dict[BufferSlot, tuple[torch.Tensor | None, int]] = {}
 
     def _changed(self) -> bool:
         return any(p._version != version for p, version in self.parameters)
@@ -64,17 +71,46 @@ class FirstForward:
                 "larger budget, or solver='offload-all' with a link), or make the change "
                 "outside the forward"
             )
+        for slot, state in self.before.items():
+            copy = self.copies[slot]
+            if _same(slot, state) and torch.equal(copy, state[0]):
+                del self.copies[slot]
+                self.unchanged[slot] = state
+        self.before = {}
 
     def check_recomputable(self, stage: str) -> None:
-        """Refuse to recompute the stage from parameters changed in place since its forward."""
-        if self._changed():
+        """Refuse to recompute the stage from parameters, or buffers it has no copy of,
+        changed in place since its forward."""
+        moved = not all(_same(slot, state) for slot, state in self.unchanged.items())
+        if self._changed() or moved:
             raise RuntimeError(
-                f"a parameter of stage {stage!r} was changed in place after the forward and "
-                "before the backward (an optimizer step or a weight update in between?): plain "
-                "autograd computes the gradient from the values the forward saw, and the plan "
-                "recomputes this stage from the new ones. Change parameters after backward, "
-                "or use a plan that keeps or offloads this stage"
+                f"a parameter or buffer of stage {stage!r} was changed in place after the "
+                "forward and before the backward (an optimizer step or a weight update in "
+                "between?): plain autograd computes the gradient from the values the forward "
+                "saw, and the plan recomputes this stage from the new ones. Change parameters "
+                "after backward, or use a plan that keeps or offloads this stage"
             )
+
+
+def _state(slot: BufferSlot) -> tuple[torch.Tensor | None, int]:
+    """A buffer's tensor and its version counter."""
+    tensor = slot[0]._buffers.get(slot[1])
+    return tensor, -1 if tensor is None else tensor._version
+
+
+def _same(slot: BufferSlot, state: tuple[torch.Tensor | None, int]) -> bool:
+    """Whether the buffer is still the tensor ``state`` holds, at its version there."""
+    tensor, version = _state(slot)
+    return tensor is not None and tensor is state[0] and version == state[1]
+
+
+def buffer_copy_bytes(slots: Sequence[BufferSlot]) -> int:
+    """The bytes of the copies :class:`FirstForward` makes of these buffers."""
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for tensor in (module._buffers[name] for module, name in slots)
+        if tensor is not None
+    )
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "offremat.plan-cache/1"
+FORMAT = "offremat.plan-cache/2"  # 2: forward temporaries count buffer copies
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -21,7 +21,9 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
+from offremat._buffers import buffer_copy_bytes
 from offremat._clock import MarkingPacker, mark, seconds, timed
+from offremat._scan import scan_modules
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
@@ -196,8 +198,11 @@ class StageProfile:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
         # transient peak above its output differs from the grad-enabled one above x̄_i.
-        fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0)
-        nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0)
+        # The first forward of a stage that a plan recomputes runs beside a copy of its
+        # buffers, which it keeps only of those it changes (offremat._buffers).
+        copies = buffer_copy_bytes(scan_modules(self.module).buffers)
+        fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0) + copies
+        nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0) + copies
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         bwd_tmp = max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)

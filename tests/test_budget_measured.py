@@ -121,8 +121,29 @@ def twice():
     return nn.Sequential(*blocks, MeanSquare()), torch.randn(512, width)
 
 
+class MaskedAttention(nn.Module):
+    """Causal self-attention whose mask is a buffer, as in nanoGPT: it never changes."""
+
+    def __init__(self, width: int, length: int):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.register_buffer("mask", torch.tril(torch.ones(length, length)), persistent=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(self.mask == 0, float("-inf"))
+        return x + scores.softmax(-1) @ v
+
+
+def masked():
+    torch.manual_seed(0)
+    blocks = [MaskedAttention(16, 128) for _ in range(6)]
+    return nn.Sequential(*blocks, MeanSquare()), torch.randn(2, 128, 16)
+
+
 MODELS = {
     "gpt": gpt,
+    "masked": masked,
     "twice": twice,
     "resnet": resnet,
     "residual-mlp": residual_mlp,
