@@ -112,7 +112,7 @@ def profile_model_chain(
     return dataclasses.replace(
         chain,
         input_bytes=outside.resident_bytes,
-        held_bytes=outside.held_bytes,
+        held_bytes=outside.held_bytes + chain.metadata["shared_gradient_bytes"],
         stages=tuple(folded),
         metadata=metadata,
     )

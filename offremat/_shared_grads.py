@@ -26,6 +26,29 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
+def shared_gradient_bytes(
+    stage_parameters: Sequence[Sequence[torch.Tensor]],
+) -> tuple[int, list[int]]:
+    """The bytes of the running sums :class:`SharedGradients` holds, and per stage those of
+    the sums its backward adds its part to.
+
+    The sum of a trainable parameter that several stages use exists from the backward of the
+    last such stage to that of the first; each earlier stage's backward adds its part to it
+    out of place (the step still holds the old sum), so it holds one more such gradient."""
+    users: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, parameters in enumerate(stage_parameters):
+        for parameter in parameters:
+            if parameter.requires_grad:
+                users.setdefault(id(parameter), (parameter, []))[1].append(i)
+    held, added = 0, [0] * len(stage_parameters)
+    for parameter, stages in users.values():
+        if len(stages) > 1:
+            held += parameter.numel() * parameter.element_size()
+        for i in stages[:-1]:
+            added[i] += parameter.numel() * parameter.element_size()
+    return held, added
+
+
 class SharedGradients:
     """The running gradient sums of the parameters that more than one stage uses."""
 

@@ -32,6 +32,7 @@ from offremat._blocks import (
 )
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
+from offremat._shared_grads import shared_gradient_bytes
 from offremat._stage_profile import Measured, StageProfile, gradient_bytes
 from offremat._tensors import (
     flatten,
@@ -89,6 +90,9 @@ def profile_model(
             warmup,
             repeats,
         )
+    # Parameters several stages use: their running gradient sums (offremat._shared_grads)
+    # are held to the end of the backward at most, and each earlier user's B adds to one.
+    shared, added = shared_gradient_bytes([list(stage_module(g).parameters()) for g in grouped])
     chain_stages = tuple(
         Stage(
             name=stage_name,
@@ -97,15 +101,16 @@ def profile_model(
             out_bytes=m.out_bytes,
             saved_bytes=m.saved_bytes,
             fwd_tmp_bytes=m.fwd_tmp_bytes,
-            bwd_tmp_bytes=m.bwd_tmp_bytes,
+            bwd_tmp_bytes=m.bwd_tmp_bytes + extra,
             nograd_fwd_tmp_bytes=m.nograd_fwd_tmp_bytes,
             grad_bytes=m.grad_bytes,
             refill_s=m.refill_s,
         )
-        for stage_name, m in zip(names, measured, strict=True)
+        for stage_name, m, extra in zip(names, measured, added, strict=True)
     )
     metadata: dict[str, Any] = {
         "device": str(device),
+        "shared_gradient_bytes": shared,
         "grouping": {
             stage_name: [block_name for block_name, _ in group]
             for stage_name, group in zip(names, grouped, strict=True)
@@ -129,8 +134,9 @@ def profile_model(
         frozen_stages=frozen_prefix([stage_module(group) for group in grouped], input_tensors),
         input_bytes=storage_bytes(input_tensors),
         input_grad_bytes=gradient_bytes(input_tensors),
-        # The caller's output and the gradient it seeds stay alive to the end of the backward.
-        held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes,
+        # The caller's output and the gradient it seeds stay alive to the end of the backward,
+        # and so, at most, do the summed gradients of parameters several stages use.
+        held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes + shared,
         stages=chain_stages,
         link=link,
         metadata=metadata,

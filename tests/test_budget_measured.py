@@ -141,8 +141,36 @@ def masked():
     return nn.Sequential(*blocks, MeanSquare()), torch.randn(2, 128, 16)
 
 
+class Embedding(nn.Module):
+    def __init__(self, vocabulary: int, width: int):
+        super().__init__()
+        self.table = nn.Embedding(vocabulary, width)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+class TiedHead(nn.Module):
+    """Logits through the embedding's own weight, then a loss: a weight two stages use."""
+
+    def __init__(self, embedding: Embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden):
+        return (hidden @ self.embedding.table.weight.t()).logsumexp(-1).mean()
+
+
+def tied():
+    torch.manual_seed(0)
+    embedding = Embedding(256, 64)
+    blocks = [nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(5)]
+    return nn.Sequential(embedding, *blocks, TiedHead(embedding)), torch.randint(0, 256, (96,))
+
+
 MODELS = {
     "gpt": gpt,
+    "tied": tied,
     "masked": masked,
     "twice": twice,
     "resnet": resnet,
