@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from offremat._blocks import (
     NotAChainError,
@@ -222,6 +223,7 @@ def optimize(
     """
     if stages is not None:
         check_count("stages", stages)
+    _refuse_lazy(model)
     tensors, _ = flatten(example_batch)
     if not tensors:
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
@@ -300,6 +302,19 @@ def _disk(
     # A dropout switched off or a frozen batch norm changes what the stages save.
     modes = "".join("1" if module.training else "0" for module in modules_of.modules())
     return PlanCache(cache_dir, {"model": model_fingerprint(modules_of), "modes": modes, **key})
+
+
+def _refuse_lazy(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Refuse lazy modules whose parameters have no shape yet: nothing can be profiled."""
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    modules = [m for m in roots if isinstance(m, nn.Module)]  # the rest is refused later
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    if any(is_lazy(tensor) for tensor in tensors):
+        raise ValueError(
+            "the model has lazy modules whose parameters are not initialized yet (nn.LazyLinear "
+            "and the like): run it once on a batch, model(example_batch), before "
+            "offremat.optimize, so that their shapes are known"
+        )
 
 
 def _optimize(

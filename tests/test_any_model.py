@@ -254,3 +254,17 @@ def test_the_container_the_error_suggests_is_the_one_that_works() -> None:
     assert om.chain.stage_names[0] == "model.layers.0"
     with pytest.raises(offremat.NotAChainError, match=r"such as \['model.layers'\]"):
         offremat.optimize(model, LM_BATCH, budget=0.5, blocks="layers")
+
+
+def test_outputs_equal_up_to_rounding_are_told_apart_from_another_model() -> None:
+    from offremat._model_chain import _rounding_difference
+
+    a = torch.linspace(-3, 3, 64)
+    assert _rounding_difference([a], [a.clone()]) == 0.0
+    close = a + 6e-8
+    assert _rounding_difference([a], [close]) == pytest.approx((close - a).abs().max().item())
+    assert _rounding_difference([a], [a * 1.1]) is None  # another computation
+    assert _rounding_difference([a], [a[:32]]) is None
+    assert _rounding_difference([a], [a, a]) is None
+    ints = torch.arange(4)
+    assert _rounding_difference([ints], [ints + 1]) is None

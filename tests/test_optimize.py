@@ -419,3 +419,12 @@ def test_blocks_named_in_a_sequential_take_its_batch_as_one_input() -> None:
         offremat.optimize(model, inputs, budget=1.0, blocks="nothing")
     with pytest.raises(NotAChainError, match="is a TransformerBlock"):
         offremat.optimize(model, inputs, budget=1.0, blocks="block0")
+
+
+def test_lazy_modules_not_yet_initialized_are_refused_with_what_to_do() -> None:
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Tanh(), torch.nn.LazyLinear(1))
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"run it once on a batch"):
+        offremat.optimize(model, x, budget=1.0)
+    model(x)  # initialises them
+    offremat.optimize(model, x, budget=1.0)
