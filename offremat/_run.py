@@ -260,6 +260,12 @@ def _refuse_hooks(run: BlockRun) -> None:
                 "output_attentions, say); under offremat they would see one block's output "
                 "at every block. Remove the hooks, or run that call without offremat"
             )
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise NotAChainError(
+                f"block {call.path} has a full backward hook or pre-hook, which would wrap the "
+                "block's output that offremat hands to the next block as it runs the chain: "
+                "put the hook on a module inside the block, or on the model"
+            )
 
 
 def _sharding_hooks(module: nn.Module) -> set[int]:

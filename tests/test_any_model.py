@@ -268,3 +268,29 @@ def test_outputs_equal_up_to_rounding_are_told_apart_from_another_model() -> Non
     assert _rounding_difference([a], [a, a]) is None
     ints = torch.arange(4)
     assert _rounding_difference([ints], [ints + 1]) is None
+
+
+class _Looped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = (torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4))
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_a_full_backward_hook_on_a_found_block_is_refused_naming_the_hook() -> None:
+    torch.manual_seed(0)
+    model, x = _Looped(), torch.randn(8, 16)
+    handle = model.blocks[1].register_full_backward_pre_hook(lambda module, grad: None)
+    with pytest.raises(offremat.NotAChainError, match=r"blocks\.1 has a full backward hook"):
+        offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    handle.remove()
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    model.blocks[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with pytest.raises(offremat.NotAChainError, match=r"blocks\.2 has a full backward hook"):
+        om(x)
