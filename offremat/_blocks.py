@@ -113,6 +113,23 @@ def stage_module(blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
     return nn.Sequential(*[block for _, block in blocks])
 
 
+def sharding_hooks(module: nn.Module) -> set[int]:
+    """The keys of the forward hooks that FSDP2's ``fully_shard`` put on ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:  # a torch built without distributed support
+        return set()
+    if not isinstance(module, FSDPModule):
+        return set()
+    state = fully_shard.state(module)
+    return {
+        key
+        for hooks in (module._forward_pre_hooks, module._forward_hooks)
+        for key, hook in hooks.items()
+        if getattr(hook, "__self__", None) is state
+    }
+
+
 def refuse_own_hooks(model: nn.Module) -> None:
     """Refuse hooks on a model whose training step runs its children as stages.
 
@@ -120,9 +137,10 @@ def refuse_own_hooks(model: nn.Module) -> None:
     not run (a hook that changes the output or a gradient would train another model); the
     optimized wrapper's own call runs hooks registered on it.
     """
+    sharding = sharding_hooks(model)  # FSDP2's: each stage is sharded and runs its own
     hooks = {
-        "forward pre-hook": model._forward_pre_hooks,
-        "forward hook": model._forward_hooks,
+        "forward pre-hook": model._forward_pre_hooks.keys() - sharding,
+        "forward hook": model._forward_hooks.keys() - sharding,
         "backward pre-hook": model._backward_pre_hooks,
         "backward hook": model._backward_hooks,
     }

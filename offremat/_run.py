@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from offremat._block_values import block_output, hidden_of, side_inputs_of
-from offremat._blocks import NotAChainError
+from offremat._blocks import NotAChainError, sharding_hooks
 from offremat._discover import BlockCall, BlockRun
 from offremat._tensors import flatten, same_structure
 
@@ -104,7 +104,7 @@ class RunInterception:
             self._installed.append((module, module.__dict__.get("forward")))
             original = module.forward
             module.forward = _Forward(self, module, original)
-            sharding = _sharding_hooks(module)
+            sharding = sharding_hooks(module)
             if sharding:
                 pre, post = dict(module._forward_pre_hooks), dict(module._forward_hooks)
                 self._bypassed.append((module, pre, post))
@@ -251,7 +251,7 @@ def _refuse_hooks(run: BlockRun) -> None:
     global_hooks = module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
     for call in run.calls:
         module = call.module
-        own = (module._forward_hooks.keys() | module._forward_pre_hooks.keys()) - _sharding_hooks(
+        own = (module._forward_hooks.keys() | module._forward_pre_hooks.keys()) - sharding_hooks(
             module
         )
         if global_hooks or own:
@@ -266,23 +266,6 @@ def _refuse_hooks(run: BlockRun) -> None:
                 "block's output that offremat hands to the next block as it runs the chain: "
                 "put the hook on a module inside the block, or on the model"
             )
-
-
-def _sharding_hooks(module: nn.Module) -> set[int]:
-    """The keys of the forward hooks that FSDP2's ``fully_shard`` put on ``module``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-    except ImportError:  # a torch built without distributed support
-        return set()
-    if not isinstance(module, FSDPModule):
-        return set()
-    state = fully_shard.state(module)
-    return {
-        key
-        for hooks in (module._forward_pre_hooks, module._forward_hooks)
-        for key, hook in hooks.items()
-        if getattr(hook, "__self__", None) is state
-    }
 
 
 def _path_of(module: nn.Module, calls: tuple[Any, ...]) -> str:
