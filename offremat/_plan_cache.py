@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from solvers.chain import Chain
@@ -27,18 +28,46 @@ from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "offremat.plan-cache/2"  # 2: forward temporaries count buffer copies
+FORMAT = "offremat.plan-cache/2"  # 2: buffer copies counted, module settings in the key
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A digest of the model's structure: module types by path, tensors' shapes and dtypes."""
-    parts = [f"{path}:{type(module).__qualname__}" for path, module in model.named_modules()]
+    """A digest of the model's structure: module types and settings by path, tensors' shapes
+    and dtypes. Settings are the modules' plain attributes (a dropout's ``p``, a count of
+    attention heads, a Hugging Face config): they change what a forward saves."""
+    parts = [
+        f"{path}:{type(module).__qualname__}:{_settings(module)}"
+        for path, module in model.named_modules()
+    ]
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         parts.extend(
             f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.requires_grad}"
             for name, tensor in tensors
         )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _settings(module: nn.Module) -> str:
+    """The module's public attributes of plain values (numbers, strings, tuples of them,
+    configs with ``to_dict``), as text; tensors and submodules are described elsewhere."""
+    found = []
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_") or name == "training":
+            continue
+        if _is_simple(value):
+            found.append(f"{name}={value!r}")
+        elif callable(getattr(value, "to_dict", None)):
+            found.append(f"{name}={json.dumps(value.to_dict(), sort_keys=True, default=repr)}")
+    return ",".join(found)
+
+
+def _is_simple(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_is_simple(item) for item in value)
+    return isinstance(value, _SIMPLE)
 
 
 class PlanCache:

@@ -126,6 +126,27 @@ def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog
     assert "ignoring" not in caplog.text  # another budget is another entry, not a foreign one
 
 
+def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> None:
+    # A dropout's p or a count of attention heads changes what the forward saves, with the
+    # same parameters: a plan cached for one must not be read for the other.
+    from offremat._plan_cache import model_fingerprint
+    from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+    def gpt(heads: int, dropout: float) -> torch.nn.Module:
+        config = GPTConfig(layers=4, hidden=32, heads=heads, seq=32, vocab=64, dropout=dropout)
+        return build_gpt(config, seed=0)
+
+    assert model_fingerprint(gpt(2, 0.0)) == model_fingerprint(gpt(2, 0.0))
+    assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(2, 0.1))
+    assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(4, 0.0))
+    batch = gpt_batch(GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64), 4)
+    first = offremat.optimize(gpt(2, 0.0), batch, budget=0.7, cache_dir=tmp_path)
+    second = offremat.optimize(gpt(2, 0.1), batch, budget=0.7, cache_dir=tmp_path)
+    fresh = offremat.optimize(gpt(2, 0.1), batch, budget=0.7)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert second.plan.budget_bytes == fresh.plan.budget_bytes != first.plan.budget_bytes
+
+
 def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
     model = mlp()
     reference = copy.deepcopy(model)
