@@ -294,6 +294,9 @@ def _index_problem(op: Op, length: int) -> str | None:
         return f"saved set index outside 1..{length}"
     if op.target == ACTIVATION and not 0 <= op.index <= length:
         return f"activation index outside 0..{length}"
+    if op.target == ACTIVATION and op.index == 0:
+        # The caller holds its input: no step can move or free it.
+        return "a0 is the caller's input and stays on the GPU for the whole step"
     return None
 
 

@@ -180,15 +180,16 @@ def two_versions_plan(chain: Chain) -> Plan:
 
 
 def input_offload_plan(chain: Chain) -> Plan:
-    """Checkpoint every stage input, offload the checkpoints (the model input a_0 too) but
-    the last stage's, prefetch each for its stage."""
+    """Checkpoint every stage input, offload the checkpoints (not the model input a_0, which
+    the caller holds) but the last stage's, prefetch each for its stage."""
     length = chain.length
     ops = []
     for i in range(1, length):
-        ops += [forward_checkpoint(i), offload("activation", i - 1)]
+        ops += [forward_checkpoint(i)] + ([offload("activation", i - 1)] if i > 1 else [])
     ops += [forward_all(length), backward(length)]
     for i in range(length - 1, 0, -1):
-        ops += [prefetch("activation", i - 1), forward_all(i), backward(i)]
+        ops += [prefetch("activation", i - 1)] if i > 1 else []
+        ops += [forward_all(i), backward(i)]
     return Plan(tuple(ops), chain.stage_names, "hand-checkpoint-offload")
 
 

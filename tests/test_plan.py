@@ -8,14 +8,17 @@ import pytest
 
 from solvers.chain import Chain, Link, Stage
 from solvers.plan import (
+    ACTIVATION,
     Op,
     Plan,
     backward,
     forward_all,
     forward_checkpoint,
     forward_none,
+    free,
     offload,
     prefetch,
+    validate,
 )
 
 CHAIN = Chain(
@@ -136,3 +139,14 @@ def test_ops_check_their_target() -> None:
         Op("offload", 1)
     with pytest.raises(ValueError, match="stage index"):
         Op("B", 1, "saved")
+
+
+def test_the_callers_input_is_never_moved_or_freed() -> None:
+    # The executor never moves a0 (the caller holds it): a plan that did would be scored as
+    # holding less than it does (a hand plan offloading it measured 1.39x its budget).
+    chain = Chain("two", 10, (Stage("s1", 1.0, 1.0, 4, 8), Stage("s2", 1.0, 1.0, 4, 8)))
+    for memory_op in (offload, free):
+        ops = [forward_all(1), memory_op(ACTIVATION, 0), forward_all(2), backward(2)]
+        ops += [prefetch(ACTIVATION, 0)] if memory_op is offload else []
+        problems = validate([*ops, backward(1)], chain)
+        assert any("a0 is the caller's input" in problem for problem in problems)
