@@ -111,7 +111,7 @@ def profile_model_chain(
     metadata["blocks"] = found.run.paths
     return dataclasses.replace(
         chain,
-        input_bytes=outside.resident_bytes,
+        input_bytes=outside.resident_bytes + chain.metadata["kept_by_modules_bytes"],
         held_bytes=outside.held_bytes + chain.metadata["shared_gradient_bytes"],
         stages=tuple(folded),
         metadata=metadata,

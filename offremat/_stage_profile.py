@@ -40,7 +40,7 @@ from offremat._tensors import (
     unflatten,
     unique_storages,
 )
-from offremat.measure import StepMemory
+from offremat.measure import LiveStorageTracker, StepMemory
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class Measured:
     nograd_fwd_tmp_bytes: int
     grad_bytes: int
     refill_s: float | None = None
+    # Made by the forward and still held after the backward by the modules themselves.
+    kept_bytes: int = 0
 
 
 class StageProfile:
@@ -143,7 +145,8 @@ class StageProfile:
             output, slot, _ = self.forward(grad=True)
             self.backward(*self.incoming(output), slot)
             del output, slot
-        with StepMemory(self.device) as forward_memory:
+        allocations = _Allocations(self.device)
+        with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         out_tensors = flatten(output)[0]
         refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
@@ -194,6 +197,11 @@ class StageProfile:
                 )
             )
         del slot, grads, roots
+        # What outlives the backward but for the output handed on and the modules' state is
+        # kept by the modules (an attribute, a hook): held whatever the plan says.
+        state = [*self.module.parameters(), *self.module.buffers()]
+        kept = allocations.alive_bytes(unique_storages([*flatten(handed)[0], *state]))
+        del allocations
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
@@ -210,7 +218,15 @@ class StageProfile:
         if sizes_only:
             return (
                 Measured(
-                    0.0, 0.0, out_bytes, saved_bytes, fwd_tmp, bwd_tmp, nograd_fwd_tmp, grad_bytes
+                    0.0,
+                    0.0,
+                    out_bytes,
+                    saved_bytes,
+                    fwd_tmp,
+                    bwd_tmp,
+                    nograd_fwd_tmp,
+                    grad_bytes,
+                    kept_bytes=kept,
                 ),
                 handed,
             )
@@ -240,8 +256,41 @@ class StageProfile:
             nograd_fwd_tmp,
             grad_bytes,
             min(statistics.median(refill_times), forward_s),
+            kept,
         )
         return measured, handed
+
+
+class _Allocations:
+    """The storages a block of code allocates, to find those still alive later.
+
+    On CPU a :class:`offremat.measure.LiveStorageTracker`; on CUDA the allocator's count, which
+    a dispatch mode would change (compiled blocks would run eagerly under it).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tracker = LiveStorageTracker() if device.type != "cuda" else None
+        self.before = 0
+
+    def __enter__(self) -> _Allocations:
+        if self.tracker is None:
+            self.before = torch.cuda.memory_allocated(self.device)
+        else:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def alive_bytes(self, excluding: dict[int, torch.UntypedStorage]) -> int:
+        """Bytes allocated inside and alive now, but for the ``excluding`` storages (by key)."""
+        if self.tracker is None:
+            excluded = sum(storage.nbytes() for storage in excluding.values())
+            return max(torch.cuda.memory_allocated(self.device) - self.before - excluded, 0)
+        alive = [ref() for ref in self.tracker._live.values()]
+        return sum(s.nbytes() for s in alive if s is not None and s._cdata not in excluding)
 
 
 def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:

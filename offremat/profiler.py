@@ -108,8 +108,19 @@ def profile_model(
         )
         for stage_name, m, extra in zip(names, measured, added, strict=True)
     )
+    kept = sum(m.kept_bytes for m in measured)
+    for stage_name, m in zip(names, measured, strict=True):
+        if m.kept_bytes:
+            logger.warning(
+                "stage %r keeps %d bytes of its activations after its backward (a module "
+                "attribute or a hook holds them): no plan can drop or offload them, so they "
+                "count as resident for the whole step",
+                stage_name,
+                m.kept_bytes,
+            )
     metadata: dict[str, Any] = {
         "device": str(device),
+        "kept_by_modules_bytes": kept,
         "shared_gradient_bytes": shared,
         "grouping": {
             stage_name: [block_name for block_name, _ in group]
@@ -132,7 +143,9 @@ def profile_model(
     return Chain(
         name=name or type(model).__name__,
         frozen_stages=frozen_prefix([stage_module(group) for group in grouped], input_tensors),
-        input_bytes=storage_bytes(input_tensors),
+        # What the modules keep of their activations is resident whatever the plan says:
+        # counted with the input, which is resident for the whole step as well.
+        input_bytes=storage_bytes(input_tensors) + kept,
         input_grad_bytes=gradient_bytes(input_tensors),
         # The caller's output and the gradient it seeds stay alive to the end of the backward,
         # and so, at most, do the summed gradients of parameters several stages use.

@@ -359,9 +359,10 @@ def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
     is compared by its own bytes too.
     """
     sizes = {storage_bytes(tensors), sum(t.numel() * t.element_size() for t in tensors)}
-    if chain.input_bytes not in sizes:
+    profiled = chain.input_bytes - chain.metadata.get("kept_by_modules_bytes", 0)
+    if profiled not in sizes:
         raise ValueError(
-            f"the given chain was profiled with an input of {chain.input_bytes} bytes, but the "
+            f"the given chain was profiled with an input of {profiled} bytes, but the "
             f"example input has {min(sizes)}: its sizes are another input's. Omit chain= to "
             "profile this input, or give the input the chain was profiled with"
         )

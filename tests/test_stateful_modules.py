@@ -225,7 +225,7 @@ def test_a_kept_intermediate_gets_its_gradient_as_under_plain_autograd(solver: s
     model = nn.Sequential(*[Logged() for _ in range(5)], nn.Linear(WIDTH, 1))
     reference = copy.deepcopy(model)
     x = torch.randn(ROWS, WIDTH)
-    om = offremat.optimize(model, x, budget=0.5 if solver == "dp" else 1.0, solver=solver)
+    om = offremat.optimize(model, x, budget=0.7 if solver == "dp" else 1.0, solver=solver)
     assert "recompute" in om.plan.decisions.values()
     om(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
