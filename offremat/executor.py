@@ -139,7 +139,8 @@ class PlanExecutor:
 
     @property
     def stats(self) -> StepStats | None:
-        """Figures of the last completed step (on CUDA, reading them waits for its end)."""
+        """Figures of the last step, once it completes: None from when a step starts until
+        it completes, and after a step that failed (on CUDA, reading them waits for its end)."""
         return None if self._last is None else self._last.resolve()
 
     @property
@@ -176,6 +177,7 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
+        self._last = None  # until this step completes
         if self.plain and not self.measure_memory:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)

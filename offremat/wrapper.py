@@ -90,7 +90,8 @@ class OptimizedModule(nn.Module):
 
     @property
     def stats(self) -> StepStats | None:
-        """What the last training step's chain measured (None before the first one)."""
+        """What the last training step's chain measured (None before the first one, while a
+        step runs, and after one that failed)."""
         return self._executor.stats
 
     @property

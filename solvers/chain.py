@@ -154,6 +154,11 @@ class Chain:
         )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
+        if self.link is not None and not isinstance(self.link, Link):
+            raise ChainFormatError(
+                f"chain: field 'link' must be a Link(d2h_bytes_per_s, h2d_bytes_per_s) or "
+                f"None, got {self.link!r}"
+            )
         frozen = self.frozen_stages
         if isinstance(frozen, bool) or not isinstance(frozen, int):
             raise ChainFormatError(

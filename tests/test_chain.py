@@ -219,3 +219,10 @@ def test_refill_time_defaults_to_the_forward_and_round_trips_when_it_differs() -
     written = chain.to_dict()
     assert written["stages"][0]["refill_s"] == 0.0015 and "refill_s" not in written["stages"][1]
     assert Chain.from_dict(written) == chain
+
+
+def test_a_link_that_is_not_a_link_is_refused_naming_the_field() -> None:
+    chain = Chain("one", 4, (Stage("s1", 1.0, 1.0, 4, 8),))
+    with pytest.raises(ChainFormatError, match="field 'link' must be a Link"):
+        chain.with_link((1e10, 1e10))
+    assert chain.with_link(Link(1e10, 1e10)).link == Link(1e10, 1e10)

@@ -190,14 +190,16 @@ def test_a_failed_step_is_settled_and_leaks_no_host_buffer() -> None:
     executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
     executor(x).sum().backward()
     after_one = executor.host_buffer_bytes
-    assert after_one > 0
+    assert after_one > 0 and executor.stats is not None
     FailingBackward.fail = True
     for _ in range(3):
         with pytest.raises(ValueError, match="backward failed"):
             executor(x).sum().backward()
+        assert executor.stats is None  # not the figures of an earlier step
     FailingBackward.fail = False
     executor(x).sum().backward()
     assert executor.host_buffer_bytes == after_one
+    assert executor.stats is not None
 
 
 class DoublingSequential(nn.Sequential):
