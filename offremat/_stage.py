@@ -93,8 +93,9 @@ def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Seque
             raise RuntimeError(
                 f"stage {stage!r} modifies its input in place (for example an inplace=True "
                 f"activation first in the stage); offremat reads a stage's input again to "
-                f"recompute it. Make that operation out of place, or group it with the block "
-                f"before it (stages=...)"
+                f"recompute it, and the first stage's input is the caller's batch. Make that "
+                f"operation out of place; in a later stage, grouping it with the block before "
+                f"it (stages=...) also does"
             )
 
 

@@ -166,7 +166,7 @@ def run_demo(
     chain = profile_model(build(), batches[0], name="demo-gpt")
     if bandwidth is not None:
         chain = chain.with_link(Link(bandwidth, bandwidth))
-        link_note = f"host link set to {bandwidth / 1e9:.1f} GB/s by --bandwidth"
+        link_note = f"host link set to {format_bytes(bandwidth)}/s by --bandwidth"
     elif chain.link is None:
         chain = chain.with_link(Link(CPU_STAND_IN_BANDWIDTH, CPU_STAND_IN_BANDWIDTH))
         link_note = (
@@ -180,10 +180,16 @@ def run_demo(
         )
     keep_peak = keep_all_peak(chain)
     least = min_feasible_budget(chain, "dp")
-    budget = max(int(budget_fraction * keep_peak), math.ceil(least * 1.02))
+    asked = int(budget_fraction * keep_peak)
+    budget = max(asked, math.ceil(least * 1.02))
+    raised = (
+        f": the {budget_fraction:.0%} asked is below the least feasible {format_bytes(least)}"
+        if budget > asked
+        else ""
+    )
     say(
         f"keep-all needs {format_bytes(keep_peak)}; budget {format_bytes(budget)} "
-        f"({budget / keep_peak:.0%}); solving dp and milp"
+        f"({budget / keep_peak:.0%}{raised}); solving dp and milp"
     )
     plans = {
         "dp": solve(chain, budget, "dp"),
