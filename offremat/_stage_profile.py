@@ -82,11 +82,11 @@ class StageProfile:
         self.check_inputs = check_inputs
 
     def forward(
-        self, grad: bool, marks: list[Any] | None = None
+        self, grad: bool, marks: list[Any] | None = None, hooks: bool = True
     ) -> tuple[Any, GradSlot, SavedTensorPacker]:
-        """One forward; with ``grad``, through the executor's boundary and pack hooks. With
-        ``marks``, a clock mark (:func:`offremat._clock.mark`) at its start and at each tensor it
-        holds."""
+        """One forward; with ``grad``, through the executor's boundary and (unless not
+        ``hooks``) pack hooks. With ``marks``, a clock mark (:func:`offremat._clock.mark`) at
+        its start and at each tensor it holds."""
         slot = GradSlot()
         if marks is None:
             packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
@@ -97,7 +97,8 @@ class StageProfile:
         with ExitStack() as stack:
             if grad:
                 stack.enter_context(torch.enable_grad())
-                stack.enter_context(packer.hooks())
+                if hooks:
+                    stack.enter_context(packer.hooks())
                 inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
             else:
                 stack.enter_context(torch.no_grad())
@@ -120,6 +121,46 @@ class StageProfile:
         if outputs:
             torch.autograd.backward(outputs, grads)
         return [g for g in slot.grads or () if g is not None]
+
+    def _unhooked_backward_tmp(self, last: bool, saved_bytes: int) -> int:
+        """B(i)'s temporary after a forward without saved-tensor hooks, measured as in
+        :meth:`_measure`: above δ_i, x̄_i and what stays, net of the outputs let go."""
+        allocations = _Allocations(self.device)
+        with allocations:
+            output, slot, _ = self.forward(grad=True, hooks=False)
+        out_tensors = flatten(output)[0]
+        out_storages = unique_storages(out_tensors)
+        inputs = unique_storages(self.tensors)
+        made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
+        handed = copied(out_tensors, made)
+        backward_memory = StepMemory(
+            self.device,
+            existing=[
+                s
+                for k, s in allocations.alive().items()
+                if k not in self.excluded and (k not in out_storages or k in made)
+            ],
+        )
+        unsaved = [
+            (weakref.ref(s), storage_allocated_bytes(s))
+            for k, s in out_storages.items()
+            if k in made
+        ]
+        outputs, grads = self.incoming(output)
+        roots = [get_gradient_edge(t) for t in outputs]
+        del output, outputs, out_storages, inputs, allocations
+        out_tensors.clear()
+        let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
+        del unsaved
+        with backward_memory:
+            produced = sum(
+                map(
+                    storage_allocated_bytes,
+                    unique_storages(self.backward(roots, grads, slot)).values(),
+                )
+            )
+        del handed
+        return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
 
     def measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool
@@ -214,6 +255,10 @@ class StageProfile:
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         bwd_tmp = max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
+        # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
+        # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
+        # more at once (a bias gradient beside a weight gradient's input): the larger counts.
+        bwd_tmp = max(bwd_tmp, self._unhooked_backward_tmp(last, saved_bytes))
         del plain_output
         if sizes_only:
             return (
@@ -284,13 +329,20 @@ class _Allocations:
         if self.tracker is not None:
             self.tracker.__exit__(*exc)
 
+    def alive(self) -> dict[int, torch.UntypedStorage]:
+        """The storages allocated inside and alive now, by key (none known on CUDA, where the
+        allocator sees every free anyway)."""
+        if self.tracker is None:
+            return {}
+        alive = [ref() for ref in self.tracker._live.values()]
+        return {s._cdata: s for s in alive if s is not None}
+
     def alive_bytes(self, excluding: dict[int, torch.UntypedStorage]) -> int:
         """Bytes allocated inside and alive now, but for the ``excluding`` storages (by key)."""
         if self.tracker is None:
             excluded = sum(storage.nbytes() for storage in excluding.values())
             return max(torch.cuda.memory_allocated(self.device) - self.before - excluded, 0)
-        alive = [ref() for ref in self.tracker._live.values()]
-        return sum(s.nbytes() for s in alive if s is not None and s._cdata not in excluding)
+        return sum(s.nbytes() for k, s in self.alive().items() if k not in excluding)
 
 
 def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:
