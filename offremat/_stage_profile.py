@@ -8,6 +8,7 @@ rerun up to the last tensor the stage's backward saves (:mod:`offremat._deferred
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import weakref
 from collections.abc import Sequence
@@ -122,25 +123,39 @@ class StageProfile:
             torch.autograd.backward(outputs, grads)
         return [g for g in slot.grads or () if g is not None]
 
-    def _unhooked_backward_tmp(self, last: bool, saved_bytes: int) -> int:
-        """B(i)'s temporary after a forward without saved-tensor hooks, measured as in
-        :meth:`_measure`: above δ_i, x̄_i and what stays, net of the outputs let go."""
-        allocations = _Allocations(self.device)
-        with allocations:
-            output, slot, _ = self.forward(grad=True, hooks=False)
+    def _backward_temporary(
+        self, pending: list[Any], last: bool, saved_bytes: int
+    ) -> tuple[int, Any]:
+        """B(i)'s temporary: its peak above δ_i, x̄_i and what stays, net of the outputs it lets
+        go, and the outputs handed to the next stage.
+
+        ``pending`` is ``[output, slot, saved]`` (the forward's output and slot, and the
+        storages it left, by key), handed over: the caller keeps no reference to them, so that
+        what B(i) frees is freed.
+        """
+        output, slot, saved = pending
+        pending.clear()
+        # The outputs this stage made go to the next stage as copies, so that the backward
+        # below holds them only as B(i) does: the chain's output stays (its caller holds it);
+        # any other goes as B(i) starts, or once the node that saved it has run
+        # (offremat._step_compute). The backward frees the saved tensors as it goes.
         out_tensors = flatten(output)[0]
         out_storages = unique_storages(out_tensors)
         inputs = unique_storages(self.tensors)
         made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
-        handed = copied(out_tensors, made)
+        handed = unflatten(copied(out_tensors, made), flatten(output)[1])
         backward_memory = StepMemory(
             self.device,
             existing=[
                 s
-                for k, s in allocations.alive().items()
+                for k, s in saved.items()
                 if k not in self.excluded and (k not in out_storages or k in made)
             ],
         )
+        # Measured from after that release: the peak above a baseline that still held them
+        # could not fall below it, and bytes let go at once would read as no change at all.
+        # Only what really goes: a module that keeps its output (as logging code does), or a
+        # node that saved it, holds it.
         unsaved = [
             (weakref.ref(s), storage_allocated_bytes(s))
             for k, s in out_storages.items()
@@ -148,8 +163,8 @@ class StageProfile:
         ]
         outputs, grads = self.incoming(output)
         roots = [get_gradient_edge(t) for t in outputs]
-        del output, outputs, out_storages, inputs, allocations
-        out_tensors.clear()
+        del saved, out_storages, inputs, output, outputs
+        out_tensors.clear()  # the profiler's last reference to the outputs, as at B(i)'s start
         let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
         del unsaved
         with backward_memory:
@@ -159,8 +174,19 @@ class StageProfile:
                     unique_storages(self.backward(roots, grads, slot)).values(),
                 )
             )
-        del handed
-        return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
+        # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
+        # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
+        return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes), handed
+
+    def _unhooked_backward_temporary(self, last: bool, saved_bytes: int) -> int:
+        """B(i)'s temporary after a forward without saved-tensor hooks, as autograd alone runs
+        it: every storage that forward left is x̄_i or an output."""
+        allocations = _Allocations(self.device)
+        with allocations:
+            output, slot, _ = self.forward(grad=True, hooks=False)
+        pending = [output, slot, allocations.alive()]
+        del output, slot, allocations
+        return self._backward_temporary(pending, last, saved_bytes)[0]
 
     def measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool
@@ -196,53 +222,23 @@ class StageProfile:
         out_bytes = sum(
             storage_allocated_bytes(s) for k, s in out_storages.items() if k not in self.excluded
         )
-        by_nodes = packer.saved_storages()
-        saved = {**by_nodes, **out_storages}
+        saved = {**packer.saved_storages(), **out_storages}
         saved_bytes = sum(
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
         )
-        # The outputs this stage made go to the next stage as copies, so that the backward
-        # below holds them only as B(i) does: the chain's output stays (its caller holds it);
-        # any other goes as B(i) starts, or once the node that saved it has run
-        # (offremat._step_compute). The backward frees the saved tensors as it goes.
-        inputs = unique_storages(self.tensors)
-        made = set() if last else out_storages.keys() - self.excluded - inputs.keys()
-        handed = unflatten(copied(out_tensors, made), flatten(output)[1])
-        backward_memory = StepMemory(
-            self.device,
-            existing=[
-                s
-                for k, s in saved.items()
-                if k not in self.excluded and (k not in out_storages or k in made)
-            ],
-        )
-        # Measured from after that release: the peak above a baseline that still held them
-        # could not fall below it, and bytes let go at once would read as no change at all.
-        # Only what really goes: a module that keeps its output (as logging code does) holds it.
-        unsaved = [
-            (weakref.ref(s), storage_allocated_bytes(s))
-            for k, s in out_storages.items()
-            if k in made and k not in by_nodes
-        ]
-        outputs, grads = self.incoming(output)
-        roots = [get_gradient_edge(t) for t in outputs]
-        del saved, out_storages, packer, by_nodes, inputs, output, outputs
-        out_tensors.clear()  # the profiler's last reference to the outputs, as at B(i)'s start
-        let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
-        del unsaved
-        with backward_memory:
-            produced = sum(
-                map(
-                    storage_allocated_bytes,
-                    unique_storages(self.backward(roots, grads, slot)).values(),
-                )
-            )
-        del slot, grads, roots
+        pending = [output, slot, saved]
+        del output, slot, saved, packer, out_storages, out_tensors
+        bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
         # What outlives the backward but for the output handed on and the modules' state is
-        # kept by the modules (an attribute, a hook): held whatever the plan says.
+        # kept by the modules (an attribute, a hook): held whatever the plan says. Measured
+        # before another forward replaces it.
         state = [*self.module.parameters(), *self.module.buffers()]
         kept = allocations.alive_bytes(unique_storages([*flatten(handed)[0], *state]))
         del allocations
+        # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
+        # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
+        # more at once (a bias gradient beside a weight gradient's input): the larger counts.
+        bwd_tmp = max(bwd_tmp, self._unhooked_backward_temporary(last, saved_bytes))
         with StepMemory(self.device) as plain_memory:
             plain_output = self.forward(grad=False)[0]
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
@@ -252,29 +248,20 @@ class StageProfile:
         copies = buffer_copy_bytes(scan_modules(self.module).buffers)
         fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0) + copies
         nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0) + copies
-        # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
-        # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
-        bwd_tmp = max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes)
-        # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
-        # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
-        # more at once (a bias gradient beside a weight gradient's input): the larger counts.
-        bwd_tmp = max(bwd_tmp, self._unhooked_backward_tmp(last, saved_bytes))
         del plain_output
+        sizes = Measured(
+            0.0,
+            0.0,
+            out_bytes,
+            saved_bytes,
+            fwd_tmp,
+            bwd_tmp,
+            nograd_fwd_tmp,
+            grad_bytes,
+            kept_bytes=kept,
+        )
         if sizes_only:
-            return (
-                Measured(
-                    0.0,
-                    0.0,
-                    out_bytes,
-                    saved_bytes,
-                    fwd_tmp,
-                    bwd_tmp,
-                    nograd_fwd_tmp,
-                    grad_bytes,
-                    kept_bytes=kept,
-                ),
-                handed,
-            )
+            return sizes, handed
         forward_times, backward_times, refill_times = [], [], []
         for attempt in range(warmup + repeats):
             marks: list[Any] = []
@@ -291,19 +278,12 @@ class StageProfile:
                 refill_times.append(seconds(self.device, marks[0], marks[-1]))
             del timed_output, timed_slot, incoming
         forward_s = statistics.median(forward_times)
-        measured = Measured(
-            forward_s,
-            statistics.median(backward_times),
-            out_bytes,
-            saved_bytes,
-            fwd_tmp,
-            bwd_tmp,
-            nograd_fwd_tmp,
-            grad_bytes,
-            min(statistics.median(refill_times), forward_s),
-            kept,
-        )
-        return measured, handed
+        timed_figures = {
+            "fwd_s": forward_s,
+            "bwd_s": statistics.median(backward_times),
+            "refill_s": min(statistics.median(refill_times), forward_s),
+        }
+        return dataclasses.replace(sizes, **timed_figures), handed
 
 
 class _Allocations:
