@@ -13,11 +13,14 @@ buffer of the stage, and runs each recomputation against fresh copies of those v
 the module's buffers as the first forward left them. A change cannot be told from its absence
 in advance (a buffer may start changing at any step, and a write through ``.data`` moves no
 version counter), so every buffer is copied at every step; but right after that forward, the
-copies of the buffers it left as they were (the same tensor, version and values) go: a
-recomputation reads those buffers themselves. So a large buffer that never changes (a causal
-mask) costs its copy only during that forward, which the profile counts among the stage's
-forward temporaries (:func:`buffer_copy_bytes`). The copies of buffers that do change live
-until the step ends and are not part of the plan's count.
+copies of the buffers it left as they were (the same tensor, version and bits) go: a
+recomputation reads those buffers themselves, and is refused if one has been changed in place
+since (a write through ``.data`` between the forward and the backward goes unseen). A buffer
+that another stage also holds keeps its copy, since that stage's forward may change it first.
+So a large buffer that never changes (a causal mask) costs its copy only during that forward,
+which the profile counts among every stage's forward temporaries (:func:`buffer_copy_bytes`;
+an overcount for stages no plan recomputes). The copies of buffers that do change live until
+the step ends and are not part of the plan's count.
 A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
 replayed so, since its gradient must reach the parameter itself: its version counter is
 checked, and a recomputed stage that changes one is refused. So is a parameter changed in
@@ -42,6 +45,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from offremat._tensors import storage_key
+
 # A buffer: the module that holds it and its name there.
 BufferSlot = tuple[nn.Module, str]
 _MISSING = object()
@@ -51,9 +56,20 @@ class FirstForward:
     """Copies of a stage's buffers from before its first forward, and a watch on its
     parameters' version counters."""
 
-    def __init__(self, slots: Sequence[BufferSlot], parameters: Sequence[torch.Tensor] = ()):
+    def __init__(
+        self,
+        slots: Sequence[BufferSlot],
+        parameters: Sequence[torch.Tensor] = (),
+        shared: frozenset[int] = frozenset(),
+    ):
         self.parameters = [(p, p._version) for p in parameters]
-        self.before = {slot: _state(slot) for slot in slots}
+        # Buffers other stages also hold (by storage key) keep their copies: a later stage's
+        # forward may change them before this one is recomputed, through .data unseen.
+        self.before = {
+            slot: _state(slot)
+            for slot in slots
+            if storage_key(slot[0]._buffers[slot[1]]) not in shared
+        }
         self.copies = {slot: slot[0]._buffers[slot[1]].clone() for slot in slots}
         # The buffers the forward left as they were: a recomputation reads them themselves.
         self.unchanged: dict[BufferSlot, tuple[torch.Tensor | None, int]] = {}
@@ -73,7 +89,7 @@ class FirstForward:
             )
         for slot, state in self.before.items():
             copy = self.copies[slot]
-            if _same(slot, state) and torch.equal(copy, state[0]):
+            if _same(slot, state) and _bitwise_equal(copy, state[0]):
                 del self.copies[slot]
                 self.unchanged[slot] = state
         self.before = {}
@@ -86,7 +102,8 @@ class FirstForward:
             raise RuntimeError(
                 f"a parameter or buffer of stage {stage!r} was changed in place after the "
                 "forward and before the backward (an optimizer step or a weight update in "
-                "between?): plain autograd computes the gradient from the values the forward "
+                "between, or a later stage's forward?): plain autograd computes the gradient "
+                "from the values the forward "
                 "saw, and the plan recomputes this stage from the new ones. Change parameters "
                 "after backward, or use a plan that keeps or offloads this stage"
             )
@@ -102,6 +119,18 @@ def _same(slot: BufferSlot, state: tuple[torch.Tensor | None, int]) -> bool:
     """Whether the buffer is still the tensor ``state`` holds, at its version there."""
     tensor, version = _state(slot)
     return tensor is not None and tensor is state[0] and version == state[1]
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether two tensors hold the same bits (a NaN equals itself), without allocating."""
+    if b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INTEGER:
+        a, b = (t.view(_SAME_SIZE_INTEGER[a.element_size()]) for t in (a, b))
+    return torch.equal(a, b)
+
+
+_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def buffer_copy_bytes(slots: Sequence[BufferSlot]) -> int:

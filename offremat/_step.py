@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
-from offremat._tensors import Structure, is_differentiable
+from offremat._tensors import Structure, is_differentiable, storage_key
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
@@ -71,6 +72,14 @@ class _Step(Compute):
         self.anchor = executor._anchor(device)
         self.norms = [scan.norms for scan in scans]
         self.buffers = [scan.buffers for scan in scans]
+        # Buffers that more than one stage holds (one tensor in two modules, a module used
+        # twice): offremat._buffers keeps their copies.
+        holders = Counter(
+            key
+            for scan in scans
+            for key in {storage_key(module._buffers[name]) for module, name in scan.buffers}
+        )
+        self.shared_buffers = frozenset(key for key, count in holders.items() if count > 1)
         self.parameters = [scan.parameters for scan in scans]
         # Per recomputed stage, its buffers' values from before its first forward and its
         # parameters' versions.

@@ -96,7 +96,7 @@ class Compute:
         versions = [tensor._version for tensor in inputs]
         watch = None
         if first and i in self.executor.recomputed:
-            watch = FirstForward(self.buffers[i - 1], self.parameters[i - 1])
+            watch = FirstForward(self.buffers[i - 1], self.parameters[i - 1], self.shared_buffers)
         packer = slot = None
         diff: list[int] = []
         excluded = self.excluded

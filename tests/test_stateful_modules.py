@@ -232,3 +232,51 @@ def test_a_kept_intermediate_gets_its_gradient_as_under_plain_autograd(solver: s
     for mine, theirs in zip(model[:5], reference[:5], strict=True):
         assert torch.equal(mine.seen, theirs.seen)
         assert theirs.seen.grad is not None and torch.equal(mine.seen.grad, theirs.seen.grad)
+
+
+class Shifted(nn.Module):
+    """Adds a buffer it may also move; two of them share one tensor."""
+
+    def __init__(self, shift: torch.Tensor, moves: str | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("shift", shift)
+        self.moves = moves
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.linear(x) + self.shift)
+        if self.moves == "in place":
+            with torch.no_grad():
+                self.shift.mul_(0.5).add_(y.mean(0))
+        elif self.moves == ".data":
+            self.shift.data.mul_(0.5).add_(y.detach().mean(0))
+        return y
+
+
+@pytest.mark.parametrize("moves", ["in place", ".data"])
+def test_a_buffer_a_later_stage_moves_is_replayed_for_an_earlier_one(moves: str) -> None:
+    """Stage 1 reads a buffer that stage 3's forward moves: stage 1's recomputation must see
+    it as stage 1's forward did, though stage 1 itself left it unchanged."""
+    torch.manual_seed(0)
+    shift = torch.randn(WIDTH)
+    reader, writer = Shifted(shift, None), Shifted(shift, moves)
+    model = nn.Sequential(reader, nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), writer)
+    model.append(nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    _train_beside(om, model, reference, x)
+
+
+def test_an_unchanged_buffer_holding_a_nan_gives_its_copy_back() -> None:
+    from offremat._buffers import FirstForward
+
+    module = nn.Linear(WIDTH, WIDTH)
+    module.register_buffer("table", torch.tensor([1.0, float("nan")]))
+    watch = FirstForward([(module, "table")])
+    watch.finish("s")
+    assert watch.copies == {}  # bit for bit the same: no copy held to the step's end
+    watch = FirstForward([(module, "table")])
+    module.table[0] = 2.0
+    watch.finish("s")
+    assert list(watch.copies) == [(module, "table")]
