@@ -262,7 +262,7 @@ def _refuse_hooks(run: BlockRun) -> None:
             )
         if module._backward_hooks or module._backward_pre_hooks:
             raise NotAChainError(
-                f"block {call.path} has a full backward hook or pre-hook, which would wrap the "
+                f"block {call.path} has a backward hook or pre-hook, which would wrap the "
                 "block's output that offremat hands to the next block as it runs the chain: "
                 "put the hook on a module inside the block, or on the model"
             )

@@ -143,6 +143,10 @@ class PlanExecutor:
         it completes, and after a step that failed (on CUDA, reading them waits for its end)."""
         return None if self._last is None else self._last.resolve()
 
+    def clear_stats(self) -> None:
+        """Forget the last step's figures: a step starts, which may fail."""
+        self._last = None
+
     @property
     def host_buffer_bytes(self) -> int:
         """Host memory that the executor keeps for offloads between steps."""
@@ -155,6 +159,7 @@ class PlanExecutor:
 
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""
+        self.clear_stats()  # until this step completes
         tensors, structure = flatten(value)
         if not tensors:
             raise TypeError("the model input holds no tensor; pass the example input's kind")
@@ -177,7 +182,6 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        self._last = None  # until this step completes
         if self.plain and not self.measure_memory:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)

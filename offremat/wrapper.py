@@ -142,6 +142,8 @@ class OptimizedModule(nn.Module):
     @torch.compiler.disable
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         """A training step that follows the plan; dynamo never traces offremat's bookkeeping."""
+        if self._plans.last is not None:
+            self._plans.last.clear_stats()  # a refusal below leaves no old figures behind
         planned: AutocastState | None = self._autocast
         with ExitStack() as stack:
             if planned is not None and self._forced_autocast:

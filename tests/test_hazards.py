@@ -506,10 +506,14 @@ def test_hooks_on_the_container_are_refused_and_run_on_the_wrapper() -> None:
     with pytest.raises(offremat.NotAChainError, match="forward hook of its own"):
         offremat.optimize(hooked, x, budget=1.0, solver="checkpoint-every-stage")
     om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    om(x).sum().backward()
+    assert om.stats is not None
     handle = model.register_full_backward_pre_hook(tripled)
     with pytest.raises(offremat.NotAChainError, match="backward pre-hook of its own"):
         om(x)
+    assert om.stats is None  # a refused step shows no earlier step's figures
     handle.remove()
+    model.zero_grad()
     for module in (om, reference):
         module.register_forward_hook(doubled)
         module.register_full_backward_pre_hook(tripled)
