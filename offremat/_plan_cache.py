@@ -11,6 +11,7 @@ renamed over the target, so two processes writing the same entry leave one whole
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,17 +52,39 @@ _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
 def _settings(module: nn.Module) -> str:
-    """The module's public attributes of plain values (numbers, strings, tuples of them,
-    configs with ``to_dict``), as text; tensors and submodules are described elsewhere."""
+    """The module's public attributes of plain values (numbers, strings, tuples of them) and
+    configs (dataclasses, dicts, objects with ``to_dict``), as text; tensors and submodules
+    are described elsewhere."""
     found = []
     for name, value in sorted(vars(module).items()):
         if name.startswith("_") or name == "training":
             continue
         if _is_simple(value):
             found.append(f"{name}={value!r}")
-        elif callable(getattr(value, "to_dict", None)):
-            found.append(f"{name}={json.dumps(value.to_dict(), sort_keys=True, default=repr)}")
+            continue
+        if callable(getattr(value, "to_dict", None)):
+            value = value.to_dict()
+        elif not (isinstance(value, dict) or _is_dataclass_object(value)):
+            continue
+        try:
+            found.append(f"{name}={json.dumps(value, sort_keys=True, default=_described)}")
+        except (TypeError, ValueError):  # keys that are no strings, a cycle
+            found.append(f"{name}={type(value).__qualname__}")
     return ",".join(found)
+
+
+def _is_dataclass_object(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _described(value: Any) -> Any:
+    """What the key keeps of a value JSON cannot write: a dataclass's fields, a dtype's name,
+    else its type (never an address, so that the key is the same in every process)."""
+    if _is_dataclass_object(value):
+        return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return type(value).__qualname__
 
 
 def _is_simple(value: Any) -> bool:

@@ -139,6 +139,11 @@ def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> 
     assert model_fingerprint(gpt(2, 0.0)) == model_fingerprint(gpt(2, 0.0))
     assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(2, 0.1))
     assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(4, 0.0))
+    for config in (GPTConfig(heads=2), {"heads": 2}):  # a nanoGPT-style config object
+        holder, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        holder.config = config
+        other.config = {"heads": 16} if isinstance(config, dict) else GPTConfig(heads=16)
+        assert model_fingerprint(holder) != model_fingerprint(other)
     batch = gpt_batch(GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64), 4)
     first = offremat.optimize(gpt(2, 0.0), batch, budget=0.7, cache_dir=tmp_path)
     second = offremat.optimize(gpt(2, 0.1), batch, budget=0.7, cache_dir=tmp_path)
