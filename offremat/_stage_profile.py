@@ -232,8 +232,8 @@ class StageProfile:
         # What outlives the backward but for the output handed on and the modules' state is
         # kept by the modules (an attribute, a hook): held whatever the plan says. Measured
         # before another forward replaces it.
-        state = [*self.module.parameters(), *self.module.buffers()]
-        kept = allocations.alive_bytes(unique_storages([*flatten(handed)[0], *state]))
+        state = unique_storages([*self.module.parameters(), *self.module.buffers()])
+        kept = allocations.alive_bytes(unique_storages(flatten(handed)[0]), state)
         del allocations
         # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
         # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
@@ -317,12 +317,15 @@ class _Allocations:
         alive = [ref() for ref in self.tracker._live.values()]
         return {s._cdata: s for s in alive if s is not None}
 
-    def alive_bytes(self, excluding: dict[int, torch.UntypedStorage]) -> int:
-        """Bytes allocated inside and alive now, but for the ``excluding`` storages (by key)."""
+    def alive_bytes(
+        self, handed: dict[int, torch.UntypedStorage], state: dict[int, torch.UntypedStorage]
+    ) -> int:
+        """Bytes allocated inside and alive now, but for the outputs ``handed`` on (allocated
+        inside) and the modules' ``state`` (parameters and buffers, allocated before)."""
         if self.tracker is None:
-            excluded = sum(storage.nbytes() for storage in excluding.values())
-            return max(torch.cuda.memory_allocated(self.device) - self.before - excluded, 0)
-        return sum(s.nbytes() for k, s in self.alive().items() if k not in excluding)
+            inside = torch.cuda.memory_allocated(self.device) - self.before
+            return max(inside - sum(s.nbytes() for s in handed.values()), 0)
+        return sum(s.nbytes() for k, s in self.alive().items() if k not in handed | state)
 
 
 def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:
