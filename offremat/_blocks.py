@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from offremat._eager import eager
-from offremat._rng import GeneratorWatch, RngState, cuda_device_indices
+from offremat._rng import (
+    GeneratorWatch,
+    RngState,
+    cuda_device_indices,
+    host_random_state,
+    restore_host_random,
+)
 from offremat._scan import module_generators
 from offremat._tensors import flatten
 
@@ -181,8 +187,8 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
             f"the chain of {type(model).__name__}'s blocks, run in order, does not give the "
             f"model's own output on the example input: its forward does more than run its "
             f"children one after the other, or a forward depends on state that is neither a "
-            f"parameter nor a buffer and that it changes (a Python counter, Python's random "
-            f"module), which a recomputation could not replay. Pass the blocks that forward "
+            f"parameter nor a buffer and that it changes (a Python counter, say), which "
+            f"a recomputation could not replay. Pass the blocks that forward "
             f"runs, in order, as an nn.Sequential or a list "
             f"(offremat.optimize([block0, block1, ...], ...)), and keep such state in buffers"
         )
@@ -266,11 +272,13 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
             for parameter, copy in renormed:
                 parameter.copy_(copy)
 
+    host = host_random_state()
     with torch.random.fork_rng(devices=cuda_devices):
         try:
             yield restore
         finally:
             restore()
+            restore_host_random(host)
             restored = {id(p) for p, _ in renormed}
             for parameter, version in versions:
                 if parameter._version != version and id(parameter) not in restored:

@@ -153,7 +153,7 @@ def check_model_chain_output(
             f"{found.run.calls[-1].path} as a chain does not give the model's own output: name "
             "the blocks that its forward runs one after the other with blocks=; a block whose "
             "forward depends on state that is neither a parameter nor a buffer and that it "
-            "changes (a Python counter, Python's random module) cannot be recomputed: keep "
+            "changes (a Python counter, say) cannot be recomputed: keep "
             "such state in buffers"
         )
 

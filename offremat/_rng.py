@@ -1,20 +1,24 @@
 """The random number generators a stage draws from: their states, replay, and refusal.
 
 A recomputation must draw the numbers the first forward drew. That holds for the global CPU
-and CUDA generators and for every ``torch.Generator`` a module keeps as an attribute: their
-states are captured before a stage's first forward and replayed around each recomputation,
-as ``torch.utils.checkpoint`` does for the global ones. A generator kept anywhere else (a
+and CUDA generators, for every ``torch.Generator`` a module keeps as an attribute, and for
+the global generators of Python's ``random`` and NumPy (a block that draws a layer-drop or a
+scale from them): their states are captured before a recomputed stage's first forward and
+replayed around each recomputation, as ``torch.utils.checkpoint`` does for torch's global
+ones. A generator kept anywhere else (a
 closure, a list, a global variable) cannot be found, so :class:`GeneratorWatch` refuses the
 model up front rather than let a recomputation draw other numbers.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from offremat._eager import EagerDispatchMode
@@ -43,6 +47,7 @@ class RngState:
     cpu: torch.Tensor
     cuda: tuple[tuple[int, torch.Tensor], ...]
     owned: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
+    host: tuple[Any, Any] | None = None  # Python's random and NumPy's global generators
 
     @classmethod
     def capture(
@@ -53,6 +58,7 @@ class RngState:
             torch.get_rng_state(),
             tuple((index, torch.cuda.get_rng_state(index)) for index in cuda_devices),
             tuple((generator, generator.get_state()) for generator in generators),
+            host_random_state(),
         )
 
     def unchanged(self) -> bool:
@@ -63,6 +69,7 @@ class RngState:
                 torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
             )
             and all(torch.equal(g.get_state(), state) for g, state in self.owned)
+            and (self.host is None or _same_host_state(host_random_state(), self.host))
         )
 
     def restore(self) -> None:
@@ -72,6 +79,29 @@ class RngState:
             torch.cuda.set_rng_state(state, index)
         for generator, state in self.owned:
             generator.set_state(state)
+        if self.host is not None:
+            restore_host_random(self.host)
+
+
+def host_random_state() -> tuple[Any, Any]:
+    """The states of Python's ``random`` and NumPy's global generators."""
+    return random.getstate(), np.random.get_state()
+
+
+def restore_host_random(state: tuple[Any, Any]) -> None:
+    """Make ``state`` (from :func:`host_random_state`) the host generators' states."""
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+
+
+def _same_host_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    (python_a, numpy_a), (python_b, numpy_b) = a, b
+    return (
+        python_a == python_b
+        and numpy_a[2:] == numpy_b[2:]
+        and numpy_a[0] == numpy_b[0]
+        and np.array_equal(numpy_a[1], numpy_b[1])
+    )
 
 
 @contextmanager

@@ -90,7 +90,9 @@ class Compute:
         inputs = source.tensors
         first = i not in self.flags
         if first:
-            rng = RngState.capture(self.cuda_devices, self.generators[i - 1])
+            # Only a stage the plan runs forward again replays its random numbers.
+            replays = i in self.executor.recomputed
+            rng = RngState.capture(self.cuda_devices, self.generators[i - 1]) if replays else None
         else:
             rng = self.rng.get(i)
         versions = [tensor._version for tensor in inputs]
