@@ -285,11 +285,9 @@ def _chained(records: list[RecordedCall], where: str) -> list[RecordedCall]:
             "or more blocks called one after the other"
         )
     for previous, record in itertools.pairwise(records):
-        if not _follows(previous, record):
-            raise NotAChainError(
-                f"blocks={where!r}: {record.path} does not take {previous.path}'s output and the "
-                "same other arguments, so the blocks are not a chain"
-            )
+        reason = _break(previous, record)
+        if reason is not None:
+            raise NotAChainError(f"blocks={where!r}: the blocks are not a chain: {reason}")
     return records
 
 
@@ -305,14 +303,28 @@ def _runs(group: list[RecordedCall]) -> list[list[RecordedCall]]:
 
 
 def _follows(previous: RecordedCall, record: RecordedCall) -> bool:
-    return (
-        previous.depth == record.depth
-        and record.hidden is not None
-        and previous.output_tensors == 1
-        and record.hidden == previous.output
-        and previous.side[0] == record.side[0]
-        and same_structure(previous.side[1], record.side[1])
-    )
+    return _break(previous, record) is None
+
+
+def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
+    """Why ``record`` does not continue a chain after ``previous``, or None if it does."""
+    if previous.depth != record.depth:
+        return f"{record.path} is called at another depth of the model than {previous.path}"
+    if previous.output_tensors != 1:
+        return (
+            f"{previous.path} returns {previous.output_tensors} tensors; a block must return "
+            "its hidden state alone (blocks that also return an auxiliary loss or a position "
+            "bias cannot be a chain)"
+        )
+    if record.hidden is None or record.hidden != previous.output:
+        return f"{record.path} does not take {previous.path}'s output as its hidden state"
+    if previous.side[0] != record.side[0] or not same_structure(previous.side[1], record.side[1]):
+        return (
+            f"{record.path} takes other side arguments than {previous.path} (a mask or an "
+            "argument of its own per layer, as in models whose layers alternate kinds of "
+            "attention); every block of a chain takes the same ones"
+        )
+    return None
 
 
 def _preference(run: list[RecordedCall]) -> tuple[bool, int, int]:
@@ -341,5 +353,6 @@ def _no_run_message(model: nn.Module) -> str:
     )
     return (
         f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
-        f"type take each other's output. Name the blocks with {hint}"
+        f"type take each other's output and the same other arguments. If some do, name them "
+        f"with {hint}; the error then says what breaks the chain"
     )

@@ -294,3 +294,45 @@ def test_a_full_backward_hook_on_a_found_block_is_refused_naming_the_hook() -> N
     model.blocks[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     with pytest.raises(offremat.NotAChainError, match=r"blocks\.2 has a backward hook"):
         om(x)
+
+
+class _AuxBlock(torch.nn.Module):
+    def __init__(self, aux: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.aux = aux
+
+    def forward(self, x, scale=1.0):
+        h = torch.tanh(self.linear(x)) * scale
+        return (h, h.pow(2).mean()) if self.aux else h
+
+
+class _AuxModel(torch.nn.Module):
+    """MoE-style blocks that return an auxiliary loss, or take a per-layer argument."""
+
+    def __init__(self, per_layer: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_AuxBlock(not per_layer) for _ in range(3))
+        self.per_layer = per_layer
+
+    def forward(self, x):
+        total = 0.0
+        for n, block in enumerate(self.blocks):
+            if self.per_layer:
+                x = block(x, scale=float(n + 1))
+            else:
+                x, aux = block(x)
+                total = total + aux
+        return x.pow(2).mean() + total
+
+
+@pytest.mark.parametrize(
+    ("per_layer", "why"),
+    [(False, "blocks.0 returns 2 tensors"), (True, "takes other side arguments")],
+)
+def test_a_named_container_that_is_no_chain_says_what_breaks_it(per_layer, why) -> None:
+    model, x = _AuxModel(per_layer), torch.randn(8, 16)
+    with pytest.raises(offremat.NotAChainError, match="the error then says what breaks"):
+        offremat.optimize(model, x, budget=1.0)
+    with pytest.raises(offremat.NotAChainError, match=why):
+        offremat.optimize(model, x, budget=1.0, blocks="blocks")
