@@ -150,7 +150,9 @@ class RunInterception:
             raise NotAChainError(
                 f"the model called {_path_of(module, calls)} where the chain expected "
                 f"{expected.path}: it no longer calls its blocks in the order the chain was "
-                "found in; profile it again"
+                "found in. A model whose run of blocks depends on the input or on random draws "
+                "(an early exit, LayerDrop) is no fixed chain and cannot be planned; if the "
+                "model itself changed, optimize it again"
             )
         hidden, side = side_inputs_of(expected.path, args, kwargs)
         if self.position == 0:
@@ -203,7 +205,9 @@ class HandedOn(torch.Tensor):
         raise RuntimeError(
             f"the model used {handed.path}'s output for more than calling the next block "
             f"({getattr(func, '__name__', func)}); inside a chain only the last block's output "
-            "exists: name a run of blocks whose outputs only feed each other with blocks="
+            "exists: name a run of blocks whose outputs only feed each other with blocks=. "
+            "(A run of blocks that depends on the input or on random draws, such as an "
+            "early exit or LayerDrop, also ends this way: it is no fixed chain)"
         )
 
 
