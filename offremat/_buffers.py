@@ -53,8 +53,8 @@ _MISSING = object()
 
 
 class FirstForward:
-    """Copies of a stage's buffers from before its first forward, and a watch on its
-    parameters' version counters."""
+    """Copies of a stage's buffers from before its first forward (kept of those it changes),
+    and a watch on the version counters of its parameters and of the buffers it left."""
 
     def __init__(
         self,
@@ -103,9 +103,9 @@ class FirstForward:
                 f"a parameter or buffer of stage {stage!r} was changed in place after the "
                 "forward and before the backward (an optimizer step or a weight update in "
                 "between, or a later stage's forward?): plain autograd computes the gradient "
-                "from the values the forward "
-                "saw, and the plan recomputes this stage from the new ones. Change parameters "
-                "after backward, or use a plan that keeps or offloads this stage"
+                "from the values the forward saw, and the plan recomputes this stage from the "
+                "new ones. Change parameters after backward, or use a plan that keeps or "
+                "offloads this stage"
             )
 
 

@@ -76,7 +76,7 @@ class _Step(Compute):
         # twice): offremat._buffers keeps their copies.
         holders = Counter(
             key
-            for scan in scans
+            for scan in (scans if executor.recomputed else ())
             for key in {storage_key(module._buffers[name]) for module, name in scan.buffers}
         )
         self.shared_buffers = frozenset(key for key, count in holders.items() if count > 1)
