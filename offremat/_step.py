@@ -66,6 +66,14 @@ class _Step(Compute):
         self.device = device
         pool, self.streams = executor._resources(device)
         self.excluded = fixed_storages(scans)
+        # Those keys are addresses. A forward that replaces a buffer (a counter) frees the old
+        # one's storage, whose address a saved tensor could then take and be mistaken for a
+        # parameter: held to the end of the step, they keep their addresses.
+        self.fixed_alive = [
+            tensor.untyped_storage()
+            for scan in scans
+            for tensor in (*scan.parameters, *(m._buffers[n] for m, n in scan.buffers))
+        ]
         self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
         # A forward whose output is dropped never gets its backward: close then, on collection.
         self._closer = weakref.finalize(self, self.residency.close)
@@ -208,6 +216,7 @@ class _Step(Compute):
         self.grads.clear()
         self.kept.clear()
         self.first_forwards.clear()
+        self.fixed_alive.clear()
 
     def _run(self, actions: Sequence[HostAction]) -> None:
         for action in actions:
