@@ -35,34 +35,38 @@ def shared_gradient_bytes(
     The sum of a trainable parameter that several stages use exists from the backward of the
     last such stage to that of the first; each earlier stage's backward adds its part to it
     out of place (the step still holds the old sum), so it holds one more such gradient."""
-    users: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    for i, parameters in enumerate(stage_parameters):
-        for parameter in parameters:
-            if parameter.requires_grad:
-                users.setdefault(id(parameter), (parameter, []))[1].append(i)
     held, added = 0, [0] * len(stage_parameters)
-    for parameter, stages in users.values():
+    for parameter, stages in _users(stage_parameters).values():
         if len(stages) > 1:
             held += parameter.numel() * parameter.element_size()
         for i in stages[:-1]:
-            added[i] += parameter.numel() * parameter.element_size()
+            added[i - 1] += parameter.numel() * parameter.element_size()
     return held, added
+
+
+def _users(
+    stage_parameters: Sequence[Sequence[torch.Tensor]],
+) -> dict[int, tuple[torch.Tensor, list[int]]]:
+    """Each trainable parameter, by id, with the stages (1-based, in order) that use it."""
+    users: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, parameters in enumerate(stage_parameters, 1):
+        for parameter in parameters:
+            if parameter.requires_grad:
+                users.setdefault(id(parameter), (parameter, []))[1].append(i)
+    return users
 
 
 class SharedGradients:
     """The running gradient sums of the parameters that more than one stage uses."""
 
     def __init__(self, stage_parameters: Sequence[Sequence[torch.Tensor]]):
-        users: dict[int, list[int]] = {}
-        for i, parameters in enumerate(stage_parameters, 1):
-            for parameter in parameters:
-                users.setdefault(id(parameter), []).append(i)
+        users = _users(stage_parameters)
         # Stage i's shared parameters, each with whether B(i) is the last backward to use it.
         self.used_by: dict[int, list[tuple[torch.Tensor, bool]]] = {}
-        if any(len(stages) > 1 for stages in users.values()):
+        if any(len(stages) > 1 for _, stages in users.values()):
             for i, parameters in enumerate(stage_parameters, 1):
                 for parameter in parameters:
-                    stages = users[id(parameter)]
+                    _, stages = users[id(parameter)]
                     if len(stages) > 1:
                         entry = (parameter, min(stages) == i)
                         self.used_by.setdefault(i, []).append(entry)

@@ -314,8 +314,7 @@ class _Allocations:
         allocator sees every free anyway)."""
         if self.tracker is None:
             return {}
-        alive = [ref() for ref in self.tracker._live.values()]
-        return {s._cdata: s for s in alive if s is not None}
+        return self.tracker.live_storages()
 
     def alive_bytes(
         self, handed: dict[int, torch.UntypedStorage], state: dict[int, torch.UntypedStorage]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -84,17 +84,23 @@ class LiveStorageTracker(EagerDispatchMode):
     @property
     def live_bytes(self) -> int:
         """Bytes of the recorded storages alive now."""
-        total = 0
+        return sum(storage.nbytes() for _, storage in self._alive())
+
+    def live_storages(self) -> dict[int, torch.UntypedStorage]:
+        """The recorded storages alive now, by key."""
+        return dict(self._alive())
+
+    def _alive(self) -> Iterator[tuple[int, torch.UntypedStorage]]:
+        """The recorded storages alive now (it runs after every op); forgets the dead ones."""
         dead = []
         for key, ref in self._live.items():
             storage = ref()
             if storage is None:
                 dead.append(key)
             else:
-                total += storage.nbytes()
+                yield key, storage
         for key in dead:
             del self._live[key]
-        return total
 
 
 def _storage_leaves(value: Any, found: list[Any]) -> None:
