@@ -36,6 +36,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
@@ -65,7 +66,9 @@ class DeferringPacker(SavedTensorPacker):
     ):
         super().__init__(stage, inputs, excluded)
         self.slots: list[Placeholder | None] = []
-        self.saved_keys: set[int] = set()
+        # Weak references pin the keys: a saved storage freed during the forward keeps its
+        # address from a later one, which the watch would take for a change to a saved tensor.
+        self.saved: dict[int, StorageWeakRef] = {}
         # Known from an earlier forward of the stage: nothing to watch, refills run to the end.
         self.changed_after_saving = changes_saved
         self.expected_packs = expected_packs
@@ -103,7 +106,8 @@ class DeferringPacker(SavedTensorPacker):
         packed = super().pack(tensor)
         if self.refs and self.refs[-1] is packed:  # a saved tensor the step would hold
             self.refs.pop()
-            self.saved_keys.add(storage_key(tensor))
+            storage = tensor.untyped_storage()
+            self.saved.setdefault(storage._cdata, StorageWeakRef(storage))
             placeholder = Placeholder()
             self.slots.append(placeholder)
             self._arm()
@@ -139,8 +143,8 @@ class DeferringPacker(SavedTensorPacker):
 class MutationWatch(EagerDispatchMode):
     """Marks ``packer`` when an operation writes in place to a storage it saved.
 
-    A reused storage address can only make it mark a stage that changed nothing, which costs
-    the early stop, never a missed change.
+    Saved storages are told apart by address, which no other storage takes while the packer
+    holds a weak reference to them (:attr:`DeferringPacker.saved`).
     """
 
     def __init__(self, packer: DeferringPacker):
@@ -150,12 +154,12 @@ class MutationWatch(EagerDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         packer = self.packer
-        if packer.saved_keys and not packer.changed_after_saving and func._schema.is_mutable:
+        if packer.saved and not packer.changed_after_saving and func._schema.is_mutable:
             for position, argument in enumerate(func._schema.arguments):
                 if argument.alias_info is None or not argument.alias_info.is_write:
                     continue
                 value = args[position] if position < len(args) else kwargs.get(argument.name)
-                if isinstance(value, torch.Tensor) and storage_key(value) in packer.saved_keys:
+                if isinstance(value, torch.Tensor) and storage_key(value) in packer.saved:
                     packer.changed_after_saving = True
         return func(*args, **kwargs)
 

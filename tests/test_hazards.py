@@ -489,6 +489,44 @@ def test_an_operation_that_fills_a_tensor_it_saved_is_refilled_whole_at_every_st
         reference.zero_grad()
 
 
+class ReusesFreedAddresses(nn.Module):
+    """Frees its last saved tensor, then writes in place to new tensors made after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.tail = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))  # the last saved tensor
+        y = h * 2.0
+        del h
+        for _ in range(4):
+            y = torch.zeros_like(y).add_(y)
+        return self.tail(y)
+
+
+def test_a_new_tensor_at_a_freed_saved_tensor_s_address_keeps_the_early_stop() -> None:
+    # After its last saved tensor a stage's operations are watched for in-place writes to
+    # saved storages. A saved tensor freed there leaves its address to the next storage;
+    # taken for the saved one, its writes cost the stage its early stop at every later step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), ReusesFreedAddresses(), nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    tail_calls = []
+    model[1].tail.register_forward_hook(lambda *_: tail_calls.append(1))
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver="checkpoint-every-stage")
+    for step in range(3):
+        tail_calls.clear()
+        om(x).sum().backward()
+        assert len(tail_calls) == 1, step  # the refill stopped at tanh's saved output
+    for _ in range(3):
+        reference(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_hooks_on_the_container_are_refused_and_run_on_the_wrapper() -> None:
     # A training step runs the children as stages, never the nn.Sequential itself: its hooks
