@@ -28,13 +28,15 @@ place between a stage's forward and its recomputation (an optimizer step before 
 backward): plain autograd computes the gradient from the values the forward saw, which a
 recomputation no longer has.
 
-A forward may also assign the modules' plain attributes (``self.saved = h``, as
-activation-logging code does). A refill (:mod:`offremat._deferred`) reruns a forward only to
-fill the saved tensors of a graph an earlier forward kept, and that earlier graph is the one
-the backward runs: each attribute the refill assigns is given back the object the earlier
-forward left, which is in that graph (and so gets its ``retain_grad`` gradient), as under
-plain autograd. Only assignments are undone: a tensor appended to a list or written into a
-dict attribute stays the refill's.
+A forward may also read and assign the modules' plain attributes (a call counter that ends a
+warm-up, ``self.saved = h`` as activation-logging code does). A recomputation must see them as
+the first forward did, so their values from before it are kept (by reference, in
+:class:`FirstForward`) and given back for each recomputation. A refill
+(:mod:`offremat._deferred`) reruns a forward only to fill the saved tensors of a graph an
+earlier forward kept, and that earlier graph is the one the backward runs: afterwards each
+module is given back the attributes the earlier forward left, whose tensors are in that graph
+(and so get their ``retain_grad`` gradients), as under plain autograd. Only assignments are
+replayed and undone: a tensor appended to a list or written into a dict attribute stays.
 """
 
 from __future__ import annotations
@@ -54,15 +56,18 @@ _MISSING = object()
 
 class FirstForward:
     """Copies of a stage's buffers from before its first forward (kept of those it changes),
-    and a watch on the version counters of its parameters and of the buffers it left."""
+    its modules' plain attributes then, and a watch on the version counters of its parameters
+    and of the buffers it left."""
 
     def __init__(
         self,
+        stage: nn.Module,
         slots: Sequence[BufferSlot],
         parameters: Sequence[torch.Tensor] = (),
         shared: frozenset[int] = frozenset(),
     ):
         self.parameters = [(p, p._version) for p in parameters]
+        self.attributes = attribute_values(stage)
         # Buffers other stages also hold (by storage key) keep their copies: a later stage's
         # forward may change them before this one is recomputed, through .data unseen.
         self.before = {
@@ -157,17 +162,31 @@ def replayed_buffers(copies: dict[BufferSlot, torch.Tensor]) -> Iterator[list[to
             module._buffers[name] = tensor
 
 
+# Each module's attribute dictionary and a shallow copy of its entries at one moment.
+AttributeValues = list[tuple[dict, dict]]
+
+
+def attribute_values(stage: nn.Module) -> AttributeValues:
+    """The plain attributes of ``stage``'s modules now (objects by reference)."""
+    return [(module.__dict__, dict(module.__dict__)) for module in stage.modules()]
+
+
+def _assign(values: AttributeValues) -> None:
+    for attributes, kept in values:
+        for name in [name for name in attributes if name not in kept]:
+            del attributes[name]
+        for name, value in kept.items():
+            if attributes.get(name, _MISSING) is not value:
+                attributes[name] = value
+
+
 @contextmanager
-def restored_attributes(stage: nn.Module) -> Iterator[None]:
-    """Run a refill of ``stage``, then give each of its modules back the attributes it had
-    before (a reassigned one its object, an added one removed)."""
-    before = [(module.__dict__, dict(module.__dict__)) for module in stage.modules()]
+def replayed_attributes(seen: AttributeValues, restore: bool) -> Iterator[None]:
+    """Run a recomputation with the attributes its stage's first forward saw (``seen``); with
+    ``restore``, give each module back afterwards the attributes it had before (a refill)."""
+    now = [(attributes, dict(attributes)) for attributes, _ in seen] if restore else []
+    _assign(seen)
     try:
         yield
     finally:
-        for attributes, kept in before:
-            for name in [name for name in attributes if name not in kept]:
-                del attributes[name]
-            for name, value in kept.items():
-                if attributes.get(name, _MISSING) is not value:
-                    attributes[name] = value
+        _assign(now)

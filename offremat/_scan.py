@@ -1,7 +1,8 @@
 """What a step needs to know about a stage's modules, found in one walk.
 
 Which parameters train, which storages are parameters or buffers (never part of a saved set),
-which normalisation layers a training-mode forward moves the running statistics of, and which
+which normalisation layers a training-mode forward moves the running statistics of (without
+reading them), and which
 ``torch.Generator`` objects the modules keep as attributes: all of these can change between
 steps (a layer frozen or unfrozen, FSDP2's gathered parameters, ``model.eval()``, a generator
 set), so every step looks again. It looks once per stage: a walk of the module tree per
@@ -53,7 +54,7 @@ def scan_modules(root: nn.Module) -> ModuleScan:
                 parameters.setdefault(id(parameter), parameter)
                 if parameter.requires_grad:
                     trainable.setdefault(id(parameter), parameter)
-        moving = isinstance(module, _NormBase) and module.training and module.track_running_stats
+        moving = _moving_norm(module)
         if moving:
             norms.append(module)
         for name, buffer in module._buffers.items():
@@ -70,6 +71,18 @@ def scan_modules(root: nn.Module) -> ModuleScan:
         tuple(generators.values()),
         tuple(buffers),
         tuple(parameters.values()),
+    )
+
+
+def _moving_norm(module: nn.Module) -> bool:
+    """A training-mode norm layer that runs torch's own forward, which moves its running
+    statistics without reading them; a subclass's forward may read them (batch
+    renormalisation), so its statistics are replayed like any other buffer."""
+    return (
+        isinstance(module, _NormBase)
+        and module.training
+        and module.track_running_stats
+        and type(module).forward.__module__.startswith("torch.nn.modules.")
     )
 
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._buffers import FirstForward, replayed_buffers, restored_attributes
+from offremat._buffers import (
+    FirstForward,
+    attribute_values,
+    replayed_attributes,
+    replayed_buffers,
+)
 from offremat._deferred import DeferringPacker, Refill, StopRecomputation
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
@@ -98,7 +103,9 @@ class Compute:
         versions = [tensor._version for tensor in inputs]
         watch = None
         if first and i in self.executor.recomputed:
-            watch = FirstForward(self.buffers[i - 1], self.parameters[i - 1], self.shared_buffers)
+            watch = FirstForward(
+                stage, self.buffers[i - 1], self.parameters[i - 1], self.shared_buffers
+            )
         packer = slot = None
         diff: list[int] = []
         excluded = self.excluded
@@ -108,6 +115,7 @@ class Compute:
                     stack.enter_context(replayed_rng(rng))
                 copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 copies += stack.enter_context(self._replayed_buffers(i, name))
+                stack.enter_context(self._replayed_attributes(i, restore=False))
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
@@ -201,6 +209,14 @@ class Compute:
         first_forward.check_recomputable(name)
         return replayed_buffers(first_forward.copies)
 
+    def _replayed_attributes(self, i: int, restore: bool) -> AbstractContextManager[None]:
+        """The context of a recomputation of stage i: its modules' attributes as its first
+        forward found them (see offremat._buffers)."""
+        first_forward = self.first_forwards.get(i)
+        stage = self.executor.stages[i - 1]
+        seen = attribute_values(stage) if first_forward is None else first_forward.attributes
+        return replayed_attributes(seen, restore)
+
     def _refill(self, i: int) -> None:
         """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
         kept = self.kept.pop(i)
@@ -217,7 +233,7 @@ class Compute:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 stack.enter_context(self._replayed_buffers(i, name))
-                stack.enter_context(restored_attributes(self.executor.stages[i - 1]))
+                stack.enter_context(self._replayed_attributes(i, restore=True))
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())

@@ -105,12 +105,43 @@ class Renormed(nn.Module):
         return torch.tanh(self.linear(x)) + self.embedding(torch.arange(x.shape[0]))
 
 
+class Renormalised(nn.BatchNorm1d):
+    """Batch renormalisation (Ioffe, 2017): a BatchNorm that reads its running statistics in
+    training mode, where torch's own does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean, var = x.mean(0), x.var(0, unbiased=False)
+        std, running_std = (var + self.eps).sqrt(), (self.running_var + self.eps).sqrt()
+        r = (std.detach() / running_std).clamp(1 / 3, 3)
+        d = ((mean.detach() - self.running_mean) / running_std).clamp(-5, 5)
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_var.lerp_(var, self.momentum)
+        return ((x - mean) / std * r + d) * self.weight + self.bias
+
+
+class WarmedUp(nn.Module):
+    """Halves its pre-activation from its third call on, counted in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.linear(x) * (1.0 if self.calls <= 2 else 0.5))
+
+
 MODELS = {
     "counter in place": lambda: [Counted(True) for _ in range(4)],
     "counter assigned": lambda: [Counted(False) for _ in range(4)],
     "moving average": lambda: [Centred() for _ in range(4)],
     "moving average through .data": lambda: [DataWritten() for _ in range(4)],
     "moving average from a later step": lambda: [LateData() for _ in range(4)],
+    "batch renormalisation": lambda: [
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), Renormalised(WIDTH), nn.Tanh()) for _ in range(4)
+    ],
     "spectral norm": lambda: [
         nn.Sequential(spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh()) for _ in range(4)
     ],
@@ -147,6 +178,21 @@ def test_a_forward_that_changes_state_trains_as_plain_autograd(kind: str, solver
     assert _same_state(model, reference)
     assert om.plan.ops != keep_all(om.chain).ops
     _train_beside(om, model, reference, x)
+
+
+@pytest.mark.parametrize("solver", PLANS)
+def test_a_recomputation_sees_the_plain_attributes_its_forward_saw(solver: str) -> None:
+    # A call counter that ends a warm-up: a recomputation reading the count its forward left
+    # would switch a step early.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[WarmedUp() for _ in range(4)], nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
+    for block in model[:4]:
+        block.calls = 0  # optimize ran the forward to profile and check it
+    _train_beside(om, model, reference, x)
+    assert [block.calls for block in model[:4]] == [3] * 4
 
 
 def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed() -> None:
@@ -273,10 +319,10 @@ def test_an_unchanged_buffer_holding_a_nan_gives_its_copy_back() -> None:
 
     module = nn.Linear(WIDTH, WIDTH)
     module.register_buffer("table", torch.tensor([1.0, float("nan")]))
-    watch = FirstForward([(module, "table")])
+    watch = FirstForward(module, [(module, "table")])
     watch.finish("s")
     assert watch.copies == {}  # bit for bit the same: no copy held to the step's end
-    watch = FirstForward([(module, "table")])
+    watch = FirstForward(module, [(module, "table")])
     module.table[0] = 2.0
     watch.finish("s")
     assert list(watch.copies) == [(module, "table")]
