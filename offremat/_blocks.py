@@ -160,6 +160,31 @@ def refuse_own_hooks(model: nn.Module) -> None:
         )
 
 
+def refuse_replaced_blocks(model: nn.Module, placed: Sequence[tuple[str, nn.Module]]) -> None:
+    """Refuse a training step after a block that ``placed`` names (its path in ``model``)
+    was replaced or removed, or one was added to an ``nn.Sequential`` model.
+
+    The plan's stages hold the blocks that ``optimize`` found: a block put in their place
+    would never run, and one added to the container would run in no plan.
+    """
+    for path, block in placed:
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            found = None
+        if found is not block:
+            break
+    else:
+        if not isinstance(model, nn.Sequential) or len(model._modules) == len(placed):
+            return
+        path = f"{len(placed)}"
+    raise RuntimeError(
+        f"block {path!r} of this {type(model).__name__} is not the one offremat.optimize "
+        "planned for (replaced, added or removed since): the plan's stages would run the "
+        "blocks it found. Call offremat.optimize again on the changed model"
+    )
+
+
 def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:
     """Refuse a chain whose output on ``example_input`` is not the model's own.
 

@@ -11,8 +11,9 @@ from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed 
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
 quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
-the parameters' dtypes or devices change (``model.to(...)``), or a stage module is switched
-between training and eval mode (dropout off, a batch norm frozen), every plan is made again.
+the stages' modules or their tensors change (``model.to(...)``, a layer unfrozen or widened, a
+submodule replaced by another kind), or a stage module is switched between training and eval
+mode (dropout off, a batch norm frozen), every plan is made again.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from offremat._plan_cache import PlanCache
@@ -133,7 +133,7 @@ class ShapePlans:
         self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
-        self.kinds, self.modes = self._planned_state()
+        self.tensors, self.modes = self._planned_state()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -165,35 +165,43 @@ class ShapePlans:
         self.profiled[signature] = chain
         return chain
 
-    def _planned_state(
-        self,
-    ) -> tuple[frozenset[tuple[torch.dtype, torch.device]], tuple[bool, ...]]:
-        """The dtypes and devices of the stages' parameters and the training flag of every
-        module of the stages, in one walk (it runs at every step)."""
-        kinds, modes = set(), []
+    def _planned_state(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+        """What the stages' plans were made for, in one walk (it runs at every step): each
+        module's type and its tensors' shapes, dtypes, devices and ``requires_grad``; and
+        each module's training flag."""
+        tensors, modes = [], []
         for stage in self.stages:
             for module in stage.modules():
                 modes.append(module.training)
-                kinds.update(
-                    (p.dtype, p.device) for p in module._parameters.values() if p is not None
-                )
-        return frozenset(kinds), tuple(modes)
+                tensors.append(type(module))
+                for group in (module._parameters, module._buffers):
+                    tensors.extend(
+                        (t.shape, t.dtype, t.device, t.requires_grad)
+                        for t in group.values()
+                        if t is not None
+                    )
+        return tuple(tensors), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        kinds, modes = self._planned_state()
-        if kinds != self.kinds or modes != self.modes:
-            # model.to(dtype or device) changes every activation size; a dropout switched off
-            # or a batch norm frozen changes what a stage saves. Every plan goes, and the disk
-            # cache, keyed by the model as optimize saw it, no longer applies.
-            changed = "dtype or device" if kinds != self.kinds else "training or eval mode"
+        tensors, modes = self._planned_state()
+        if tensors != self.tensors or modes != self.modes:
+            # model.to(dtype or device) changes every activation size, a wider or another
+            # module what a stage computes, a layer unfrozen what it saves, and so do a dropout
+            # switched off or a batch norm frozen. Every plan goes, and the disk cache, keyed
+            # by the model as optimize saw it, no longer applies.
+            changed = (
+                "modules or parameters (a type, shape, dtype, device or requires_grad)"
+                if tensors != self.tensors
+                else "training or eval mode"
+            )
             # Said aloud: each change profiles again, and a plan given to optimize is gone.
             logger.warning("the stages' %s changed: planning each shape again", changed)
             self.executors.clear()
             self.profiled.clear()
             self.provisional.clear()
             self.disk = None
-            self.kinds, self.modes = kinds, modes
+            self.tensors, self.modes = tensors, modes
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:

@@ -30,6 +30,7 @@ from offremat._blocks import (
     check_chain_output,
     check_device,
     refuse_own_hooks,
+    refuse_replaced_blocks,
 )
 from offremat._call_checks import (
     refuse_autocast,
@@ -69,6 +70,9 @@ class OptimizedModule(nn.Module):
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_run", run)
+        # Where each block was when planned (refuse_replaced_blocks).
+        placed = model._modules.items() if run is None else [(c.path, c.module) for c in run.calls]
+        object.__setattr__(self, "_placed", list(placed))
         object.__setattr__(self, "_plans", plans)
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
@@ -162,11 +166,13 @@ class OptimizedModule(nn.Module):
                     f"got {len(args)} positional and {len(kwargs)} keyword arguments"
                 )
             refuse_own_hooks(self._model)
+            refuse_replaced_blocks(self._model, self._placed)
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
             return self._plans.executor(args[0])(args[0])
         refuse_recorded_outputs(self._model, kwargs)
+        refuse_replaced_blocks(self._model, self._placed)
         executor = self._plans.executor(Call(args, kwargs))
         with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)

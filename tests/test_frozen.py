@@ -169,13 +169,18 @@ def test_at_a_full_budget_the_peak_is_at_most_plain_autograds() -> None:
     assert om.plan.predicted_peak_bytes < full.plan.predicted_peak_bytes
 
 
-def test_unfreezing_after_optimize_is_refused() -> None:
+def test_unfreezing_after_optimize_is_planned_again() -> None:
+    # The frozen prefix ran no backward and saved nothing; unfrozen, it does both.
     model = fine_tuned()
     x = torch.randn(ROWS, WIDTH)
     om = offremat.optimize(model, x, budget=1.0)
+    assert om.chain.frozen_stages == 4
     model[0].requires_grad_(True)
-    with pytest.raises(RuntimeError, match="frozen when its plan was made"):
-        om(x)
+    reference = copy.deepcopy(model)
+    ours, theirs = step(om, model, x), step(reference, reference, x)
+    assert om.chain.frozen_stages == 0
+    assert [a is None for a in ours] == [b is None for b in theirs]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_a_hugging_face_model_with_its_embeddings_and_first_layers_frozen() -> None:

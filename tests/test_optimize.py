@@ -345,6 +345,103 @@ def test_a_stage_switched_to_eval_mode_is_planned_again() -> None:
         assert torch.equal(mine.grad, theirs.grad)
 
 
+class Widening(nn.Module):
+    """A residual MLP block that computes in its own parameters' dtype."""
+
+    def __init__(self, hidden: int = 256) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, hidden), nn.Linear(hidden, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.up.weight.dtype)
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MeanSquare(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.float().pow(2).mean()
+
+
+def _unfreeze(model: nn.Sequential) -> None:
+    for block in model[2:6]:
+        block.requires_grad_(True)
+
+
+def _to_float32(model: nn.Sequential) -> None:
+    for block in model[:3]:  # block 3 stays bfloat16: the same set of dtypes as before
+        block.to(torch.float32)
+
+
+def _widen(model: nn.Sequential) -> None:
+    wider = Widening(hidden=320)
+    model[1].up, model[1].down = wider.up, wider.down
+
+
+@pytest.mark.parametrize("change", [_unfreeze, _to_float32, _widen])
+def test_stages_that_save_more_after_optimize_are_planned_again(change) -> None:
+    """Layers unfrozen, a block's dtype changed, a submodule widened: each makes a stage save
+    more than it did when profiled, so the next step is planned again and fits, measured."""
+    from offremat.measure import StepMemory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Widening() for _ in range(7)], MeanSquare())
+    for block in model[2:6]:
+        block.requires_grad_(change is not _unfreeze)
+    for block in model[:4]:
+        block.to(torch.bfloat16 if change is _to_float32 else torch.float32)
+    x = torch.randn(512, 64)
+    om = offremat.optimize(model, x, budget=0.6)
+    planned = om.chain
+    change(model)
+    reference = copy.deepcopy(model)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", x) as memory:
+        om(x).backward()
+    reference(x).backward()
+    assert om.chain is not planned
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_block_replaced_after_optimize_is_refused() -> None:
+    """The plan's stages hold the blocks optimize found: one put in a block's place, or a
+    block added, would never run in a plan, so the step is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Widening() for _ in range(4)], MeanSquare())
+    x = torch.randn(64, 64)
+    om = offremat.optimize(model, x, budget=0.9)
+    model[1] = Widening()
+    with pytest.raises(RuntimeError, match="block '1' of this Sequential is not the one"):
+        om(x)
+    model = nn.Sequential(*[Widening() for _ in range(4)], MeanSquare())
+    om = offremat.optimize(model, x, budget=0.9)
+    model.insert(4, Widening())
+    with pytest.raises(RuntimeError, match="replaced, added or removed"):
+        om(x)
+    om.eval()
+    om(x)  # outside training the model runs as it is
+    found = Looped()
+    om = offremat.optimize(found, x, budget=0.9)
+    found.blocks[2] = Widening()
+    with pytest.raises(RuntimeError, match=r"block 'blocks\.2' of this Looped is not the one"):
+        om(x)
+
+
+class Looped(nn.Module):
+    """Runs its blocks in a loop over a ModuleList: offremat finds the run of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Widening() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
 def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
     """Activation sizes that depend on the input's values: a plan cannot know them, but the
     independent measurement sees the step pass the budget, and says so."""
