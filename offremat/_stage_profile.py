@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
-from offremat._buffers import buffer_copy_bytes
+from offremat._buffers import FirstForward, buffer_copy_bytes
 from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._scan import scan_modules
 from offremat._stage import (
@@ -59,6 +59,8 @@ class Measured:
     refill_s: float | None = None
     # Made by the forward and still held after the backward by the modules themselves.
     kept_bytes: int = 0
+    # The buffers the forward changes, copied to the step's end when the stage is recomputed.
+    changed_buffer_bytes: int = 0
 
 
 class StageProfile:
@@ -212,9 +214,15 @@ class StageProfile:
             output, slot, _ = self.forward(grad=True)
             self.backward(*self.incoming(output), slot)
             del output, slot
+        # A recomputed stage's copies of the buffers its forward changes live to the end of
+        # the step (offremat._buffers): made here before the measurement, which they are not.
+        buffers = FirstForward(self.module, scan_modules(self.module).buffers)
         allocations = _Allocations(self.device)
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
+        buffers.finish(self.name)
+        changed_buffers = buffer_copy_bytes(list(buffers.copies))
+        del buffers
         out_tensors = flatten(output)[0]
         refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
         grad_bytes = gradient_bytes(out_tensors)
@@ -259,6 +267,7 @@ class StageProfile:
             nograd_fwd_tmp,
             grad_bytes,
             kept_bytes=kept,
+            changed_buffer_bytes=changed_buffers,
         )
         if sizes_only:
             return sizes, handed

@@ -108,7 +108,7 @@ def profile_model(
         )
         for stage_name, m, extra in zip(names, measured, added, strict=True)
     )
-    kept = sum(m.kept_bytes for m in measured)
+    kept = sum(m.kept_bytes + m.changed_buffer_bytes for m in measured)
     for stage_name, m in zip(names, measured, strict=True):
         if m.kept_bytes:
             logger.warning(
@@ -117,6 +117,14 @@ def profile_model(
                 "count as resident for the whole step",
                 stage_name,
                 m.kept_bytes,
+            )
+        if m.changed_buffer_bytes:
+            logger.warning(
+                "stage %r changes %d bytes of buffers in its forward: a plan that recomputes "
+                "it holds a copy of them from before that forward to the end of the step, so "
+                "they count as resident for the whole step",
+                stage_name,
+                m.changed_buffer_bytes,
             )
     metadata: dict[str, Any] = {
         "device": str(device),

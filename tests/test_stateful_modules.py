@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
 import offremat
+from offremat.measure import StepMemory
 from solvers.baselines import keep_all
 
 WIDTH = 32
@@ -133,6 +134,25 @@ class WarmedUp(nn.Module):
         return torch.tanh(self.linear(x) * (1.0 if self.calls <= 2 else 0.5))
 
 
+class Queued(nn.Module):
+    """Reads a bank of past outputs and writes its own into it in place (MoCo's queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("queue", torch.randn(16 * ROWS, WIDTH))
+        self.register_buffer("pointer", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        bank = self.queue[: len(h)].clone()
+        with torch.no_grad():
+            start = int(self.pointer)
+            self.queue[start : start + len(h)] = h
+            self.pointer.fill_((start + len(h)) % len(self.queue))
+        return h + bank
+
+
 MODELS = {
     "counter in place": lambda: [Counted(True) for _ in range(4)],
     "counter assigned": lambda: [Counted(False) for _ in range(4)],
@@ -193,6 +213,30 @@ def test_a_recomputation_sees_the_plain_attributes_its_forward_saw(solver: str) 
         block.calls = 0  # optimize ran the forward to profile and check it
     _train_beside(om, model, reference, x)
     assert [block.calls for block in model[:4]] == [3] * 4
+
+
+def test_the_copy_of_a_buffer_the_forward_changes_is_counted(caplog) -> None:
+    # A recomputed stage's copy of a buffer its forward changes lives to the end of the step:
+    # a plan at its exact predicted peak fits, measured, only if the profile counted it.
+    torch.manual_seed(0)
+    model = nn.Sequential(Queued(), *[Counted(True) for _ in range(3)], nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    first = offremat.optimize(model, x, budget=2**24, solver="checkpoint-every-stage")
+    budget = first.plan.predicted_peak_bytes
+    om = offremat.optimize(model, x, budget=budget, chain=first.chain, solver=first.plan.solver)
+    assert "changes 131080 bytes of buffers" in caplog.text  # the queue and its pointer
+    assert om.plan.decisions["0"] == "recompute"
+    reference = copy.deepcopy(model)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    for _ in range(2):
+        with StepMemory("cpu", x) as memory:
+            om(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        assert memory.peak_bytes <= om.plan.budget_bytes
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        assert _same_state(model, reference)
 
 
 def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed() -> None:
