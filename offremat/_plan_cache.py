@@ -1,7 +1,8 @@
 """Plans kept on disk between runs, keyed by everything a plan depends on.
 
 A file holds one chain and its plan, under a key made of the model's structure (module types,
-parameter and buffer shapes and dtypes), the device, the budget as given, the solver and its
+the code of their ``forward`` methods, parameter and buffer shapes, dtypes and
+``requires_grad``), the device, the budget as given, the solver and its
 options, the example batch's signature and the signature of the input shape planned. A file
 that cannot be read, is truncated, has another format or another key, or holds a plan that
 does not validate against its chain or does not fit its budget there is logged and ignored:
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +31,17 @@ from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "offremat.plan-cache/2"  # 2: buffer copies counted, module settings in the key
+# 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it
+FORMAT = "offremat.plan-cache/3"
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A digest of the model's structure: module types and settings by path, tensors' shapes
-    and dtypes. Settings are the modules' plain attributes (a dropout's ``p``, a count of
-    attention heads, a Hugging Face config): they change what a forward saves."""
+    """A digest of the model's structure: module types, settings and ``forward`` code by path,
+    tensors' shapes and dtypes. Settings are the modules' plain attributes (a dropout's ``p``, a
+    count of attention heads, a Hugging Face config) and, with the code (an edited block), they
+    change what a forward saves. Functions the ``forward`` calls are not followed."""
     parts = [
-        f"{path}:{type(module).__qualname__}:{_settings(module)}"
+        f"{path}:{type(module).__qualname__}:{_settings(module)}:{_code(type(module).forward)}"
         for path, module in model.named_modules()
     ]
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
@@ -71,6 +75,26 @@ def _settings(module: nn.Module) -> str:
         except (TypeError, ValueError):  # keys that are no strings, a cycle
             found.append(f"{name}={type(value).__qualname__}")
     return ",".join(found)
+
+
+def _code(function: Any) -> str:
+    """A digest of a function's code, the same in every process (no addresses)."""
+    code = getattr(function, "__code__", None)
+    if code is None:  # a builtin or a wrapper without one
+        return type(function).__qualname__
+    return hashlib.sha256(_code_text(code).encode()).hexdigest()[:16]
+
+
+def _code_text(code: types.CodeType) -> str:
+    constants = []
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a nested function or comprehension
+            constants.append(_code_text(constant))
+        elif isinstance(constant, frozenset):  # its order varies with the hash seed
+            constants.append(repr(sorted(map(repr, constant))))
+        else:
+            constants.append(repr(constant))
+    return f"{code.co_code.hex()}|{constants}|{code.co_names}"
 
 
 def _is_dataclass_object(value: Any) -> bool:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -150,6 +153,52 @@ def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> 
     fresh = offremat.optimize(gpt(2, 0.1), batch, budget=0.7)
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert second.plan.budget_bytes == fresh.plan.budget_bytes != first.plan.budget_bytes
+
+
+class ReluBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+class EditedBlock(ReluBlock):
+    """ReluBlock with its forward edited (saves more): the same types and tensors otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.tanh(h) * torch.sigmoid(h)
+
+
+def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
+    from offremat._plan_cache import model_fingerprint
+
+    edited = EditedBlock()
+    EditedBlock.__qualname__ = ReluBlock.__qualname__  # as if the file had been edited
+    try:
+        assert model_fingerprint(ReluBlock()) != model_fingerprint(edited)
+    finally:
+        EditedBlock.__qualname__ = "EditedBlock"
+    # The digest is the same in another process, whatever its hash seed.
+    script = (
+        "from offremat._plan_cache import model_fingerprint\n"
+        "from offremat.models import GPTConfig, build_gpt\n"
+        "print(model_fingerprint(build_gpt(GPTConfig(layers=2, hidden=16, heads=2, seq=8, "
+        "vocab=16), seed=0)))"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1
 
 
 def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
