@@ -122,6 +122,7 @@ class PlanCache:
 
     def __init__(self, directory: str | Path, key: dict[str, Any]):
         self.directory = Path(directory)
+        self.loaded = 0  # entries read and trusted
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -163,6 +164,7 @@ class PlanCache:
             logger.warning("ignoring plan cache file %s: %s", path, error)
             return None
         logger.info("plan for input %s read from %s", signature, path)
+        self.loaded += 1
         return chain, plan
 
     def store(self, signature: str, chain: Chain, plan: Plan) -> None:

@@ -96,6 +96,8 @@ class Request:
             _quick_for(plan, self.solver, self.solver_options),
         )
         plans.add(example, chain, plan)
+        # Only the example's plan can have been read from disk by now.
+        plans.cache.from_disk = 0 if self.disk is None else self.disk.loaded
         return plans
 
 
