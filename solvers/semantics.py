@@ -64,7 +64,8 @@ def effect(op: Op) -> Effect:
     if op.kind == F_CK:
         return Effect(reads_input=True, allocates=(ACTIVATION, i))
     if op.kind == F_NONE:
-        return Effect(reads_input=True, allocates=(ACTIVATION, i), releases_input=True)
+        # Never a_0: the caller holds its input for the whole step (B(1) ends the step).
+        return Effect(reads_input=True, allocates=(ACTIVATION, i), releases_input=i > 1)
     if op.kind == BACKWARD:
         # After B(i) nothing reads x̄_i, or a_{i-1} by itself, again.
         return Effect(

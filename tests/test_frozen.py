@@ -24,8 +24,18 @@ from offremat.measure import StepMemory
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link
 from solvers.frozen import prefix_peak, trained_part
-from solvers.plan import BACKWARD, F_ALL, backward, forward_checkpoint, forward_none, validate
+from solvers.plan import (
+    BACKWARD,
+    F_ALL,
+    Plan,
+    backward,
+    forward_all,
+    forward_checkpoint,
+    forward_none,
+    validate,
+)
 from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
+from solvers.simulator import simulate
 
 
 def frozen_chain(seed: int, length: int = 6, frozen: int = 3) -> Chain:
@@ -167,6 +177,26 @@ def test_at_a_full_budget_the_peak_is_at_most_plain_autograds() -> None:
     unfrozen = fine_tuned(frozen=0)
     full = offremat.optimize(unfrozen, x, budget=1.0)
     assert om.plan.predicted_peak_bytes < full.plan.predicted_peak_bytes
+
+
+def test_a_hand_plan_dropping_the_frozen_prefix_s_input_counts_it_as_held() -> None:
+    # F_none(1) releases its input a_0 in rotor's model, but a_0 is the caller's input, held
+    # for the whole step: a plan that runs it is measured with a_0 resident throughout.
+    model = fine_tuned(frozen=1)
+    x = torch.randn(16 * ROWS, WIDTH)  # an input as large as several activations
+    chain = offremat.optimize(model, x, budget=1.0).chain
+    assert chain.frozen_stages == 1
+    ops = [forward_none(1)]
+    ops += [forward_all(i) for i in range(2, chain.length + 1)]
+    ops += [backward(i) for i in range(chain.length, 1, -1)]
+    hand = Plan(tuple(ops), chain.stage_names, "hand")
+    predicted = simulate(hand, chain).peak_bytes
+    om = offremat.optimize(model, x, chain=chain, plan=hand, budget=predicted)
+    for parameter in model.parameters():
+        parameter.grad = None if not parameter.requires_grad else torch.zeros_like(parameter)
+    with StepMemory("cpu", x) as memory:
+        om(x).pow(2).mean().backward()
+    assert memory.peak_bytes <= predicted
 
 
 def test_unfreezing_after_optimize_is_planned_again() -> None:
