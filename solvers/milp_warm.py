@@ -230,7 +230,7 @@ def tight_budget_candidates(
     return [("least-memory milp", scored_plan(decode(schedule), chain, budget_bytes))]
 
 
-def scored_plan(ops: list, chain: Chain, budget_bytes: int) -> Plan:
+def scored_plan(ops: list, chain: Chain, budget_bytes: int | None) -> Plan:
     """``ops`` as a MILP plan of ``chain``, scored at ``budget_bytes``."""
     plan = Plan(
         ops=tuple(ops),
@@ -239,6 +239,10 @@ def scored_plan(ops: list, chain: Chain, budget_bytes: int) -> Plan:
         chain_name=chain.name,
     )
     return score(plan, chain, budget_bytes)
+
+
+# Twice HiGHS's MIP feasibility tolerance, in the model's units of memory.
+FEASIBILITY_SLACK = 2e-6
 
 
 def least_budget_with_offloading(
@@ -267,5 +271,14 @@ def least_budget_with_offloading(
             math.ceil(least - 1e-6),
         )
         return recompute_least, None
-    # Floats, not the model, can land a hair under the true peak: take the next byte up.
-    return max(math.ceil(least - 1e-6), necessary_budget_bytes(chain)), search.schedule
+    # HiGHS accepts a constraint violated by up to its feasibility tolerance (1e-6 in the
+    # model's units): the peak it names can sit that far under the schedule's real one, which
+    # the simulator gives. A larger difference is the simulator timing the schedule's copies
+    # otherwise, where a search at the named budget finds another schedule.
+    named = math.ceil(least - 1e-6)
+    simulated = scored_plan(decode(search.schedule), chain, None).predicted_peak_bytes
+    named = max(named, min(simulated, named + math.floor(FEASIBILITY_SLACK * model.memory_unit)))
+    named = max(named, necessary_budget_bytes(chain))
+    if named >= recompute_least:
+        return recompute_least, None
+    return named, search.schedule

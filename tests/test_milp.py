@@ -340,3 +340,40 @@ def test_the_named_least_budget_is_one_at_which_the_same_solve_succeeds():
     rounded = solve(chain, min_feasible_budget(chain, "dp"), "dp")
     assert rounded.predicted_peak_bytes <= least
     assert plan.predicted_time_s <= rounded.predicted_time_s * (1 + 1e-9)
+
+
+def test_the_least_budget_with_offloading_is_the_found_plan_s_simulated_peak():
+    """On a chain whose stages take no time, the MILP's least peak, a float in its units,
+    landed 4 bytes under the simulated peak of its plan: the budget it named failed."""
+    from solvers.registry import min_feasible_budget, solve
+
+    stages = (
+        Stage("s0", 0.0, 0.0, 1, 4577297, fwd_tmp_bytes=1461914, bwd_tmp_bytes=-4283892),
+        Stage(
+            "s1",
+            0.0018851006114487634,
+            0.006570783620687926,
+            414689,
+            1852311,
+            fwd_tmp_bytes=1537992,
+            bwd_tmp_bytes=1087029,
+            nograd_fwd_tmp_bytes=1444510,
+        ),
+        Stage(
+            "s2",
+            0.002418251717741314,
+            0.0,
+            1,
+            1,
+            fwd_tmp_bytes=1290137,
+            bwd_tmp_bytes=1477006,
+            nograd_fwd_tmp_bytes=802578,
+        ),
+    )
+    link = Link(76187607369.12767, 19910888148.598835)
+    chain = Chain("zero times", 605560, stages, link=link)
+    least = min_feasible_budget(chain, "milp", time_limit_s=5)
+    plan = solve(chain, least, "milp", time_limit_s=5)
+    assert plan.feasible and plan.predicted_peak_bytes <= least
+    with pytest.raises(InfeasibleBudgetError):
+        solve(chain, least - 1, "milp", time_limit_s=5)
