@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from solvers.json_text import parse_json
+
 CHAIN_FORMAT = "offremat.chain/1"
 
 
@@ -323,13 +325,7 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> Chain:
         """Parse ``offremat.chain/1`` JSON text."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ChainFormatError(f"chain: not valid JSON ({error})") from None
-        except RecursionError:
-            raise ChainFormatError("chain: not a chain (JSON nested too deeply to read)") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "chain", ChainFormatError))
 
     def save(self, path: str | Path) -> None:
         """Write the chain to a JSON file."""

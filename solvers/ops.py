@@ -72,6 +72,9 @@ class Op:
         unknown = set(data) - {"op", "index", "tensor"}
         if unknown:
             raise ValueError(f"op {data}: unknown field(s) {sorted(unknown)}")
+        missing = [name for name in ("op", "index") if name not in data]
+        if missing:
+            raise ValueError(f"op {data}: missing field(s) {missing}")
         index = data["index"]
         if isinstance(index, bool) or not isinstance(index, int):
             raise ValueError(f"op {data}: field 'index' must be an integer, got {index!r}")

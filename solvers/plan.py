@@ -16,6 +16,7 @@ from typing import Any
 
 from solvers import semantics
 from solvers.chain import Chain
+from solvers.json_text import parse_json
 from solvers.ops import (
     ACTIVATION,
     BACKWARD,
@@ -194,14 +195,25 @@ class Plan:
             raise ValueError(
                 f"plan: field 'budget_bytes' must be a positive integer or null, got {budget!r}"
             )
+        for name, kind in (("solver", str), ("chain", str)):
+            if name in data and not isinstance(data[name], kind):
+                raise ValueError(f"plan: field {name!r} must be a string, got {data[name]!r}")
+        for name in ("predicted_time_s", "predicted_peak_bytes"):
+            value = data.get(name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+            ):
+                raise ValueError(
+                    f"plan: field {name!r} must be a non-negative number or null, got {value!r}"
+                )
         return cls(
             ops=ops,
             stage_names=tuple(stages),
-            solver=str(data["solver"]),
+            solver=data["solver"],
             budget_bytes=budget,
             predicted_time_s=data.get("predicted_time_s"),
             predicted_peak_bytes=data.get("predicted_peak_bytes"),
-            chain_name=str(data.get("chain", "")),
+            chain_name=data.get("chain", ""),
             info=_info(data.get("info")),
         )
 
@@ -212,11 +224,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         """Read a plan from JSON."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except RecursionError:
-            raise ValueError("plan: not a plan (JSON nested too deeply to read)") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(Path(path).read_text(), "plan"))
 
 
 def _info(raw: Any) -> dict[str, Any]:

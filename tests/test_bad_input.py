@@ -234,6 +234,39 @@ def test_a_plan_whose_info_is_not_an_object_names_the_field() -> None:
             Plan.from_dict({**data, "info": info})
 
 
+def test_a_key_given_twice_or_a_number_too_long_is_refused_in_chain_and_plan_files(
+    tmp_path,
+) -> None:
+    # json.loads keeps the last of two equal keys: a stage's time would silently be the other.
+    stage = '{"name": "a", "fwd_s": 0.001, "fwd_s": 5.0, "bwd_s": 1, "out_bytes": 1, '
+    stage += '"saved_bytes": 1}'
+    chain = '{"format": "offremat.chain/1", "name": "c", "input_bytes": 1, "stages": [%s]}'
+    with pytest.raises(ValueError, match="chain: key 'fwd_s' appears twice in one object"):
+        Chain.from_json(chain % stage)
+    with pytest.raises(ValueError, match="chain: a number is too long to read"):
+        Chain.from_json(chain.replace('"input_bytes": 1', '"input_bytes": ' + "9" * 5000))
+    path = tmp_path / "plan.json"
+    path.write_text(plan_text(5000).replace('"solver": "dp"', '"solver": "dp", "solver": "x"'))
+    with pytest.raises(ValueError, match="plan: key 'solver' appears twice"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("predicted_time_s", "fast", "'predicted_time_s' must be a non-negative number"),
+        ("predicted_peak_bytes", -1, "'predicted_peak_bytes' must be a non-negative number"),
+        ("solver", [1], "field 'solver' must be a string"),
+        ("chain", 5, "field 'chain' must be a string"),
+        ("ops", [{"op": "B"}], r"missing field\(s\) \['index'\]"),
+    ],
+)
+def test_a_plan_field_of_the_wrong_type_is_named(field, value, message) -> None:
+    data = json.loads(plan_text(5000))
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict({**data, field: value})
+
+
 def _user_file(tmp_path, body: str) -> str:
     (tmp_path / "helpers.py").write_text(
         "import torch\nfrom torch import nn\n\n"

@@ -1,0 +1,38 @@
+"""Reading the JSON of chain and plan files strictly: a key given twice, a number too long to
+read or nesting too deep is an error naming the file's kind, never a silent choice."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class _RepeatedKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKey(key)
+        found[key] = value
+    return found
+
+
+def parse_json(text: str, what: str, error: type[Exception] = ValueError) -> Any:
+    """The JSON value in ``text``; ``error`` (its message starting with ``what``) if the text
+    is not JSON, repeats a key in one object, or cannot be read."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique)
+    except _RepeatedKey as repeated:
+        message = f"key {repeated.key!r} appears twice in one object: keep one"
+    except json.JSONDecodeError as invalid:
+        message = f"not valid JSON ({invalid})"
+    except ValueError:  # an integer of thousands of digits
+        message = "a number is too long to read"
+    except RecursionError:
+        message = f"not a {what} (JSON nested too deeply to read)"
+    raise error(f"{what}: {message}")
