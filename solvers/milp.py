@@ -143,10 +143,12 @@ def solve_milp(
         # Past COARSE_FROM stages this is the designed path: the plan of the groups answers.
         logger.log(
             logging.INFO if chain.length >= COARSE_FROM else logging.WARNING,
-            "the milp model for %d stages takes about %.0f s to build, past the %.0f s time "
-            "limit: returning the best warm start (%s); raise time_limit_s for the milp",
+            "the milp model for %d stages takes about %.1f s to build, more than the %.1f s "
+            "left of its %.1f s time limit after the warm starts: returning the best warm "
+            "start (%s); raise time_limit_s for the milp",
             chain.length,
             estimated_build_s(chain.length),
+            max(deadline - time.monotonic(), 0.0),
             time_limit_s,
             candidates[0][0],
         )

@@ -213,6 +213,19 @@ def test_plot_draws_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_says_when_the_plan_passes_the_budget_or_is_another_chain_s(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan, png = tmp_path / "plan.json", str(tmp_path / "plan.png")
+    assert run_cli(capsys, "solve", "llama7b", "--budget", "0.3", "--out", str(plan))[0] == 0
+    assert run_cli(capsys, "plot", "llama7b", str(plan), "--out", png)[0] == 0
+    assert "passes the budget" not in caplog.text and "made for chain" not in caplog.text
+    assert run_cli(capsys, "plot", "llama7b", str(plan), "-b", "0.1", "--out", png)[0] == 0
+    assert "the plan's simulated peak, 5.82 GiB, passes the budget of 1.98 GiB" in caplog.text
+    assert run_cli(capsys, "plot", "llama7b-fused", str(plan), "--out", png)[0] == 0
+    assert "made for chain 'llama-7b' and is drawn on 'llama-7b-fused-swiglu'" in caplog.text
+
+
 def test_milp_flags_and_report_reach_the_output(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,

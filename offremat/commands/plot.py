@@ -16,7 +16,9 @@ from offremat.commands import (
     load_chain,
     resolve_budget,
 )
+from solvers.budget import format_bytes
 from solvers.plan import Plan, PlanError
+from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         raise UsageError(f"cannot read plan file {args.plan}: {error}") from None
     budget = resolve_budget(args.budget, chain) if args.budget else None
+    if plan.chain_name and plan.chain_name != chain.name:
+        logger.warning(
+            "the plan was made for chain %r and is drawn on %r", plan.chain_name, chain.name
+        )
     try:
         draw_plan(chain, plan, args.out, budget_bytes=budget)
     except PlanError as error:
@@ -59,5 +65,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     print(f"wrote {args.out}")
+    limit = budget if budget is not None else plan.budget_bytes
+    peak = simulate(plan, chain).peak_bytes
+    if limit is not None and peak > limit:
+        logger.warning(
+            "the plan's simulated peak, %s, passes the budget of %s",
+            format_bytes(peak),
+            format_bytes(limit),
+        )
     logger.info("drew %s (%d ops) on %s", args.plan, len(plan.ops), chain.name)
     return EXIT_OK
