@@ -96,6 +96,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+# The flag that sets each registry option, as the user typed it.
+FLAGS = {
+    "slots": "--slots",
+    "offload": "--no-offload",
+    "time_limit_s": "--time-limit",
+    "gap": "--gap",
+    "backend": "--backend",
+}
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """The registry options the chosen solver takes; flags meant for another are reported."""
     given = {
@@ -106,9 +116,11 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend,
     }
     accepted = SOLVER_OPTIONS[args.solver]
-    ignored = [name for name, value in given.items() if value is not None and name not in accepted]
+    ignored = [
+        FLAGS[name] for name, value in given.items() if value is not None and name not in accepted
+    ]
     if ignored:
-        logger.warning("solver %s ignores option(s): %s", args.solver, ", ".join(ignored))
+        logger.warning("solver %s ignores %s", args.solver, ", ".join(ignored))
     return {name: value for name, value in given.items() if value is not None and name in accepted}
 
 
