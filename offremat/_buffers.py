@@ -52,7 +52,6 @@ from offremat._tensors import storage_key
 
 # A buffer: the module that holds it and its name there.
 BufferSlot = tuple[nn.Module, str]
-_MISSING = object()
 
 
 class FirstForward:
@@ -174,11 +173,9 @@ def attribute_values(stage: nn.Module) -> AttributeValues:
 
 def _assign(values: AttributeValues) -> None:
     for attributes, kept in values:
-        for name in [name for name in attributes if name not in kept]:
+        for name in attributes.keys() - kept.keys():
             del attributes[name]
-        for name, value in kept.items():
-            if attributes.get(name, _MISSING) is not value:
-                attributes[name] = value
+        attributes.update(kept)  # the unchanged ones get their own objects back: no change
 
 
 @contextmanager
