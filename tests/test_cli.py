@@ -226,6 +226,17 @@ def test_plot_says_when_the_plan_passes_the_budget_or_is_another_chain_s(
     assert "made for chain 'llama-7b' and is drawn on 'llama-7b-fused-swiglu'" in caplog.text
 
 
+def test_the_table_says_which_stages_are_frozen(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    chain = dataclasses.replace(examples.load("cnn"), frozen_stages=2)
+    chain.save(tmp_path / "frozen.json")
+    code, out, err = run_cli(capsys, "solve", str(tmp_path / "frozen.json"), "-b", "0.5")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "stem" in line or "layer1." in line]
+    assert ["frozen" in row for row in rows[:3]] == [True, True, False]
+
+
 def test_milp_flags_and_report_reach_the_output(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,

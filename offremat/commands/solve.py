@@ -258,7 +258,8 @@ def _print_table(chain: Chain, plan: Plan) -> None:
     table.add_column("saved x̄", justify="right")
     decisions = plan.decisions
     for index, stage in enumerate(chain.stages, start=1):
-        decision = decisions.get(stage.name, "?")
+        # A frozen stage runs no backward: nothing of its forward is kept for one.
+        decision = decisions.get(stage.name, "frozen" if index <= chain.frozen_stages else "?")
         style = _DECISION_STYLE.get(decision, "")
         table.add_row(
             str(index),
