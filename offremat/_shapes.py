@@ -67,8 +67,9 @@ def _varying(
 ) -> tuple[frozenset[tuple[int, int]], int, int] | None:
     """Where ``new`` differs from ``known`` if it differs in one size only, and that size.
 
-    The positions (tensor, dimension) that differ, the size ``new`` has at all of them and
-    the size ``known`` has at all of them; None if anything else differs.
+    The positions (tensor, dimension) that differ, at most one per tensor (a sequence length
+    shared by the ids and the mask), the size ``new`` has at all of them and the size
+    ``known`` has at all of them; None if anything else differs.
     """
     if known[1] != new[1] or len(known[0]) != len(new[0]):
         return None
@@ -78,6 +79,10 @@ def _varying(
             return None
         positions += [(index, d) for d, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y]
     if not positions:
+        return None
+    if len({t for t, _ in positions}) != len(positions):
+        # Two dimensions of one tensor (an image's height and width): sizes grow as their
+        # product, a polynomial of twice the degree solvers.predict fits. Profile it.
         return None
     new_sizes = {new[0][t][0][d] for t, d in positions}
     known_sizes = {known[0][t][0][d] for t, d in positions}

@@ -88,7 +88,10 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
         + [getattr(chain, field) for field in _CHAIN_BYTES]
         for chain in chains
     ]
-    byte_values = _fit(xs, np.array(columns, dtype=float), size, range(min(3, len(sizes))))
+    measured = np.array(columns, dtype=float)
+    byte_values = _fit(xs, measured, size, range(min(3, len(sizes))))
+    if not _not_below_neighbours(xs, measured, size, byte_values):
+        return None
     stages = []
     for k, name in enumerate(names):
         figures: dict[str, float | int] = {
@@ -121,6 +124,23 @@ def _fit(xs: np.ndarray, values: np.ndarray, size: float, powers: Sequence[int])
     basis = np.stack([(xs / scale) ** p for p in powers], axis=1)
     coefficients = np.linalg.lstsq(basis, values, rcond=None)[0]
     return np.array([(size / scale) ** p for p in powers]) @ coefficients
+
+
+def _not_below_neighbours(
+    xs: np.ndarray, measured: np.ndarray, size: float, predicted: np.ndarray
+) -> bool:
+    """Whether no predicted byte figure that grows with the size across the profiled ones
+    falls below its value at the nearest profiled size under ``size``, as no
+    ``c + a·n + b·n²`` with non-negative coefficients does. A fit that dips there is of a
+    figure growing faster than the quadratic (an image's area squared) and would undercount:
+    the shape is profiled instead."""
+    order = np.argsort(xs)
+    growing = np.all(np.diff(measured[order], axis=0) >= 0, axis=0)
+    below = xs <= size
+    if not below.any():
+        return True
+    low = measured[below][np.argmax(xs[below])]
+    return not np.any(growing & (predicted < low - 1.0))  # 1 byte: a fit of exact sizes rounds
 
 
 def _two_point_error(low: float, high: float, size: float) -> float:

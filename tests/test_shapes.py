@@ -202,6 +202,38 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
     assert len(digests) == 1
 
 
+def test_a_shape_is_predicted_along_one_dimension_of_each_tensor_only() -> None:
+    # An image's height and width growing together grow its patch attention as their product
+    # squared, beyond the quadratic the predictor fits: such a shape is profiled for real.
+    from offremat._shapes import _varying, input_signature
+
+    def images(side: int) -> tuple:
+        return input_signature(torch.zeros(2, 3, side, side))
+
+    def tokens(length: int) -> tuple:
+        return input_signature((torch.zeros(2, length), torch.ones(2, length)))
+
+    assert _varying(images(32), images(48)) is None
+    assert _varying(tokens(32), tokens(48)) is not None  # ids and mask: one size
+
+
+def test_a_fit_that_dips_below_a_smaller_size_s_bytes_is_not_used() -> None:
+    # Bytes growing as n**4, profiled at 16, 32 and 64: the quadratic through them dips below
+    # the bytes at 16 around 24, where it would plan for a fraction of the real size.
+    from solvers.predict import predict_chain
+
+    def chain(n: int) -> Chain:
+        stage = Stage("s", 1e-3, 2e-3, out_bytes=n**4, saved_bytes=2 * n**4)
+        return Chain("c", 1000, (stage,))
+
+    profiled = [(n, chain(n)) for n in (16, 32, 64)]
+    assert predict_chain(profiled, 24) is None
+    quadratic = [
+        (n, Chain("c", 1000, (Stage("s", 1e-3, 2e-3, n * n, 2 * n * n),))) for n in (16, 32, 64)
+    ]
+    assert predict_chain(quadratic, 24).stages[0].saved_bytes == 2 * 24 * 24
+
+
 def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
     model = mlp()
     reference = copy.deepcopy(model)
