@@ -172,19 +172,19 @@ class ShapePlans:
 
     def _planned_state(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
         """What the stages' plans were made for, in one walk (it runs at every step): each
-        module's type and its tensors' shapes, dtypes, devices and ``requires_grad``; and
-        each module's training flag."""
+        module's type and its parameters' shapes, dtypes, devices and ``requires_grad``; and
+        each module's training flag. Not buffers: one may follow the input's shape (a mask
+        cached for the last length), which each shape's own plan covers."""
         tensors, modes = [], []
         for stage in self.stages:
             for module in stage.modules():
                 modes.append(module.training)
                 tensors.append(type(module))
-                for group in (module._parameters, module._buffers):
-                    tensors.extend(
-                        (t.shape, t.dtype, t.device, t.requires_grad)
-                        for t in group.values()
-                        if t is not None
-                    )
+                tensors.extend(
+                    (p.shape, p.dtype, p.device, p.requires_grad)
+                    for p in module._parameters.values()
+                    if p is not None
+                )
         return tuple(tensors), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:

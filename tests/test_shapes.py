@@ -202,6 +202,30 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
     assert len(digests) == 1
 
 
+class CachedMask(nn.Module):
+    """Keeps a buffer shaped by the last input: a mask cached for the last sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.ones(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask.shape[0] != x.shape[1]:
+            self.mask = torch.ones(x.shape[1])
+        return torch.tanh(self.linear(x)) * self.mask[:, None]
+
+
+def test_a_buffer_that_follows_the_input_shape_keeps_each_shape_s_plan() -> None:
+    model = nn.Sequential(*[CachedMask() for _ in range(3)], nn.Linear(8, 1))
+    short, long = torch.randn(2, 6, 8), torch.randn(2, 9, 8)
+    om = offremat.optimize(model, short, budget=2**20)
+    for _ in range(2):
+        for x in (short, long):
+            om(x).sum().backward()
+    assert om.cache_info()["plans"] == 2 and om.cache_info()["misses"] == 1
+
+
 def test_a_shape_is_predicted_along_one_dimension_of_each_tensor_only() -> None:
     # An image's height and width growing together grow its patch attention as their product
     # squared, beyond the quadratic the predictor fits: such a shape is profiled for real.
