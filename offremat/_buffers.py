@@ -36,8 +36,11 @@ the first forward did, so their values from before it are kept (by reference, in
 (:mod:`offremat._deferred`) reruns a forward only to fill the saved tensors of a graph an
 earlier forward kept, and that earlier graph is the one the backward runs: afterwards each
 module is given back the attributes the earlier forward left, whose tensors are in that graph
-(and so get their ``retain_grad`` gradients), as under plain autograd. Only assignments are
-replayed and undone: a tensor appended to a list or written into a dict attribute stays.
+(and so get their ``retain_grad`` gradients), as under plain autograd. After a recomputation
+whose own graph the backward runs, the tensors it assigned stay, and every other attribute
+goes back to what it was before it (a block used twice keeps the count of its later use).
+Only assignments are replayed and undone: a tensor appended to a list or written into a dict
+attribute stays.
 """
 
 from __future__ import annotations
@@ -179,12 +182,21 @@ def _assign(values: AttributeValues) -> None:
 
 
 @contextmanager
-def replayed_attributes(seen: AttributeValues, restore: bool) -> Iterator[None]:
-    """Run a recomputation with the attributes its stage's first forward saw (``seen``); with
-    ``restore``, give each module back afterwards the attributes it had before (a refill)."""
-    now = [(attributes, dict(attributes)) for attributes, _ in seen] if restore else []
+def replayed_attributes(seen: AttributeValues, refill: bool) -> Iterator[None]:
+    """Run a recomputation with the attributes its stage's first forward saw (``seen``), then
+    give each module back the attributes it had before: all of them after a refill, whose
+    backward runs the earlier graph; after a recomputation whose own graph the backward runs,
+    all but the tensors it assigned (an activation kept for its ``retain_grad`` gradient)."""
+    now = [(attributes, dict(attributes)) for attributes, _ in seen]
     _assign(seen)
     try:
         yield
     finally:
+        if not refill:
+            for attributes, before in now:
+                before.update(
+                    (name, value)
+                    for name, value in attributes.items()
+                    if isinstance(value, torch.Tensor)
+                )
         _assign(now)

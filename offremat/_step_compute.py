@@ -115,7 +115,7 @@ class Compute:
                     stack.enter_context(replayed_rng(rng))
                 copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 copies += stack.enter_context(self._replayed_buffers(i, name))
-                stack.enter_context(self._replayed_attributes(i, restore=False))
+                stack.enter_context(self._replayed_attributes(i, refill=False))
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
@@ -209,13 +209,13 @@ class Compute:
         first_forward.check_recomputable(name)
         return replayed_buffers(first_forward.copies)
 
-    def _replayed_attributes(self, i: int, restore: bool) -> AbstractContextManager[None]:
+    def _replayed_attributes(self, i: int, refill: bool) -> AbstractContextManager[None]:
         """The context of a recomputation of stage i: its modules' attributes as its first
         forward found them (see offremat._buffers)."""
         first_forward = self.first_forwards.get(i)
         stage = self.executor.stages[i - 1]
         seen = attribute_values(stage) if first_forward is None else first_forward.attributes
-        return replayed_attributes(seen, restore)
+        return replayed_attributes(seen, refill)
 
     def _refill(self, i: int) -> None:
         """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
@@ -233,7 +233,7 @@ class Compute:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 stack.enter_context(self._replayed_buffers(i, name))
-                stack.enter_context(self._replayed_attributes(i, restore=True))
+                stack.enter_context(self._replayed_attributes(i, refill=True))
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())

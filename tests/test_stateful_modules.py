@@ -215,6 +215,23 @@ def test_a_recomputation_sees_the_plain_attributes_its_forward_saw(solver: str) 
     assert [block.calls for block in model[:4]] == [3] * 4
 
 
+def test_a_block_used_twice_keeps_the_attributes_of_its_later_use() -> None:
+    # dp's recomputations from the first checkpoint run the shared block's first use again:
+    # each sees that use's count, and leaves the count of both uses behind.
+    torch.manual_seed(0)
+    blocks = [WarmedUp() for _ in range(8)]
+    blocks[6] = blocks[1]
+    model = nn.Sequential(*blocks, nn.Linear(WIDTH, 1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(32 * ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.5, solver="dp")
+    assert sum(op.kind == "F_ck" and op.index == 1 for op in om.plan.ops) > 1
+    for block in model[:8]:
+        block.calls = 0
+    _train_beside(om, model, reference, x)
+    assert [block.calls for block in model[:8]] == [block.calls for block in reference[:8]]
+
+
 def test_the_copy_of_a_buffer_the_forward_changes_is_counted(caplog) -> None:
     # A recomputed stage's copy of a buffer its forward changes lives to the end of the step:
     # a plan at its exact predicted peak fits, measured, only if the profile counted it.
