@@ -45,6 +45,7 @@ attribute stays.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -139,6 +140,17 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 _SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def shared_buffer_keys(stages: Sequence[Sequence[BufferSlot]]) -> frozenset[int]:
+    """The storage keys of buffers that more than one stage holds (one tensor in two modules,
+    a module used twice): :class:`FirstForward` keeps their copies."""
+    holders = Counter(
+        key
+        for slots in stages
+        for key in {storage_key(module._buffers[name]) for module, name in slots}
+    )
+    return frozenset(key for key, count in holders.items() if count > 1)
 
 
 def buffer_copy_bytes(slots: Sequence[BufferSlot]) -> int:

@@ -59,7 +59,8 @@ class Measured:
     refill_s: float | None = None
     # Made by the forward and still held after the backward by the modules themselves.
     kept_bytes: int = 0
-    # The buffers the forward changes, copied to the step's end when the stage is recomputed.
+    # The buffers the forward changes or other stages hold, copied to the step's end when the
+    # stage is recomputed.
     changed_buffer_bytes: int = 0
 
 
@@ -74,6 +75,7 @@ class StageProfile:
         flags: list[bool],
         excluded: set[int],
         check_inputs: bool = True,
+        shared_buffers: frozenset[int] = frozenset(),
     ):
         self.name = name
         self.module = module
@@ -83,6 +85,7 @@ class StageProfile:
         self.diff = [k for k, flag in enumerate(flags) if flag]
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.check_inputs = check_inputs
+        self.shared_buffers = shared_buffers
 
     def forward(
         self, grad: bool, marks: list[Any] | None = None, hooks: bool = True
@@ -214,9 +217,12 @@ class StageProfile:
             output, slot, _ = self.forward(grad=True)
             self.backward(*self.incoming(output), slot)
             del output, slot
-        # A recomputed stage's copies of the buffers its forward changes live to the end of
-        # the step (offremat._buffers): made here before the measurement, which they are not.
-        buffers = FirstForward(self.module, scan_modules(self.module).buffers)
+        # A recomputed stage's copies of the buffers its forward changes, and of those other
+        # stages hold, live to the end of the step (offremat._buffers): made here before the
+        # measurement, which they are not part of.
+        buffers = FirstForward(
+            self.module, scan_modules(self.module).buffers, shared=self.shared_buffers
+        )
         allocations = _Allocations(self.device)
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offremat._buffers import FirstForward
+from offremat._buffers import FirstForward, shared_buffer_keys
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import RngState, cuda_device_indices
@@ -27,7 +26,7 @@ from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
-from offremat._tensors import Structure, is_differentiable, storage_key
+from offremat._tensors import Structure, is_differentiable
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
@@ -80,14 +79,10 @@ class _Step(Compute):
         self.anchor = executor._anchor(device)
         self.norms = [scan.norms for scan in scans]
         self.buffers = [scan.buffers for scan in scans]
-        # Buffers that more than one stage holds (one tensor in two modules, a module used
-        # twice): offremat._buffers keeps their copies.
-        holders = Counter(
-            key
-            for scan in (scans if executor.recomputed else ())
-            for key in {storage_key(module._buffers[name]) for module, name in scan.buffers}
+        # Buffers that more than one stage holds: offremat._buffers keeps their copies.
+        self.shared_buffers = (
+            shared_buffer_keys(self.buffers) if executor.recomputed else frozenset()
         )
-        self.shared_buffers = frozenset(key for key, count in holders.items() if count > 1)
         self.parameters = [scan.parameters for scan in scans]
         # Per recomputed stage, its buffers' values from before its first forward and its
         # parameters' versions.

@@ -30,6 +30,7 @@ from offremat._blocks import (
     stage_module,
     untouched,
 )
+from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import shared_gradient_bytes
@@ -118,14 +119,18 @@ def profile_model(
                 stage_name,
                 m.kept_bytes,
             )
-        if m.changed_buffer_bytes:
-            logger.warning(
-                "stage %r changes %d bytes of buffers in its forward: a plan that recomputes "
-                "it holds a copy of them from before that forward to the end of the step, so "
-                "they count as resident for the whole step",
-                stage_name,
-                m.changed_buffer_bytes,
-            )
+    copied = {name: m.changed_buffer_bytes for name, m in zip(names, measured, strict=True)}
+    copied = {name: size for name, size in copied.items() if size}
+    if copied:
+        logger.warning(
+            "%d stage(s) hold buffers that their forward changes or that another stage also "
+            "holds (%s): a plan that recomputes one keeps copies of them from before its first "
+            "forward to the end of the step, %d bytes in all, counted as resident for the "
+            "whole step",
+            len(copied),
+            ", ".join(f"{name!r} {size} B" for name, size in copied.items()),
+            sum(copied.values()),
+        )
     metadata: dict[str, Any] = {
         "device": str(device),
         "kept_by_modules_bytes": kept,
@@ -212,13 +217,17 @@ def _profile_all(
     """
     tensors, structure = flatten(example_input)
     flags = [t.requires_grad and is_differentiable(t) for t in tensors]
-    excluded = set(fixed_storages(scan_modules(module) for _, module in stages))
+    scans = [scan_modules(module) for _, module in stages]
+    excluded = set(fixed_storages(scans))
+    shared_buffers = shared_buffer_keys([scan.buffers for scan in scans])
     shared = set(unique_storages(tensors))
     value = unflatten([t.detach() for t in tensors], structure)
     results = []
     for name, module in stages:
         # Sizes only group blocks into stages; the in-place check is for the stages themselves.
-        stage = StageProfile(name, module, value, flags, excluded | shared, not sizes_only)
+        stage = StageProfile(
+            name, module, value, flags, excluded | shared, not sizes_only, shared_buffers
+        )
         last = len(results) == len(stages) - 1
         measured, output = stage.measure(warmup, repeats, sizes_only, last)
         results.append(measured)

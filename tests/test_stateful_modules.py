@@ -215,6 +215,35 @@ def test_a_recomputation_sees_the_plain_attributes_its_forward_saw(solver: str) 
     assert [block.calls for block in model[:4]] == [3] * 4
 
 
+class SharesATable(nn.Module):
+    """Reads a table that every block registers as its buffer (one tensor)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + self.table[0, :WIDTH]
+
+
+def test_the_copies_of_a_buffer_several_stages_hold_are_counted() -> None:
+    # Each recomputed stage keeps a copy of a buffer another stage also holds, to the end of
+    # the step (another stage's forward could change it first): 3.1x before they counted.
+    torch.manual_seed(0)
+    table = torch.randn(128, 128)
+    model = nn.Sequential(*[SharesATable(table) for _ in range(4)], nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    first = offremat.optimize(model, x, budget=2**24, solver="checkpoint-every-stage")
+    budget = first.plan.predicted_peak_bytes
+    om = offremat.optimize(model, x, budget=budget, chain=first.chain, solver=first.plan.solver)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", x) as memory:
+        om(x).pow(2).mean().backward()
+    assert memory.peak_bytes <= budget
+
+
 def test_a_block_used_twice_keeps_the_attributes_of_its_later_use() -> None:
     # dp's recomputations from the first checkpoint run the shared block's first use again:
     # each sees that use's count, and leaves the count of both uses behind.
@@ -241,7 +270,7 @@ def test_the_copy_of_a_buffer_the_forward_changes_is_counted(caplog) -> None:
     first = offremat.optimize(model, x, budget=2**24, solver="checkpoint-every-stage")
     budget = first.plan.predicted_peak_bytes
     om = offremat.optimize(model, x, budget=budget, chain=first.chain, solver=first.plan.solver)
-    assert "changes 131080 bytes of buffers" in caplog.text  # the queue and its pointer
+    assert "'0' 131080 B" in caplog.text  # the queue and its pointer
     assert om.plan.decisions["0"] == "recompute"
     reference = copy.deepcopy(model)
     for parameter in (*model.parameters(), *reference.parameters()):
