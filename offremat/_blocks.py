@@ -160,29 +160,49 @@ def refuse_own_hooks(model: nn.Module) -> None:
         )
 
 
-def refuse_replaced_blocks(model: nn.Module, placed: Sequence[tuple[str, nn.Module]]) -> None:
-    """Refuse a training step after a block that ``placed`` names (its path in ``model``)
-    was replaced or removed, or one was added to an ``nn.Sequential`` model.
+def block_places(
+    model: nn.Module, placed: Sequence[tuple[str, nn.Module]]
+) -> tuple[tuple[tuple[str, nn.Module], ...], dict[str, int]]:
+    """Where each block is in ``model`` (its path) and how many modules each container of
+    blocks holds (an ``nn.Sequential`` or ``nn.ModuleList``, by path; "" is the model), for
+    :func:`refuse_replaced_blocks`."""
+    sizes = {}
+    for path, _ in placed:
+        parent = path.rpartition(".")[0]
+        container = model.get_submodule(parent)
+        if isinstance(container, (nn.Sequential, nn.ModuleList)):
+            sizes[parent] = len(container._modules)
+    return tuple(placed), sizes
+
+
+def refuse_replaced_blocks(
+    model: nn.Module, places: tuple[tuple[tuple[str, nn.Module], ...], dict[str, int]]
+) -> None:
+    """Refuse a training step after a block was replaced, removed or added since ``places``
+    (from :func:`block_places`) was taken.
 
     The plan's stages hold the blocks that ``optimize`` found: a block put in their place
-    would never run, and one added to the container would run in no plan.
+    would never run, and one added to their container would run in no plan.
     """
+    placed, sizes = places
+    changed = None
     for path, block in placed:
         try:
             found = model.get_submodule(path)
         except AttributeError:
             found = None
         if found is not block:
+            changed = f"block {path!r}"
             break
-    else:
-        if not isinstance(model, nn.Sequential) or len(model._modules) == len(placed):
-            return
-        path = f"{len(placed)}"
-    raise RuntimeError(
-        f"block {path!r} of this {type(model).__name__} is not the one offremat.optimize "
-        "planned for (replaced, added or removed since): the plan's stages would run the "
-        "blocks it found. Call offremat.optimize again on the changed model"
-    )
+    for parent, size in sizes.items():
+        if changed is None and len(model.get_submodule(parent)._modules) != size:
+            changed = f"the blocks of {parent!r}" if parent else "its blocks"
+    if changed is not None:
+        raise RuntimeError(
+            f"{changed} of this {type(model).__name__} changed since offremat.optimize "
+            "planned for it (replaced, added or removed): the plan's stages would run the "
+            "blocks it found. Call offremat.optimize again on the changed model"
+        )
 
 
 def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_input: Any) -> None:

@@ -26,6 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from offremat._blocks import (
     NotAChainError,
+    block_places,
     chain_blocks,
     check_chain_output,
     check_device,
@@ -72,7 +73,7 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_run", run)
         # Where each block was when planned (refuse_replaced_blocks).
         placed = model._modules.items() if run is None else [(c.path, c.module) for c in run.calls]
-        object.__setattr__(self, "_placed", list(placed))
+        object.__setattr__(self, "_places", block_places(model, list(placed)))
         object.__setattr__(self, "_plans", plans)
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
@@ -166,13 +167,13 @@ class OptimizedModule(nn.Module):
                     f"got {len(args)} positional and {len(kwargs)} keyword arguments"
                 )
             refuse_own_hooks(self._model)
-            refuse_replaced_blocks(self._model, self._placed)
+            refuse_replaced_blocks(self._model, self._places)
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
             return self._plans.executor(args[0])(args[0])
         refuse_recorded_outputs(self._model, kwargs)
-        refuse_replaced_blocks(self._model, self._placed)
+        refuse_replaced_blocks(self._model, self._places)
         executor = self._plans.executor(Call(args, kwargs))
         with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)

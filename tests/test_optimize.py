@@ -413,7 +413,7 @@ def test_a_block_replaced_after_optimize_is_refused() -> None:
     x = torch.randn(64, 64)
     om = offremat.optimize(model, x, budget=0.9)
     model[1] = Widening()
-    with pytest.raises(RuntimeError, match="block '1' of this Sequential is not the one"):
+    with pytest.raises(RuntimeError, match="block '1' of this Sequential changed since"):
         om(x)
     model = nn.Sequential(*[Widening() for _ in range(4)], MeanSquare())
     om = offremat.optimize(model, x, budget=0.9)
@@ -425,7 +425,12 @@ def test_a_block_replaced_after_optimize_is_refused() -> None:
     found = Looped()
     om = offremat.optimize(found, x, budget=0.9)
     found.blocks[2] = Widening()
-    with pytest.raises(RuntimeError, match=r"block 'blocks\.2' of this Looped is not the one"):
+    with pytest.raises(RuntimeError, match=r"block 'blocks\.2' of this Looped changed since"):
+        om(x)
+    found = Looped()
+    om = offremat.optimize(found, x, budget=0.9)
+    found.blocks.append(Widening())  # would run outside the plan
+    with pytest.raises(RuntimeError, match="the blocks of 'blocks' of this Looped changed"):
         om(x)
 
 
