@@ -12,8 +12,10 @@ renamed over the target, so two processes writing the same entry leave one whole
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -78,7 +80,10 @@ def _settings(module: nn.Module) -> str:
 
 
 def _code(function: Any) -> str:
-    """A digest of a function's code, the same in every process (no addresses)."""
+    """A digest of a function's code, the same in every process (no addresses); a decorated
+    function's own (Hugging Face wraps every ``forward``)."""
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
+        function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
     if code is None:  # a builtin or a wrapper without one
         return type(function).__qualname__
