@@ -44,6 +44,7 @@ from solvers.milp_search import BackendUnavailableError as BackendUnavailableErr
 from solvers.milp_warm import (
     FINER_SLOTS,
     first_in_family,
+    fitting_budget,
     least_budget_with_offloading,
     scored_plan,
     tight_budget_candidates,
@@ -174,7 +175,9 @@ def solve_milp(
         search = search_cbc(model, warm_schedule, gap, deadline)
     report(search.objective_s, search.bound_s, force=True)
 
-    plan, fallback, own_time = fallback_plan, True, None
+    # A warm start that does not fit (the least-memory MILP's schedule, simulated) is no plan.
+    usable = fallback_plan is not None and fallback_plan.feasible
+    plan, fallback, own_time = (fallback_plan if usable else None), True, None
     if search.schedule is not None:
         own = scored_plan(decode(search.schedule), chain, budget_bytes)
         own_time = own.predicted_time_s
@@ -183,6 +186,10 @@ def solve_milp(
             or own.predicted_time_s < fallback_plan.predicted_time_s * (1 - 1e-9)
         ):
             plan, fallback = own, False
+    if plan is None and budget_bytes < memory_need(chain):
+        # Below rotor's least memory only the least-memory MILP's schedule was a candidate.
+        least, schedule = least_budget_with_offloading(chain, backend, deadline)
+        raise InfeasibleBudgetError(budget_bytes, fitting_budget(chain, least, schedule), "milp")
     if plan is None:
         # Rotor's exact least memory is below the budget, yet neither the DP with finer slots
         # nor the MILP within its time found a plan: name the budget the finer DP needs.
@@ -347,5 +354,5 @@ def least_feasible_budget(
         )
     if not offload or chain.link is None:
         return memory_need(chain)
-    least, _ = least_budget_with_offloading(chain, backend, time.monotonic() + time_limit_s)
-    return least
+    least, schedule = least_budget_with_offloading(chain, backend, time.monotonic() + time_limit_s)
+    return fitting_budget(chain, least, schedule)

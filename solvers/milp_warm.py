@@ -226,7 +226,7 @@ def tight_budget_candidates(
             chain, backend, deadline, wanted=budget_bytes
         )
     if schedule is None or least > budget_bytes:
-        raise InfeasibleBudgetError(budget_bytes, least, "milp")
+        raise InfeasibleBudgetError(budget_bytes, fitting_budget(chain, least, schedule), "milp")
     return [("least-memory milp", scored_plan(decode(schedule), chain, budget_bytes))]
 
 
@@ -239,10 +239,6 @@ def scored_plan(ops: list, chain: Chain, budget_bytes: int | None) -> Plan:
         chain_name=chain.name,
     )
     return score(plan, chain, budget_bytes)
-
-
-# Twice HiGHS's MIP feasibility tolerance, in the model's units of memory.
-FEASIBILITY_SLACK = 2e-6
 
 
 def least_budget_with_offloading(
@@ -271,14 +267,16 @@ def least_budget_with_offloading(
             math.ceil(least - 1e-6),
         )
         return recompute_least, None
-    # HiGHS accepts a constraint violated by up to its feasibility tolerance (1e-6 in the
-    # model's units): the peak it names can sit that far under the schedule's real one, which
-    # the simulator gives. A larger difference is the simulator timing the schedule's copies
-    # otherwise, where a search at the named budget finds another schedule.
-    named = math.ceil(least - 1e-6)
-    simulated = scored_plan(decode(search.schedule), chain, None).predicted_peak_bytes
-    named = max(named, min(simulated, named + math.floor(FEASIBILITY_SLACK * model.memory_unit)))
-    named = max(named, necessary_budget_bytes(chain))
-    if named >= recompute_least:
-        return recompute_least, None
-    return named, search.schedule
+    # Floats, not the model, can land a hair under the true peak: take the next byte up.
+    return max(math.ceil(least - 1e-6), necessary_budget_bytes(chain)), search.schedule
+
+
+def fitting_budget(chain: Chain, least: int, schedule: Schedule | None) -> int:
+    """A budget at which a plan surely exists, given the least-memory MILP's ``least`` and
+    ``schedule``: the schedule's simulated peak, which can sit above the model's by HiGHS's
+    feasibility tolerance or where the simulator times its copies otherwise, and never
+    above rotor's exact least memory (the least-memory plan's)."""
+    if schedule is None:
+        return least
+    simulated = scored_plan(decode(schedule), chain, None).predicted_peak_bytes
+    return min(max(least, simulated), memory_need(chain))
