@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offremat._buffers import assign_attributes, attribute_values
 from offremat._eager import eager
 from offremat._rng import (
     GeneratorWatch,
@@ -277,9 +278,10 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 
 @contextmanager
 def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Callable[[], None]]:
-    """Restore RNG states (the modules' own generators too), buffers, parameter gradients and
-    the parameters a forward changes in place; yields a function that restores buffers and
-    those parameters now (so that each of several runs starts from the same state).
+    """Restore RNG states (the modules' own generators too), buffers, plain attributes,
+    parameter gradients and the parameters a forward changes in place; yields a function that
+    restores buffers, attributes and those parameters now (so that each of several runs starts
+    from the same state).
 
     A buffer a forward changes (a counter, a moving average, spectral norm's vectors) is put
     back, in place or in the module where the forward assigned a new tensor. Of the parameters,
@@ -308,8 +310,10 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     grads = [(p, p.grad) for p in parameters]
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
         parameter.grad = None
+    attributes = [values for module in modules for values in attribute_values(module)]
 
     def restore() -> None:
+        assign_attributes(attributes)  # a call counter, an activation kept for logging
         with torch.no_grad():
             for owner, name, buffer, copy in buffers:
                 owner._buffers[name] = buffer

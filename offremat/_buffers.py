@@ -186,7 +186,8 @@ def attribute_values(stage: nn.Module) -> AttributeValues:
     return [(module.__dict__, dict(module.__dict__)) for module in stage.modules()]
 
 
-def _assign(values: AttributeValues) -> None:
+def assign_attributes(values: AttributeValues) -> None:
+    """Give each module back the attributes of ``values`` (from :func:`attribute_values`)."""
     for attributes, kept in values:
         for name in attributes.keys() - kept.keys():
             del attributes[name]
@@ -200,7 +201,7 @@ def replayed_attributes(seen: AttributeValues, refill: bool) -> Iterator[None]:
     backward runs the earlier graph; after a recomputation whose own graph the backward runs,
     all but the tensors it assigned (an activation kept for its ``retain_grad`` gradient)."""
     now = [(attributes, dict(attributes)) for attributes, _ in seen]
-    _assign(seen)
+    assign_attributes(seen)
     try:
         yield
     finally:
@@ -211,4 +212,4 @@ def replayed_attributes(seen: AttributeValues, refill: bool) -> Iterator[None]:
                     for name, value in attributes.items()
                     if isinstance(value, torch.Tensor)
                 )
-        _assign(now)
+        assign_attributes(now)
