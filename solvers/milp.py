@@ -146,7 +146,7 @@ def solve_milp(
             logging.INFO if chain.length >= COARSE_FROM else logging.WARNING,
             "the milp model for %d stages takes about %.1f s to build, more than the %.1f s "
             "left of its %.1f s time limit after the warm starts: returning the best warm "
-            "start (%s); raise time_limit_s for the milp",
+            "start (%s); raise its time limit",
             chain.length,
             estimated_build_s(chain.length),
             max(deadline - time.monotonic(), 0.0),

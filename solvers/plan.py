@@ -10,6 +10,7 @@ each operation, including when it allocates and releases memory, is specified in
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,13 +199,12 @@ class Plan:
         for name, kind in (("solver", str), ("chain", str)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan: field {name!r} must be a string, got {data[name]!r}")
-        for name in ("predicted_time_s", "predicted_peak_bytes"):
+        for name, kind in (("predicted_time_s", "number"), ("predicted_peak_bytes", "integer")):
             value = data.get(name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-            ):
+            if value is not None and not _non_negative(value, integral=kind == "integer"):
                 raise ValueError(
-                    f"plan: field {name!r} must be a non-negative number or null, got {value!r}"
+                    f"plan: field {name!r} must be a finite non-negative {kind} or null, "
+                    f"got {value!r}"
                 )
         return cls(
             ops=ops,
@@ -225,6 +225,14 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """Read a plan from JSON."""
         return cls.from_dict(parse_json(Path(path).read_text(), "plan"))
+
+
+def _non_negative(value: Any, integral: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if not math.isfinite(value) or value < 0:
+        return False
+    return not integral or float(value).is_integer()
 
 
 def _info(raw: Any) -> dict[str, Any]:

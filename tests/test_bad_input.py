@@ -254,8 +254,11 @@ def test_a_key_given_twice_or_a_number_too_long_is_refused_in_chain_and_plan_fil
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("predicted_time_s", "fast", "'predicted_time_s' must be a non-negative number"),
-        ("predicted_peak_bytes", -1, "'predicted_peak_bytes' must be a non-negative number"),
+        ("predicted_time_s", "fast", "'predicted_time_s' must be a finite non-negative number"),
+        ("predicted_peak_bytes", -1, "'predicted_peak_bytes' must be a finite non-negative"),
+        ("predicted_peak_bytes", 12.5, "must be a finite non-negative integer"),
+        ("predicted_time_s", float("nan"), "must be a finite non-negative number"),
+        ("predicted_time_s", float("inf"), "must be a finite non-negative number"),
         ("solver", [1], "field 'solver' must be a string"),
         ("chain", 5, "field 'chain' must be a string"),
         ("ops", [{"op": "B"}], r"missing field\(s\) \['index'\]"),
