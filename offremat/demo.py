@@ -362,4 +362,5 @@ def _bytes(value: int | None, budget: int | None = None) -> str:
 def _error(predicted: float | None, measured: float | None) -> str:
     if predicted is None or measured is None or predicted == 0:
         return "—"
-    return f"{measured / predicted - 1:+.0%}"
+    error = round(measured / predicted - 1, 2)
+    return f"{error + 0.0:+.0%}"  # + 0.0: a rounded -0.0 prints as +0%, not -0%
