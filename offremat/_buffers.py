@@ -19,9 +19,10 @@ since (a write through ``.data`` between the forward and the backward goes unsee
 that another stage also holds keeps its copy, since that stage's forward may change it first.
 So a large buffer that never changes (a causal mask) costs its copy only during that forward,
 which the profile counts among every stage's forward temporaries (:func:`buffer_copy_bytes`;
-an overcount for stages no plan recomputes). The copies of buffers that do change live until
-the step ends: the profile counts them as resident for the whole step, beside what modules
-keep (an overcount where the plan does not recompute the stage, or before its forward).
+an overcount for stages no plan recomputes). The copies of buffers that do change, and of
+those another stage holds, live until the step ends: the profile counts them as resident for
+the whole step, beside what modules keep (an overcount where the plan does not recompute the
+stage, or before its forward).
 A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
 replayed so, since its gradient must reach the parameter itself: its version counter is
 checked, and a recomputed stage that changes one is refused. So is a parameter changed in
