@@ -138,7 +138,7 @@ class ShapePlans:
         self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
-        self.tensors, self.modes = self._planned_state()
+        self.module_state, self.modes = self._planned_state()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -175,29 +175,29 @@ class ShapePlans:
         module's type and its parameters' shapes, dtypes, devices and ``requires_grad``; and
         each module's training flag. Not buffers: one may follow the input's shape (a mask
         cached for the last length), which each shape's own plan covers."""
-        tensors, modes = [], []
+        modules, modes = [], []
         for stage in self.stages:
             for module in stage.modules():
                 modes.append(module.training)
-                tensors.append(type(module))
-                tensors.extend(
+                modules.append(type(module))
+                modules.extend(
                     (p.shape, p.dtype, p.device, p.requires_grad)
                     for p in module._parameters.values()
                     if p is not None
                 )
-        return tuple(tensors), tuple(modes)
+        return tuple(modules), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        tensors, modes = self._planned_state()
-        if tensors != self.tensors or modes != self.modes:
+        modules, modes = self._planned_state()
+        if modules != self.module_state or modes != self.modes:
             # model.to(dtype or device) changes every activation size, a wider or another
             # module what a stage computes, a layer unfrozen what it saves, and so do a dropout
             # switched off or a batch norm frozen. Every plan goes, and the disk cache, keyed
             # by the model as optimize saw it, no longer applies.
             changed = (
                 "modules or parameters (a type, shape, dtype, device or requires_grad)"
-                if tensors != self.tensors
+                if modules != self.module_state
                 else "training or eval mode"
             )
             # Said aloud: each change profiles again, and a plan given to optimize is gone.
@@ -206,7 +206,7 @@ class ShapePlans:
             self.profiled.clear()
             self.provisional.clear()
             self.disk = None
-            self.tensors, self.modes = tensors, modes
+            self.module_state, self.modes = modules, modes
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:
