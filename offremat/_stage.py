@@ -223,8 +223,10 @@ class SavedTensorPacker:
 def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Tensor]]:
     """Run with throw-away copies of the layers' running statistics; yields the copies.
 
-    Autograd saves the running statistics for BatchNorm's backward; like the buffers they
-    replace, the copies are not part of a saved set.
+    Autograd saves the running statistics for BatchNorm's backward. The buffers themselves
+    are no part of a saved set, but a recomputation's copies are: packed as saved tensors, a
+    kept F_ck or F_none graph does not hold them until its refill, and the profile counts
+    their bytes in the stage's saved set (:func:`norm_statistics_bytes`).
     """
     originals = []
     copies = []
@@ -240,6 +242,16 @@ def frozen_running_stats(layers: Sequence[nn.Module]) -> Iterator[list[torch.Ten
     finally:
         for layer, name, buffer in originals:
             layer._buffers[name] = buffer
+
+
+def norm_statistics_bytes(layers: Sequence[nn.Module]) -> int:
+    """The bytes of the copies :func:`frozen_running_stats` makes of these layers'."""
+    return sum(
+        buffer.numel() * buffer.element_size()
+        for layer in layers
+        for buffer in (layer._buffers.get(name) for name in NORM_STATISTICS)
+        if buffer is not None
+    )
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from offremat._stage import (
     SavedTensorPacker,
     check_unmodified,
     enter_stage,
+    norm_statistics_bytes,
 )
 from offremat._tensors import (
     allocated_bytes,
@@ -237,9 +238,10 @@ class StageProfile:
             storage_allocated_bytes(s) for k, s in out_storages.items() if k not in self.excluded
         )
         saved = {**packer.saved_storages(), **out_storages}
+        # A recomputation saves copies of moving norms' statistics (offremat._stage).
         saved_bytes = sum(
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
-        )
+        ) + norm_statistics_bytes(scan_modules(self.module).norms)
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)

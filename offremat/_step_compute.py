@@ -113,8 +113,10 @@ class Compute:
             if not first:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
-                copies = stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                copies += stack.enter_context(self._replayed_buffers(i, name))
+                # The statistics' copies are saved like activations: a kept F_ck or F_none
+                # graph lets them go, and its refill makes them again (see _stage).
+                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+                copies = stack.enter_context(self._replayed_buffers(i, name))
                 stack.enter_context(self._replayed_attributes(i, refill=False))
                 excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
