@@ -22,7 +22,10 @@ which the profile counts among every stage's forward temporaries (:func:`buffer_
 an overcount for stages no plan recomputes). The copies of buffers that do change, and of
 those another stage holds, live until the step ends: the profile counts them as resident for
 the whole step, beside what modules keep (an overcount where the plan does not recompute the
-stage, or before its forward).
+stage, or before its forward), and so is a buffer's new tensor when a forward replaces it
+(the graph may hold the old one). The fresh copies each recomputation runs against are saved
+like activations where autograd saves them, so that a kept graph without its saved tensors
+lets them go.
 A parameter changed in place by a forward (an embedding's ``max_norm``) cannot be
 replayed so, since its gradient must reach the parameter itself: its version counter is
 checked, and a recomputed stage that changes one is refused. So is a parameter changed in

@@ -221,15 +221,20 @@ class StageProfile:
         # A recomputed stage's copies of the buffers its forward changes, and of those other
         # stages hold, live to the end of the step (offremat._buffers): made here before the
         # measurement, which they are not part of.
-        buffers = FirstForward(
-            self.module, scan_modules(self.module).buffers, shared=self.shared_buffers
-        )
+        slots = scan_modules(self.module).buffers
+        before = [module._buffers[name] for module, name in slots]
+        buffers = FirstForward(self.module, slots, shared=self.shared_buffers)
         allocations = _Allocations(self.device)
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         buffers.finish(self.name)
-        changed_buffers = buffer_copy_bytes(list(buffers.copies))
-        del buffers
+        # A buffer the forward replaces (self.gain = self.gain * 0.999) leaves its new tensor,
+        # made during the step, to its end, while the graph may still hold the old one.
+        replaced = [
+            s for s, old in zip(slots, before, strict=True) if s[0]._buffers[s[1]] is not old
+        ]
+        changed_buffers = buffer_copy_bytes(list(buffers.copies)) + buffer_copy_bytes(replaced)
+        del buffers, before
         out_tensors = flatten(output)[0]
         refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
         grad_bytes = gradient_bytes(out_tensors)

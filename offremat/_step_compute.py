@@ -108,17 +108,16 @@ class Compute:
             )
         packer = slot = None
         diff: list[int] = []
-        excluded = self.excluded
         with ExitStack() as stack:
             if not first:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
-                # The statistics' copies are saved like activations: a kept F_ck or F_none
-                # graph lets them go, and its refill makes them again (see _stage).
+                # The copies of the statistics and buffers a recomputation runs against are
+                # saved like activations: a kept F_ck or F_none graph lets them go, and its
+                # refill makes them again (see _stage and _buffers).
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                copies = stack.enter_context(self._replayed_buffers(i, name))
+                stack.enter_context(self._replayed_buffers(i, name))
                 stack.enter_context(self._replayed_attributes(i, refill=False))
-                excluded = excluded | {storage_key(copy) for copy in copies}
             for state in self.autocast:
                 state.enter(stack)
             # F_ck and F_none keep their graph without its saved tensors (see _deferred).
@@ -127,11 +126,11 @@ class Compute:
                 stack.enter_context(torch.enable_grad())
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
                 if op.kind == F_ALL:
-                    packer = None if direct else SavedTensorPacker(name, inputs, excluded)
+                    packer = None if direct else SavedTensorPacker(name, inputs, self.excluded)
                 else:
                     expected = self.executor.pack_counts.get(i)
                     changes = i in self.executor.changes_saved
-                    packer = DeferringPacker(name, inputs, excluded, expected, changes)
+                    packer = DeferringPacker(name, inputs, self.excluded, expected, changes)
                 slot = GradSlot()
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 if packer is not None:
