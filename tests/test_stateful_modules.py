@@ -186,6 +186,20 @@ def _train_beside(om, model: nn.Module, reference: nn.Module, x: torch.Tensor) -
         assert _same_state(model, reference)
 
 
+def _fit_beside(om, model: nn.Module, reference: nn.Module, x: torch.Tensor, budget: int):
+    """Two steps of each: the measured peak within ``budget``, gradients and state equal."""
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    for _ in range(2):
+        with StepMemory("cpu", x) as memory:
+            om(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        assert memory.peak_bytes <= budget
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        assert _same_state(model, reference)
+
+
 @pytest.mark.parametrize("solver", PLANS)
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_a_forward_that_changes_state_trains_as_plain_autograd(kind: str, solver: str) -> None:
@@ -270,16 +284,7 @@ def test_a_buffer_replaced_by_its_forward_fits_the_least_budget() -> None:
     least = raised.value.min_budget_bytes
     om = offremat.optimize(model, x, budget=least)
     assert list(om.plan.decisions.values()).count("recompute") >= 3
-    for parameter in (*model.parameters(), *reference.parameters()):
-        parameter.grad = torch.zeros_like(parameter)
-    for _ in range(2):
-        with StepMemory("cpu", x) as memory:
-            om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-        assert memory.peak_bytes <= least
-        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(mine.grad, theirs.grad)
-        assert _same_state(model, reference)
+    _fit_beside(om, model, reference, x, least)
 
 
 def test_a_block_used_twice_keeps_the_attributes_of_its_later_use() -> None:
@@ -309,16 +314,7 @@ def test_the_copy_of_a_buffer_the_forward_changes_is_counted(caplog) -> None:
     assert "'0' 131080 B" in caplog.text  # the queue and its pointer
     assert om.plan.decisions["0"] == "recompute"
     reference = copy.deepcopy(model)
-    for parameter in (*model.parameters(), *reference.parameters()):
-        parameter.grad = torch.zeros_like(parameter)
-    for _ in range(2):
-        with StepMemory("cpu", x) as memory:
-            om(x).pow(2).mean().backward()
-        reference(x).pow(2).mean().backward()
-        assert memory.peak_bytes <= om.plan.budget_bytes
-        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-            assert torch.equal(mine.grad, theirs.grad)
-        assert _same_state(model, reference)
+    _fit_beside(om, model, reference, x, om.plan.budget_bytes)
 
 
 def test_a_parameter_changed_by_the_forward_is_left_alone_and_never_recomputed() -> None:
