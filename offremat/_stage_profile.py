@@ -221,7 +221,8 @@ class StageProfile:
         # A recomputed stage's copies of the buffers its forward changes, and of those other
         # stages hold, live to the end of the step (offremat._buffers): made here before the
         # measurement, which they are not part of.
-        slots = scan_modules(self.module).buffers
+        scan = scan_modules(self.module)
+        slots = scan.buffers
         before = [module._buffers[name] for module, name in slots]
         buffers = FirstForward(self.module, slots, shared=self.shared_buffers)
         allocations = _Allocations(self.device)
@@ -246,7 +247,7 @@ class StageProfile:
         # A recomputation saves copies of moving norms' statistics (offremat._stage).
         saved_bytes = sum(
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
-        ) + norm_statistics_bytes(scan_modules(self.module).norms)
+        ) + norm_statistics_bytes(scan.norms)
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
@@ -266,7 +267,7 @@ class StageProfile:
         # transient peak above its output differs from the grad-enabled one above x̄_i.
         # The first forward of a stage that a plan recomputes runs beside a copy of its
         # buffers, which it keeps only of those it changes (offremat._buffers).
-        copies = buffer_copy_bytes(scan_modules(self.module).buffers)
+        copies = buffer_copy_bytes(slots)
         fwd_tmp = max(forward_memory.step_peak_bytes - saved_bytes, 0) + copies
         nograd_fwd_tmp = max(plain_memory.step_peak_bytes - out_bytes, 0) + copies
         del plain_output

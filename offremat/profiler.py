@@ -125,8 +125,8 @@ def profile_model(
         logger.warning(
             "%d stage(s) hold buffers that their forward changes or that another stage also "
             "holds (%s): a plan that recomputes one keeps copies of them from before its first "
-            "forward to the end of the step, %d bytes in all, counted as resident for the "
-            "whole step",
+            "forward, and the new tensor of a buffer the forward replaces, to the end of the "
+            "step, %d bytes in all, counted as resident for the whole step",
             len(copied),
             ", ".join(f"{name!r} {size} B" for name, size in copied.items()),
             sum(copied.values()),
