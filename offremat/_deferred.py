@@ -104,17 +104,18 @@ class DeferringPacker(SavedTensorPacker):
 
     def pack(self, tensor: torch.Tensor) -> Any:
         packed = super().pack(tensor)
-        if self.refs and self.refs[-1] is packed:  # a saved tensor the step would hold
-            self.refs.pop()
-            storage = tensor.untyped_storage()
-            self.saved.setdefault(storage._cdata, StorageWeakRef(storage))
-            placeholder = Placeholder()
-            self.slots.append(placeholder)
-            self._arm()
-            return placeholder
-        self.slots.append(None)
+        if not isinstance(packed, Placeholder):
+            self.slots.append(None)
         self._arm()
         return packed
+
+    def _hold(self, tensor: torch.Tensor) -> Any:
+        """A saved tensor the step would hold goes as a placeholder, filled by the refill."""
+        storage = tensor.untyped_storage()
+        self.saved.setdefault(storage._cdata, StorageWeakRef(storage))
+        placeholder = Placeholder()
+        self.slots.append(placeholder)
+        return placeholder
 
     def _arm(self) -> None:
         if self.changed_after_saving:

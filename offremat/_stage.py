@@ -179,11 +179,14 @@ class SavedTensorPacker:
                 tensor._version,
                 weakref.ref(self.inputs[index]),
             )
-        # A detached alias: packing a stage output as itself would make a reference cycle
-        # through its grad_fn.
-        ref = TensorRef(tensor.detach(), original=tensor)
         if key not in self.excluded and tensor.untyped_storage().nbytes() > 0:
-            self.refs.append(ref)
+            return self._hold(tensor)
+        return _alias(tensor)
+
+    def _hold(self, tensor: torch.Tensor) -> Any:
+        """Pack a tensor of the saved set, which the step holds."""
+        ref = _alias(tensor)
+        self.refs.append(ref)
         return ref
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -217,6 +220,12 @@ class SavedTensorPacker:
     def saved_storages(self) -> dict[int, torch.UntypedStorage]:
         """The distinct storages held, by :func:`storage_key` (what the profiler measures)."""
         return unique_storages(ref.get() for ref in self.refs)
+
+
+def _alias(tensor: torch.Tensor) -> TensorRef:
+    # A detached alias: packing a stage output as itself would make a reference cycle through
+    # its grad_fn.
+    return TensorRef(tensor.detach(), original=tensor)
 
 
 @contextmanager
