@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from offremat._plan_cache import PlanCache
+from offremat._step import StepsInFlight
 from offremat._tensors import Structure, flatten
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
@@ -138,11 +139,12 @@ class ShapePlans:
         self.provisional: set[Signature] = set()
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
+        self.in_flight = StepsInFlight()
         self.module_state, self.modes = self._planned_state()
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
-        executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
+        executor = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
         signature = input_signature(batch)
         self.executors[signature] = executor
         self.profiled[signature] = chain
@@ -261,7 +263,7 @@ class ShapePlans:
     def _install(
         self, signature: Signature, chain: Chain, plan: Plan, began: float, done: str
     ) -> PlanExecutor:
-        executor = PlanExecutor(self.stages, plan, chain, measure_memory=self.measure_memory)
+        executor = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
         self.executors[signature] = executor
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds

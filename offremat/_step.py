@@ -47,6 +47,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class StepsInFlight:
+    """The steps of one model whose forward ran and whose backward has not yet.
+
+    The budget is per step: a second training forward before the first one's backward (R-Drop,
+    a siamese pair) holds both steps' activations. That is the caller's choice, said once.
+    Different models (a GAN's generator and discriminator) have budgets of their own.
+    """
+
+    def __init__(self) -> None:
+        self.steps: weakref.WeakSet[_Step] = weakref.WeakSet()
+        self.warned = False
+
+    def add(self, step: _Step) -> None:
+        """Count ``step``, warning once if another still waits for its backward."""
+        if not self.warned and any(other.awaiting_backward for other in self.steps):
+            self.warned = True
+            logger.warning(
+                "a training forward began while an earlier forward of the same model still "
+                "waits for its backward: both steps' activations are held, up to twice the "
+                "budget; run each backward before the next forward, or put both inputs in "
+                "one batch"
+            )
+        self.steps.add(step)
+
+
 class _Step(Compute):
     """The state of one training step, from the forward to the end of the backward."""
 
@@ -137,6 +162,11 @@ class _Step(Compute):
         assert self.outputs is not None
         outputs, self.outputs = self.outputs, None
         return tuple(output.detach() for output in outputs)
+
+    @property
+    def awaiting_backward(self) -> bool:
+        """Whether the forward has run and neither the backward nor an error closed it."""
+        return self._closer.alive and not self.in_backward
 
     def abandon(self) -> None:
         """The backward will not run: settle copies and give back everything now."""

@@ -51,7 +51,7 @@ from offremat._host import CudaStreams, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
-from offremat._step import _Step
+from offremat._step import StepsInFlight, _Step
 from offremat._tensors import (
     flatten,
     is_differentiable,
@@ -84,6 +84,7 @@ class PlanExecutor:
         plan: Plan,
         chain: Chain,
         measure_memory: bool = False,
+        in_flight: StepsInFlight | None = None,
     ):
         if len(stages) != chain.length or plan.length != chain.length:
             raise ValueError(
@@ -97,6 +98,8 @@ class PlanExecutor:
         self.plan = plan
         self.chain = chain
         self.measure_memory = measure_memory
+        # Shared by the executors of one model (one per input shape).
+        self.in_flight = StepsInFlight() if in_flight is None else in_flight
         # Plain autograd's own schedule, run as plain autograd (offremat._plain).
         self.plain = plan.ops == keep_all(chain).ops
         self.simulation = simulate(plan, chain, plan.budget_bytes)
@@ -186,6 +189,7 @@ class PlanExecutor:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)
         step = _Step(self, tensors, structure, device, scans)
+        self.in_flight.add(step)
         outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
         return unflatten(outputs, step.output_structure)
 

@@ -530,3 +530,36 @@ def test_lazy_modules_not_yet_initialized_are_refused_with_what_to_do() -> None:
         offremat.optimize(model, x, budget=1.0)
     model(x)  # initialises them
     offremat.optimize(model, x, budget=1.0)
+
+
+def test_a_second_forward_before_the_first_backward_is_said_once(caplog) -> None:
+    """Two training forwards before one backward (a siamese pair) hold both steps'
+    activations: more than the budget, measured independently, so offremat says so, once per
+    model; a forward whose output is dropped, and another model's forward (a GAN's
+    discriminator), are no such case. The gradients stay plain autograd's."""
+    from offremat.measure import StepMemory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    other = copy.deepcopy(model)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    om = offremat.optimize(model, x, budget=0.8)
+    second = offremat.optimize(other, x, budget=0.8)
+    for parameter in [*model.parameters(), *reference.parameters()]:
+        parameter.grad = torch.zeros_like(parameter)
+    om(x).sum().backward()
+    om(x)  # dropped: its step closes when its graph goes
+    (om(x).sum() + second(y).sum()).backward()
+    assert "waits for its backward" not in caplog.text
+    for parameter in model.parameters():
+        parameter.grad.zero_()
+    with StepMemory("cpu", inputs=(x, y)) as memory:
+        (om(x) - om(y)).square().mean().backward()
+    assert caplog.text.count("waits for its backward") == 1
+    assert memory.peak_bytes > om.plan.budget_bytes
+    (reference(x) - reference(y)).square().mean().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+    (om(x) - om(y)).square().mean().backward()
+    assert caplog.text.count("waits for its backward") == 1
