@@ -54,7 +54,6 @@ from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
 from offremat._tensors import (
     flatten,
-    is_differentiable,
     unflatten,
 )
 from solvers.baselines import keep_all
@@ -267,7 +266,12 @@ class _PlanFunction(torch.autograd.Function):
         ctx.step = step
         ctx.anchor_node = get_gradient_edge(anchor).node
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[o for o in outputs if not is_differentiable(o)])
+        # An output that carries no gradient in plain autograd (a model computed under
+        # no_grad) carries none here: its backward raises as plain autograd's does.
+        flags = step.flags[step.length]
+        ctx.mark_non_differentiable(
+            *[o for o, flag in zip(outputs, flags, strict=True) if not flag]
+        )
         return outputs
 
     @staticmethod

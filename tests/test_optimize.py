@@ -563,3 +563,33 @@ def test_a_second_forward_before_the_first_backward_is_said_once(caplog) -> None
         assert torch.equal(ours.grad, theirs.grad)
     (om(x) - om(y)).square().mean().backward()
     assert caplog.text.count("waits for its backward") == 1
+
+
+def test_an_output_without_a_gradient_in_plain_autograd_has_none_here() -> None:
+    """Blocks that compute under no_grad (or a reentrant checkpoint of an input that needs no
+    gradient): plain autograd's loss has no graph and its backward raises. Offremat's must
+    too, rather than run a backward that trains nothing."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+
+        def forward(self, x):
+            with torch.no_grad():
+                return x + torch.tanh(self.linear(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Frozen() for _ in range(5)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    with pytest.raises(RuntimeError, match="does not require grad") as plain:
+        reference(x).square().mean().backward()
+    for solver, options in [("offload-all", {"bandwidth": 1e9}), ("dp", {})]:
+        om = offremat.optimize(model, x, budget=0.9, solver=solver, **options)
+        assert om.plan.decisions != {str(k): "keep" for k in range(5)}
+        loss = om(x).square().mean()
+        assert not loss.requires_grad
+        with pytest.raises(RuntimeError) as ours:
+            loss.backward()
+        assert str(ours.value) == str(plain.value)
