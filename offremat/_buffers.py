@@ -76,6 +76,7 @@ class FirstForward:
     ):
         self.parameters = [(p, p._version) for p in parameters]
         self.attributes = attribute_values(stage)
+        self.registered = registered_tensors(stage)
         # Buffers other stages also hold (by storage key) keep their copies: a later stage's
         # forward may change them before this one is recomputed, through .data unseen.
         self.before = {
@@ -196,6 +197,37 @@ def assign_attributes(values: AttributeValues) -> None:
         for name in attributes.keys() - kept.keys():
             del attributes[name]
         attributes.update(kept)  # the unchanged ones get their own objects back: no change
+
+
+def registered_tensors(stage: nn.Module) -> AttributeValues:
+    """Each of ``stage``'s modules' parameter and buffer dictionaries, with their entries now."""
+    return [
+        (registered, dict(registered))
+        for module in stage.modules()
+        for registered in (module._parameters, module._buffers)
+    ]
+
+
+@contextmanager
+def reinstated(seen: AttributeValues) -> Iterator[None]:
+    """Run with the parameters and buffers of ``seen`` (from :func:`registered_tensors`)
+    registered, then give back those of now."""
+    if all(_same_entries(registered, kept) for registered, kept in seen):
+        yield
+        return
+    now = [(registered, dict(registered)) for registered, _ in seen]
+    assign_attributes(seen)
+    try:
+        yield
+    finally:
+        assign_attributes(now)
+
+
+def _same_entries(registered: dict, kept: dict) -> bool:
+    # By identity: == on tensors compares their elements.
+    return len(registered) == len(kept) and all(
+        registered.get(name) is value for name, value in kept.items()
+    )
 
 
 @contextmanager

@@ -8,7 +8,7 @@ plan's tensors as the step holds it.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, suppress
+from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from offremat._buffers import (
     FirstForward,
     attribute_values,
+    reinstated,
     replayed_attributes,
     replayed_buffers,
 )
@@ -112,6 +113,7 @@ class Compute:
             if not first:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
+                stack.enter_context(self._registered(i))
                 # The copies of the statistics and buffers a recomputation runs against are
                 # saved like activations: a kept F_ck or F_none graph lets them go, and its
                 # refill makes them again (see _stage and _buffers).
@@ -201,6 +203,13 @@ class Compute:
             upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
         ]
 
+    def _registered(self, i: int) -> AbstractContextManager[None]:
+        """The context of a recomputation of stage i: the parameters and buffers its first
+        forward used (``torch.func.functional_call`` puts the module's own back before the
+        backward). Entered before the others, which read the modules' buffers."""
+        first_forward = self.first_forwards.get(i)
+        return nullcontext() if first_forward is None else reinstated(first_forward.registered)
+
     def _replayed_buffers(self, i: int, name: str) -> AbstractContextManager[list[torch.Tensor]]:
         """The context of a recomputation of stage i: its buffers as its first forward found
         them, its parameters as that forward used them (else refused)."""
@@ -232,6 +241,7 @@ class Compute:
             with ExitStack() as stack:
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
+                stack.enter_context(self._registered(i))
                 stack.enter_context(frozen_running_stats(self.norms[i - 1]))
                 stack.enter_context(self._replayed_buffers(i, name))
                 stack.enter_context(self._replayed_attributes(i, refill=True))
@@ -280,7 +290,14 @@ class Compute:
             if g is not None and edge is not None
         ]
         if self.accumulate:  # parameters several stages use: see offremat._shared_grads
-            self.shared.backward(i, [e for e, _ in pairs], [g for _, g in pairs])
+            try:
+                self.shared.backward(i, [e for e, _ in pairs], [g for _, g in pairs])
+            except RuntimeError as error:
+                if "a second time" in str(error) and any(
+                    not p.is_leaf for p in self.parameters[i - 1]
+                ):
+                    raise _shared_weight_graph(self.names[i - 1]) from error
+                raise
         elif pairs and saved.diff:
             # Without accumulation only the path to the stage's inputs runs: through
             # StageInput, whose input is the anchor.
@@ -301,3 +318,13 @@ class Compute:
         # Nothing reads them again: their host copies go too.
         for key in effect(op).dead:
             self._drop(key)
+
+
+def _shared_weight_graph(stage: str) -> RuntimeError:
+    return RuntimeError(
+        f"stage {stage!r} computes with weights that are not leaves and whose graph other "
+        "stages share (torch.func.functional_call with weights from an inner gradient step, "
+        "as in MAML): each stage's backward is its own engine call, so that graph would run "
+        "once per stage. Train such a step with plain autograd (a budget at or above the "
+        "keep-all peak runs it so)"
+    )
