@@ -2,7 +2,8 @@
 
 A step that would not be the planned one is refused with what to do instead: another
 autocast than the profile's (its activations are not the planned sizes), ``torch.compile``
-of the whole step, or a request for every block's hidden states.
+of the whole step, a request for every block's hidden states, or saved-tensor hooks of the
+caller's around the step.
 """
 
 from __future__ import annotations
@@ -58,3 +59,17 @@ def refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
                 f"does not keep; call with {flag}=False (and set model.config.{flag} = False), "
                 "or take them from a run under model.eval()"
             )
+
+
+def refuse_outer_saved_tensor_hooks() -> None:
+    """The executor packs its stages' saved tensors with hooks of its own, innermost, so a
+    ``saved_tensors_hooks`` around the step (activation compression, ``save_on_cpu``) would
+    not see them: plain autograd's step under those hooks computes something else."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is not None and top(False) is not None:
+        raise RuntimeError(
+            "this training step runs inside torch.autograd.graph.saved_tensors_hooks (or "
+            "save_on_cpu); offremat packs the saved tensors of its stages itself, so those "
+            "hooks would not see them. Leave the hooks out and let the plan offload (give "
+            "optimize a bandwidth), or put them inside the blocks' forward"
+        )

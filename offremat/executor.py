@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from offremat._call_checks import refuse_outer_saved_tensor_hooks
 from offremat._host import CudaStreams, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
@@ -187,6 +188,7 @@ class PlanExecutor:
         if self.plain and not self.measure_memory:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)
+        refuse_outer_saved_tensor_hooks()
         step = _Step(self, tensors, structure, device, scans)
         self.in_flight.add(step)
         outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)

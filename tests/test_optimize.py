@@ -593,3 +593,32 @@ def test_an_output_without_a_gradient_in_plain_autograd_has_none_here() -> None:
         with pytest.raises(RuntimeError) as ours:
             loss.backward()
         assert str(ours.value) == str(plain.value)
+
+
+def test_saved_tensor_hooks_around_a_planned_step_are_refused() -> None:
+    """Activation compression around the step: plain autograd packs every saved tensor with
+    the caller's hooks, the executor's own hooks are innermost and would bypass them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)])
+    x = torch.randn(64, 32)
+    packed = []
+
+    def compress(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t.shape)
+        return t.to(torch.bfloat16)
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t.float())
+    om = offremat.optimize(model, x, budget=0.9)
+    assert "recompute" in om.plan.decisions.values()
+    with pytest.raises(RuntimeError, match="saved_tensors_hooks"), hooks:
+        om(x)
+    with (
+        pytest.raises(RuntimeError, match="saved_tensors_hooks"),
+        torch.autograd.graph.save_on_cpu(),
+    ):
+        om(x)
+    whole = offremat.optimize(model, x, budget=1.0)  # plain autograd's schedule: runs as such
+    with hooks:
+        loss = whole(x).sum()
+    loss.backward()
+    assert packed
