@@ -174,9 +174,10 @@ class ShapePlans:
 
     def _planned_state(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
         """What the stages' plans were made for, in one walk (it runs at every step): each
-        module's type and its parameters' shapes, dtypes, devices and ``requires_grad``; and
-        each module's training flag. Not buffers: one may follow the input's shape (a mask
-        cached for the last length), which each shape's own plan covers."""
+        module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, and its
+        hooks (one that logs activations keeps them, which the profile measures); and each
+        module's training flag. Not buffers: one may follow the input's shape (a mask cached
+        for the last length), which each shape's own plan covers."""
         modules, modes = [], []
         for stage in self.stages:
             for module in stage.modules():
@@ -187,6 +188,14 @@ class ShapePlans:
                     for p in module._parameters.values()
                     if p is not None
                 )
+                hooks = (
+                    module._forward_pre_hooks,
+                    module._forward_hooks,
+                    module._backward_pre_hooks,
+                    module._backward_hooks,
+                )
+                if any(hooks):  # by handle id: a removed hook's id is never given again
+                    modules.append(("hooks", *(tuple(h) for h in hooks)))
         return tuple(modules), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
@@ -198,7 +207,7 @@ class ShapePlans:
             # switched off or a batch norm frozen. Every plan goes, and the disk cache, keyed
             # by the model as optimize saw it, no longer applies.
             changed = (
-                "modules or parameters (a type, shape, dtype, device or requires_grad)"
+                "modules, parameters (a type, shape, dtype, device or requires_grad) or hooks"
                 if modules != self.module_state
                 else "training or eval mode"
             )

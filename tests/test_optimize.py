@@ -377,10 +377,18 @@ def _widen(model: nn.Sequential) -> None:
     model[1].up, model[1].down = wider.up, wider.down
 
 
-@pytest.mark.parametrize("change", [_unfreeze, _to_float32, _widen])
+def _log_activations(model: nn.Sequential) -> None:
+    logged: dict[str, torch.Tensor] = {}
+    model[1].up.register_forward_hook(
+        lambda module, args, output: logged.update(up=output.detach())
+    )
+
+
+@pytest.mark.parametrize("change", [_unfreeze, _to_float32, _widen, _log_activations])
 def test_stages_that_save_more_after_optimize_are_planned_again(change) -> None:
-    """Layers unfrozen, a block's dtype changed, a submodule widened: each makes a stage save
-    more than it did when profiled, so the next step is planned again and fits, measured."""
+    """Layers unfrozen, a block's dtype changed, a submodule widened, a hook that logs
+    activations: each makes a stage hold more than it did when profiled, so the next step is
+    planned again and fits, measured."""
     from offremat.measure import StepMemory
 
     torch.manual_seed(0)
