@@ -19,7 +19,7 @@ from typing import Any
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.ops import Op, forward_checkpoint, forward_none
-from solvers.plan import Plan
+from solvers.plan import PLAN_TIME_INFO, Plan
 
 
 def trained_part(chain: Chain) -> Chain:
@@ -43,15 +43,20 @@ def frozen_forwards(p: int) -> tuple[Op, ...]:
 
 def lift(plan: Plan, chain: Chain) -> Plan:
     """A plan of :func:`trained_part` as a plan of ``chain``: the frozen forwards, then its
-    operations with their stage numbers moved up by p (unscored)."""
+    operations with their stage numbers moved up by p (unscored). The times in its ``info``
+    (an objective, a bound) become the whole chain's: the frozen forwards run first, alone."""
     p = chain.frozen_stages
     moved = tuple(Op(op.kind, op.index + p, op.target) for op in plan.ops)
+    frozen_s = sum(chain.stage(i).fwd_s for i in range(1, p + 1))
+    info = {
+        key: value + frozen_s if key in PLAN_TIME_INFO and value is not None else value
+        for key, value in plan.info.items()
+    }
+    objective, bound = info.get("objective"), info.get("best_bound")
+    if info.get("gap") is not None and objective and bound is not None:
+        info["gap"] = max(0.0, (objective - bound) / objective)
     return Plan(
-        frozen_forwards(p) + moved,
-        chain.stage_names,
-        plan.solver,
-        chain_name=chain.name,
-        info=plan.info,
+        frozen_forwards(p) + moved, chain.stage_names, plan.solver, chain_name=chain.name, info=info
     )
 
 

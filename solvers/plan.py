@@ -98,6 +98,11 @@ class PlanError(ValueError):
         super().__init__("invalid plan:\n  " + "\n  ".join(problems))
 
 
+# The entries of ``Plan.info`` that are times of the plan's schedule (a solver's objective,
+# its proven bound, the DP's table value), as opposed to settings (``time_limit_s``).
+PLAN_TIME_INFO = ("objective", "best_bound", "milp_plan_time_s", "dp_time_s", "fastest_s")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule for one training step, with the figures the simulator predicts for it."""

@@ -55,6 +55,25 @@ def test_every_solver_runs_the_frozen_forwards_once_and_no_backward_for_them(sol
     assert plan.predicted_peak_bytes <= budget
 
 
+@pytest.mark.parametrize("solver", ["dp", "checkmate", "milp"])
+def test_the_times_a_solver_reports_are_the_whole_chains(solver) -> None:
+    """The objective, bound and table value in ``info`` count the frozen forwards, as the
+    predicted time does: a bound of the trained part alone sits below every plan."""
+    chain = frozen_chain(2)
+    budget = (min_feasible_budget(chain, "milp") + keep_all_peak(chain)) // 2
+    options = {"time_limit_s": 5} if solver != "dp" else {}
+    plan = solve(chain, budget, solver, **options)
+    frozen_s = sum(chain.stage(i).fwd_s for i in range(1, 4))
+    assert frozen_s > 1e-3 * plan.predicted_time_s
+    times = [plan.info[key] for key in ("objective", "dp_time_s") if plan.info.get(key)]
+    assert times
+    for time_s in times:
+        assert time_s == pytest.approx(plan.predicted_time_s, rel=1e-6)
+    if plan.info.get("best_bound") is not None:
+        assert plan.info["best_bound"] <= plan.predicted_time_s * (1 + 1e-6)
+        assert plan.info["best_bound"] >= frozen_s
+
+
 def test_keep_all_holds_nothing_for_frozen_stages() -> None:
     chain = frozen_chain(1)
     trained = trained_part(chain)
