@@ -76,7 +76,9 @@ def group_stage(chain: Chain, first: int, last: int) -> Stage:
         forward_need = max(forward_need, running + stage.fwd_tmp_bytes)
         # After B(L) the caller holds its output: inside the last group, B(i < L) sees it.
         held = chain.held_bytes if last == chain.length and i < last else 0
-        backward_need = max(backward_need, running + d(i) + d(i - 1) + stage.bwd_tmp_bytes + held)
+        # B(i) holds what it starts with, whatever its temporary frees by its peak.
+        makes = max(0, d(i - 1) + stage.bwd_tmp_bytes)
+        backward_need = max(backward_need, running + d(i) + held + makes)
     no_grad_need = a(first) + stages[0].nograd_fwd_tmp_bytes
     for i in range(first + 1, last + 1):
         no_grad_need = max(no_grad_need, a(i - 1) + a(i) + chain.stage(i).nograd_fwd_tmp_bytes)

@@ -79,6 +79,32 @@ def test_expanded_plans_hold_no_more_and_end_no_later_than_their_group_plans() -
     assert checked > 100
 
 
+def test_a_backward_that_frees_saved_bytes_still_holds_what_it_starts_with() -> None:
+    """Negative backward temporaries (B(i) frees part of x̄_i by its peak) and bytes the
+    caller holds after B(L): B(i) still starts with x̄_1..x̄_i, δ_i and those bytes."""
+    chain = Chain(
+        "frees",
+        1,
+        (
+            Stage("s1", 0.5, 1.0, 0, 40, 20, -40, nograd_fwd_tmp_bytes=0),
+            Stage("s2", 0.0, 2.0, 1, 11, 20, 0, grad_bytes=0),
+            Stage("s3", 1.0, 0.0, 4, 44, 3, -44, grad_bytes=0, refill_s=0.3),
+            Stage("s4", 0.0, 1.0, 2, 2, 3, 0),
+        ),
+        input_grad_bytes=3,
+        held_bytes=9,
+        link=Link(10.0, 10.0),
+    )
+    grouped = coarsen(chain, ((1, 4),))
+    # B(3) starts with x̄1..x̄3 = 95, δ3 = 0 and the caller's 9: 104, with a0 105.
+    assert grouped.stage(1).bwd_tmp_bytes == 104 - 97 - 2 - 3
+    for build in BASELINES.values():
+        plan = build(grouped)
+        assert simulate(expand(plan, chain, ((1, 4),)), chain).peak_bytes <= (
+            simulate(plan, grouped).peak_bytes
+        )
+
+
 def test_offloads_of_a_group_leave_right_after_the_next_forward() -> None:
     stages = tuple(Stage(f"s{i}", 1.0, 2.0, 1, 4) for i in range(1, 7))
     chain = Chain("six", 1, stages, Link(10.0, 10.0))
