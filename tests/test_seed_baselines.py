@@ -180,6 +180,33 @@ def test_checkmate_is_the_milp_without_offloading() -> None:
     assert caught.value.min_budget_bytes == memory_need(chain)
 
 
+def test_optimal_in_its_family_is_not_optimal_over_every_plan() -> None:
+    """The MILP's family (docs/milp.md) is persistent: DTR frees x̄_1 after F_all(2) and
+    recomputes a_1 for B(2) from a_0 at no cost (f_1 = 0), a plan outside it that meets
+    Σf + Σb. So the MILP says "in its family", and only lower_bound_s bounds every plan."""
+    pytest.importorskip("highspy")
+    chain = Chain(
+        "outside the family",
+        1,
+        (
+            Stage("s1", 0.0, 7.0, 30, 70, 0, 5),
+            Stage("s2", 5.0, 7.0, 8, 8, 0, 0, grad_bytes=4),
+            Stage("s3", 0.0, 1.0, 30, 30, 0, -30, grad_bytes=0),
+            Stage("s4", 5.0, 0.0, 2, 2, 0, 5),
+            Stage("s5", 0.5, 2.0, 8, 11, 20, 5, nograd_fwd_tmp_bytes=2),
+        ),
+    )
+    budget = 107
+    dtr = solve(chain, budget, "dtr")
+    assert validate(dtr, chain) == [] and dtr.predicted_peak_bytes <= budget
+    assert dtr.predicted_time_s == pytest.approx(chain.compute_time_s)
+    assert lower_bound_s(chain, budget) <= dtr.predicted_time_s
+    for solver in ("milp", "checkmate"):
+        plan = solve(chain, budget, solver, time_limit_s=10)
+        assert plan.info["solver_status"] == "optimal in its family"
+        assert plan.info["best_bound"] > dtr.predicted_time_s * 1.1
+
+
 HELD_AFTER_THE_STEP = Chain(
     "held", 1000, (Stage("s0", 0.001, 0.002, 1000, 5000),), held_bytes=50000
 )
