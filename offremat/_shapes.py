@@ -256,7 +256,11 @@ class ShapePlans:
             return self.solve(chain)
         except InfeasibleBudgetError as error:
             raise InfeasibleBudgetError(
-                error.budget_bytes, error.min_budget_bytes, error.solver, describe(signature)
+                error.budget_bytes,
+                error.min_budget_bytes,
+                error.solver,
+                describe(signature),
+                exact=error.exact,
             ) from None
 
     def _improve(self, signature: Signature, chain: Chain) -> PlanExecutor:

@@ -12,20 +12,33 @@ from solvers.chain import SLOWEST_LINK_BYTES_PER_S, Link
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits in the budget; ``min_budget_bytes`` is the least budget that has one."""
+    """No plan fits in the budget; ``min_budget_bytes`` is the least budget that has one, or
+    with ``exact`` False (a greedy solver, not monotone in the budget) one that has one."""
 
     def __init__(
-        self, budget_bytes: int, min_budget_bytes: int, solver: str, shape: str | None = None
+        self,
+        budget_bytes: int,
+        min_budget_bytes: int,
+        solver: str,
+        shape: str | None = None,
+        exact: bool = True,
     ):
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.solver = solver
         self.shape = shape
+        self.exact = exact
         where = "" if shape is None else f" for input {shape}"
+        named = f"{format_bytes(min_budget_bytes)} ({min_budget_bytes} B)"
+        advice = (
+            f"the least feasible budget is {named}: raise the budget to at least that"
+            if exact
+            else f"it has a plan at {named}, and its greedy choices are not monotone in the "
+            "budget (a smaller one may have a plan too, a larger one not): use that budget"
+        )
         super().__init__(
             f"no {solver} plan fits in {format_bytes(budget_bytes)} ({budget_bytes} B){where}; "
-            f"the least feasible budget is {format_bytes(min_budget_bytes)} "
-            f"({min_budget_bytes} B): raise the budget to at least that"
+            + advice
         )
 
 

@@ -180,7 +180,7 @@ def dtr(chain: Chain, budget_bytes: int) -> Plan:
         ops = _dtr_ops(chain, budget_bytes)
     except _OutOfMemory:
         least = dtr_least_budget(chain, above=budget_bytes)
-        raise InfeasibleBudgetError(budget_bytes, least, "dtr") from None
+        raise InfeasibleBudgetError(budget_bytes, least, "dtr", exact=False) from None
     evictions = sum(op.kind == FREE for op in ops)
     plan = Plan(
         ops=tuple(ops),

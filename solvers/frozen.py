@@ -83,7 +83,7 @@ def with_frozen_prefix(
         plan = solve(trained_part(chain), max(budget_bytes - input_bytes, 1))
     except InfeasibleBudgetError as error:
         least = max(error.min_budget_bytes + input_bytes, prefix_peak(chain))
-        raise InfeasibleBudgetError(budget_bytes, least, error.solver) from None
+        raise InfeasibleBudgetError(budget_bytes, least, error.solver, exact=error.exact) from None
     if prefix_peak(chain) > budget_bytes:
         # The trained part fits here, so any budget the frozen forwards fit in will do.
         raise InfeasibleBudgetError(budget_bytes, prefix_peak(chain), plan.solver)
