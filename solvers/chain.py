@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from solvers.json_text import parse_json
+from solvers.json_text import non_finite_at, parse_json
 
 CHAIN_FORMAT = "offremat.chain/1"
 
@@ -307,6 +307,11 @@ class Chain:
         metadata = {} if data.get("metadata") is None else data["metadata"]
         if not isinstance(metadata, dict):
             raise ChainFormatError("chain: field 'metadata' must be a JSON object")
+        where = non_finite_at(metadata, "metadata")
+        if where is not None:
+            raise ChainFormatError(
+                f"chain: {where} is NaN or infinite, which JSON does not have: write a number"
+            )
         return cls(
             name=data["name"],
             input_bytes=data["input_bytes"],
@@ -320,7 +325,7 @@ class Chain:
 
     def to_json(self) -> str:
         """The chain as ``offremat.chain/1`` JSON text."""
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> Chain:
@@ -384,7 +389,8 @@ def _check_bytes(value: Any, where: str, least: int = 0) -> int:
         raise ChainFormatError(f"{where} must be {bound}, got {value}")
     if value > LARGEST_BYTES:
         raise ChainFormatError(
-            f"{where} is {value} bytes, more than any device holds (at most {LARGEST_BYTES}): "
+            f"{where} is {value:.3g} bytes, more than any device holds (at most "
+            f"{LARGEST_BYTES}): "
             "give sizes in bytes"
         )
     return value

@@ -4,6 +4,7 @@ read or nesting too deep is an error naming the file's kind, never a silent choi
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -36,3 +37,17 @@ def parse_json(text: str, what: str, error: type[Exception] = ValueError) -> Any
     except RecursionError:
         message = f"not a {what} (JSON nested too deeply to read)"
     raise error(f"{what}: {message}")
+
+
+def non_finite_at(value: Any, path: str) -> str | None:
+    """Where in ``value`` (a JSON-like object) a NaN or infinity is, as ``path`` extended by
+    keys and indices; None if nowhere. JSON has no such numbers, though Python reads them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{k}]", item) for k, item in enumerate(value))
+    else:
+        return None
+    return next((found for at, item in items if (found := non_finite_at(item, at))), None)

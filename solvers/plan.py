@@ -17,7 +17,7 @@ from typing import Any
 
 from solvers import semantics
 from solvers.chain import Chain
-from solvers.json_text import parse_json
+from solvers.json_text import non_finite_at, parse_json
 from solvers.ops import (
     ACTIVATION,
     BACKWARD,
@@ -224,7 +224,7 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -245,6 +245,9 @@ def _info(raw: Any) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise ValueError(f"plan: field 'info' must be a JSON object, got {raw!r}")
+    where = non_finite_at(raw, "info")
+    if where is not None:
+        raise ValueError(f"plan: {where} is NaN or infinite, which JSON does not have")
     return dict(raw)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import runpy
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,14 @@ def test_nan_written_in_json_text_is_rejected() -> None:
     text = json.dumps(sample_dict()).replace("0.0043", "NaN")
     with pytest.raises(ChainFormatError, match=r"stage 1 .*bwd_s.*finite"):
         Chain.from_json(text)
+
+
+def test_nan_in_metadata_is_rejected_where_it_is() -> None:
+    """JSON has no NaN: a chain must not carry one it would write back out."""
+    data = sample_dict()
+    data["metadata"] = {"profile": {"times": [0.1, math.nan]}}
+    with pytest.raises(ChainFormatError, match=r"metadata\.profile\.times\[1\] is NaN"):
+        Chain.from_json(json.dumps(data))
 
 
 def test_invalid_json_text_is_a_format_error() -> None:
