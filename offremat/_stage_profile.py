@@ -262,7 +262,15 @@ class StageProfile:
         # more at once (a bias gradient beside a weight gradient's input): the larger counts.
         bwd_tmp = max(bwd_tmp, self._unhooked_backward_temporary(last, saved_bytes))
         with StepMemory(self.device) as plain_memory:
-            plain_output = self.forward(grad=False)[0]
+            try:
+                plain_output = self.forward(grad=False)[0]
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"stage {self.name!r} fails under torch.no_grad(), where the profiler runs "
+                    "it to measure a forward without autograd (and evaluation runs it): "
+                    f"{error}. Make its forward work without autograd too (call "
+                    "register_hook only on tensors that require grad)"
+                ) from error
         # A forward without autograd (F_ck, F_none) frees its intermediates as it goes, so its
         # transient peak above its output differs from the grad-enabled one above x̄_i.
         # The first forward of a stage that a plan recomputes runs beside a copy of its

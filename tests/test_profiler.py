@@ -156,6 +156,26 @@ def test_a_model_that_is_not_a_chain_is_refused_by_name() -> None:
         quick([nn.Linear(2, 2), "relu"], torch.randn(2))
 
 
+def test_a_block_that_fails_without_autograd_is_named_with_what_to_do() -> None:
+    """A hook registered on an activation in the forward works under autograd only; the
+    profiler also runs each block under no_grad, and says so rather than PyTorch's bare
+    error."""
+
+    class Clipped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.linear(x)
+            hidden.register_hook(lambda grad: grad.clamp(-1, 1))
+            return torch.tanh(hidden)
+
+    model = nn.Sequential(nn.Linear(8, 8), Clipped())
+    with pytest.raises(RuntimeError, match=r"stage '1' fails under torch.no_grad.*require grad"):
+        profile_model(model, torch.randn(4, 8))
+
+
 def test_an_input_on_another_device_is_refused() -> None:
     model = nn.Sequential(nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="input is on cpu but the model's parameters are on meta"):
