@@ -75,6 +75,7 @@ class FirstForward:
         shared: frozenset[int] = frozenset(),
     ):
         self.parameters = [(p, p._version) for p in parameters]
+        self.requires_grad = [(p, p.requires_grad) for p in parameters]
         self.attributes = attribute_values(stage)
         self.registered = registered_tensors(stage)
         # Buffers other stages also hold (by storage key) keep their copies: a later stage's
@@ -110,7 +111,14 @@ class FirstForward:
 
     def check_recomputable(self, stage: str) -> None:
         """Refuse to recompute the stage from parameters, or buffers it has no copy of,
-        changed in place since its forward."""
+        changed in place since its forward, or with parameters frozen or unfrozen since."""
+        if any(p.requires_grad != wanted for p, wanted in self.requires_grad):
+            raise RuntimeError(
+                f"a parameter of stage {stage!r} started or stopped requiring grad between "
+                "the forward and the backward: plain autograd's graph is the forward's, and "
+                "the plan recomputes this stage with the new setting. Freeze or unfreeze "
+                "parameters between steps"
+            )
         moved = not all(_same(slot, state) for slot, state in self.unchanged.items())
         if self._changed() or moved:
             raise RuntimeError(

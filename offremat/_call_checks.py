@@ -73,3 +73,23 @@ def refuse_outer_saved_tensor_hooks() -> None:
             "hooks would not see them. Leave the hooks out and let the plan offload (give "
             "optimize a bandwidth), or put them inside the blocks' forward"
         )
+
+
+def refuse_unplannable_inputs(tensors: list[torch.Tensor]) -> None:
+    """An input made under ``torch.inference_mode`` cannot be saved for the backward (plain
+    autograd refuses it too); a ``torch.func`` transform (grad, vmap) wraps tensors whose
+    storage the plan cannot hold or move."""
+    if any(t.is_inference() for t in tensors):
+        raise RuntimeError(
+            "the input was made under torch.inference_mode, and inference tensors cannot be "
+            "saved for the backward: make it outside inference mode, or clone it there "
+            "(x.clone()) before the training step"
+        )
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        raise RuntimeError(
+            "a training step of an offremat-optimized model runs inside a torch.func "
+            "transform (grad, vmap, jacrev): its plan holds, moves and recomputes tensors "
+            "itself, which the transform's wrapped tensors do not allow. Use loss.backward() "
+            "(per-example gradients: one step per example, or the model without offremat)"
+        )

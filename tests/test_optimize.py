@@ -630,3 +630,25 @@ def test_saved_tensor_hooks_around_a_planned_step_are_refused() -> None:
         loss = whole(x).sum()
     loss.backward()
     assert packed
+
+
+def test_steps_offremat_cannot_run_as_planned_say_why() -> None:
+    """An input made under inference_mode (plain autograd refuses it too), a torch.func
+    transform around the step, and a block frozen between the forward and the backward of a
+    recomputed stage: each gets a message that says what to do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)])
+    x = torch.randn(64, 32)
+    om = offremat.optimize(model, x, budget=0.9)
+    assert om.plan.decisions["1"] == "recompute"
+    with torch.inference_mode():
+        frozen_input = x.clone()
+    with pytest.raises(RuntimeError, match=r"inference_mode.*clone"):
+        om(frozen_input)
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"torch\.func transform"):
+        torch.func.grad(lambda w: torch.func.functional_call(om, w, (x,)).sum())(weights)
+    loss = om(x).sum()
+    model[1].requires_grad_(False)
+    with pytest.raises(RuntimeError, match="stage '1' started or stopped requiring grad"):
+        loss.backward()
