@@ -89,15 +89,16 @@ def test_the_host_order_of_random_plans_is_a_valid_plan() -> None:
     assert checked > 300
 
 
+def slow_link_chain() -> Chain:
+    """Two stages whose copies take longer than their compute: 10 s for a_1."""
+    stages = (Stage("s1", 1.0, 1.0, 10, 10), Stage("s2", 1.0, 1.0, 5, 5))
+    return Chain("slow link", 1, stages, link=Link(1.0, 1.0))
+
+
 def test_a_free_after_a_prefetch_held_back_waits_for_it() -> None:
     """The prefetch waits for the slow offload of the same tensor: the free listed after it
     must not be issued first."""
-    chain = Chain(
-        "held back",
-        1,
-        (Stage("s1", 1.0, 1.0, 10, 10), Stage("s2", 1.0, 1.0, 5, 5)),
-        link=Link(1.0, 1.0),
-    )
+    chain = slow_link_chain()
     ops = [
         Op(F_CK, 1),
         Op(OFFLOAD, 1, ACTIVATION),
@@ -112,12 +113,7 @@ def test_a_free_after_a_prefetch_held_back_waits_for_it() -> None:
 
 
 def test_an_offload_that_ends_after_the_last_compute_is_released() -> None:
-    chain = Chain(
-        "late copy",
-        1,
-        (Stage("s1", 1.0, 1.0, 10, 10), Stage("s2", 1.0, 1.0, 5, 5)),
-        link=Link(1.0, 1.0),
-    )
+    chain = slow_link_chain()
     ops = [
         Op(F_CK, 1),
         Op(OFFLOAD, 1, ACTIVATION),
