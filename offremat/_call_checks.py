@@ -75,18 +75,16 @@ def refuse_outer_saved_tensor_hooks() -> None:
         )
 
 
-def refuse_unplannable_inputs(tensors: list[torch.Tensor]) -> None:
-    """An input made under ``torch.inference_mode`` cannot be saved for the backward (plain
-    autograd refuses it too); a ``torch.func`` transform (grad, vmap) wraps tensors whose
-    storage the plan cannot hold or move."""
-    if any(t.is_inference() for t in tensors):
-        raise RuntimeError(
-            "the input was made under torch.inference_mode, and inference tensors cannot be "
-            "saved for the backward: make it outside inference mode, or clone it there "
-            "(x.clone()) before the training step"
-        )
+def in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap) is running."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
+    return peek is not None and peek() is not None
+
+
+def refuse_functorch_transforms() -> None:
+    """A ``torch.func`` transform wraps tensors whose storage the plan cannot hold, move or
+    recompute."""
+    if in_functorch_transform():
         raise RuntimeError(
             "a training step of an offremat-optimized model runs inside a torch.func "
             "transform (grad, vmap, jacrev): its plan holds, moves and recomputes tensors "

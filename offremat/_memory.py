@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 
 from offremat._host import CudaStreams, HostArena
-from offremat._tensors import byte_view, storage_key, tensor_over
+from offremat._tensors import byte_view, storage_key, tensor_over, version_of
 
 
 class TensorRef:
@@ -72,7 +72,7 @@ class TensorRef:
     def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
         self.tensor: torch.Tensor | None = tensor
         self.original = weakref.ref(tensor if original is None else original)
-        self.version = tensor._version
+        self.version = version_of(tensor)
         self.dtype = tensor.dtype
         self.offset = tensor.storage_offset()
         self.size = tuple(tensor.size())
@@ -95,8 +95,8 @@ class TensorRef:
         # The tensor first held shares its version counter with the original (a detached
         # alias does); a rebuilt one has a counter of its own.
         for tensor in (self.original(), None if self.rebuilt else self.tensor):
-            if tensor is not None and tensor._version != self.version:
-                return tensor._version
+            if tensor is not None and version_of(tensor) != self.version:
+                return version_of(tensor)
         return None
 
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from offremat._memory import Residency, TensorRef
 from offremat._scan import NORM_STATISTICS
-from offremat._tensors import storage_key, tensor_over, unique_storages
+from offremat._tensors import storage_key, tensor_over, unique_storages, version_of
 
 
 class GradSlot:
@@ -89,7 +89,7 @@ def enter_stage(
 def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
     """Refuse a stage that changed its input in place: that input is a checkpoint."""
     for tensor, version in zip(inputs, versions, strict=True):
-        if tensor._version != version:
+        if version_of(tensor) != version:
             raise RuntimeError(
                 f"stage {stage!r} modifies its input in place (for example an inplace=True "
                 f"activation first in the stage); offremat reads a stage's input again to "
@@ -132,8 +132,8 @@ class InputView:
     def modified_version(self) -> int | None:
         """The input's version now if it was changed in place since packed, else None."""
         original = self.original()
-        if original is not None and original._version != self.version:
-            return original._version
+        if original is not None and version_of(original) != self.version:
+            return version_of(original)
         return None
 
 
@@ -176,7 +176,7 @@ class SavedTensorPacker:
                 tuple(tensor.size()),
                 tuple(tensor.stride()),
                 tensor.dtype,
-                tensor._version,
+                version_of(tensor),
                 weakref.ref(self.inputs[index]),
             )
         if key not in self.excluded and tensor.untyped_storage().nbytes() > 0:

@@ -41,6 +41,7 @@ from offremat._tensors import (
     storage_key,
     unflatten,
     unique_storages,
+    version_of,
 )
 from offremat.measure import LiveStorageTracker, StepMemory
 
@@ -100,7 +101,7 @@ class StageProfile:
         else:
             marks.append(mark(self.device))
             packer = MarkingPacker(self.name, self.tensors, self.excluded, marks, self.device)
-        versions = [t._version for t in self.tensors]
+        versions = [version_of(t) for t in self.tensors]
         with ExitStack() as stack:
             if grad:
                 stack.enter_context(torch.enable_grad())

@@ -32,7 +32,14 @@ from offremat._stage import (
     enter_stage,
     frozen_running_stats,
 )
-from offremat._tensors import Structure, flatten, is_differentiable, storage_key, unflatten
+from offremat._tensors import (
+    Structure,
+    flatten,
+    is_differentiable,
+    storage_key,
+    unflatten,
+    version_of,
+)
 from solvers.plan import (
     F_ALL,
     SAVED,
@@ -101,7 +108,7 @@ class Compute:
             rng = RngState.capture(self.cuda_devices, self.generators[i - 1]) if replays else None
         else:
             rng = self.rng.get(i)
-        versions = [tensor._version for tensor in inputs]
+        versions = [version_of(tensor) for tensor in inputs]
         watch = None
         if first and i in self.executor.recomputed:
             watch = FirstForward(

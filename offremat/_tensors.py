@@ -81,6 +81,12 @@ def is_differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter; 0 for an inference tensor (made under
+    ``torch.inference_mode``), which has none and cannot change in place outside it."""
+    return 0 if tensor.is_inference() else tensor._version
+
+
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the tensor's storage that survives resizing it (and views of it)."""
     return tensor.untyped_storage()._cdata

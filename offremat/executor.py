@@ -47,7 +47,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from offremat._call_checks import refuse_outer_saved_tensor_hooks, refuse_unplannable_inputs
+from offremat._call_checks import (
+    in_functorch_transform,
+    refuse_functorch_transforms,
+    refuse_outer_saved_tensor_hooks,
+)
 from offremat._host import CudaStreams, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
@@ -171,7 +175,10 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        refuse_unplannable_inputs(tensors)
+        if self.plain and not self.measure_memory and in_functorch_transform():
+            # Plain autograd's schedule needs no bookkeeping, which wrapped tensors refuse.
+            return run_plainly(self.stages, value, device, self._finished)
+        refuse_functorch_transforms()
         scans = [scan_modules(stage) for stage in self.stages]
         trainable = [bool(scan.trainable) for scan in scans]
         frozen = self.chain.frozen_stages

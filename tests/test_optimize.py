@@ -633,22 +633,55 @@ def test_saved_tensor_hooks_around_a_planned_step_are_refused() -> None:
 
 
 def test_steps_offremat_cannot_run_as_planned_say_why() -> None:
-    """An input made under inference_mode (plain autograd refuses it too), a torch.func
-    transform around the step, and a block frozen between the forward and the backward of a
-    recomputed stage: each gets a message that says what to do."""
+    """A torch.func transform around a planned step (a keep-all plan runs as plain autograd
+    under it), and a block frozen between the forward and the backward of a recomputed
+    stage: each gets a message that says what to do."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)])
     x = torch.randn(64, 32)
     om = offremat.optimize(model, x, budget=0.9)
     assert om.plan.decisions["1"] == "recompute"
-    with torch.inference_mode():
-        frozen_input = x.clone()
-    with pytest.raises(RuntimeError, match=r"inference_mode.*clone"):
-        om(frozen_input)
     weights = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss_of(step):
+        return lambda w: torch.func.functional_call(step, w, (x,)).sum()
+
     with pytest.raises(RuntimeError, match=r"torch\.func transform"):
-        torch.func.grad(lambda w: torch.func.functional_call(om, w, (x,)).sum())(weights)
+        torch.func.grad(loss_of(om))(weights)
+    whole = offremat.optimize(model, x, budget=1.0)
+    ours = torch.func.grad(loss_of(whole))(weights)
+    theirs = torch.func.grad(loss_of(model))(weights)
+    assert all(torch.equal(ours[name], theirs[name]) for name in weights)
     loss = om(x).sum()
     model[1].requires_grad_(False)
     with pytest.raises(RuntimeError, match="stage '1' started or stopped requiring grad"):
         loss.backward()
+
+
+class Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() / 255
+
+
+@pytest.mark.parametrize("first", [Scaled(), nn.Embedding(100, 32)], ids=["image", "tokens"])
+def test_an_input_made_under_inference_mode_is_taken_as_plain_autograd_takes_it(first) -> None:
+    """A uint8 image scaled in the first block trains; token ids an embedding saves for its
+    backward raise plain autograd's own error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(first, *[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    x = torch.randint(0, 100, (64, 32) if isinstance(first, Scaled) else (64,))
+    om = offremat.optimize(model, x, budget=0.95)
+    assert "recompute" in om.plan.decisions.values()
+    with torch.inference_mode():
+        made = x.clone()
+    try:
+        reference(made).square().mean().backward()
+    except RuntimeError as error:
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+            om(made).square().mean().backward()
+        assert "cannot be saved" in str(error)
+        return
+    om(made).square().mean().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
