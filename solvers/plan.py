@@ -271,6 +271,7 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
     on_gpu = semantics.initial_residency(length)
     on_host: set[tuple[str, int]] = set()
     backward_done: set[int] = set()
+    dead: set[tuple[str, int]] = set()  # read by no later op, their host copies dropped too
     for n, op in enumerate(ops):
         where = f"op {n} {op}"
         outside = _index_problem(op, length)
@@ -298,13 +299,21 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
                 )
             backward_done.add(i)
         elif change.from_host is not None:
-            if change.from_host not in on_host:
+            if change.from_host in dead:
+                problems.append(
+                    f"{where}: prefetch of a tensor no later op reads (its backward is done)"
+                )
+            elif change.from_host not in on_host:
                 problems.append(f"{where}: prefetch of a tensor that was never offloaded")
             if change.from_host in on_gpu:
                 problems.append(f"{where}: prefetch of a tensor already resident on the GPU")
         if change.to_host is not None:
             on_host.add(change.to_host)
         semantics.apply(on_gpu, op)
+        dead.discard(change.allocates)
+        for tensor in change.dead:
+            dead.add(tensor)
+            on_host.discard(tensor)
     for i in range(chain.frozen_stages + 1, length + 1):
         if i not in backward_done:
             problems.append(f"backward B({i}) is missing")

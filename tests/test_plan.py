@@ -150,3 +150,24 @@ def test_the_callers_input_is_never_moved_or_freed() -> None:
         ops += [prefetch(ACTIVATION, 0)] if memory_op is offload else []
         problems = validate([*ops, backward(1)], chain)
         assert any("a0 is the caller's input" in problem for problem in problems)
+
+
+def test_a_prefetch_of_a_tensor_whose_backward_is_done_is_invalid() -> None:
+    """After B(2) nothing reads x̄_2 again, and the executor drops its host copy there: a
+    prefetch of it afterwards names why, rather than fail in the executor."""
+    late = (
+        forward_all(1),
+        forward_all(2),
+        forward_all(3),
+        offload("saved", 2),
+        forward_all(4),
+        backward(4),
+        prefetch("saved", 2),
+        backward(3),
+        backward(2),
+        prefetch("saved", 2),
+        backward(1),
+    )
+    assert validate(late, CHAIN) == [
+        "op 9 prefetch(x̄2): prefetch of a tensor no later op reads (its backward is done)"
+    ]
