@@ -265,6 +265,8 @@ class StageProfile:
         with StepMemory(self.device) as plain_memory:
             try:
                 plain_output = self.forward(grad=False)[0]
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as error:
                 raise RuntimeError(
                     f"stage {self.name!r} fails under torch.no_grad(), where the profiler runs "

@@ -128,7 +128,9 @@ def test_infeasible_budget_exits_3_with_the_least_budget(
     assert code == 3
     assert report["feasible"] is False
     least = report["min_budget_bytes"]
-    assert least > report["budget_bytes"]
+    assert least > report["budget_bytes"] and report["min_budget_is_least"] is True
+    code, greedy = solve_json(capsys, "cnn", "--budget", "0.05", "--solver", "dtr")
+    assert code == 3 and greedy["min_budget_is_least"] is False
     code, report = solve_json(capsys, "cnn", "--budget", str(least), "--solver", "chen")
     assert code == 0 and report["predicted_peak_bytes"] <= least
     code, _, err = run_cli(capsys, "solve", "cnn", "--budget", "0.05", "--solver", "chen")

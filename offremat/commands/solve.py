@@ -227,6 +227,8 @@ def _report_infeasible(args: argparse.Namespace, chain: Chain, error: Infeasible
                     "chain": chain.name,
                     "budget_bytes": error.budget_bytes,
                     "min_budget_bytes": error.min_budget_bytes,
+                    # False for a greedy solver (dtr): a budget with a plan, maybe not the least.
+                    "min_budget_is_least": error.exact,
                     "message": str(error),
                 }
             )
