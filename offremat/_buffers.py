@@ -45,6 +45,11 @@ whose own graph the backward runs, the tensors it assigned stay, and every other
 goes back to what it was before it (a block used twice keeps the count of its later use).
 Only assignments are replayed and undone: a tensor appended to a list or written into a dict
 attribute stays.
+
+A forward run inside ``torch.func.functional_call`` computes with the tensors the call
+registered in place of the module's own, and the call puts the module's own back before the
+backward: a recomputation reinstates the parameters and buffers its stage's first forward
+found registered (:func:`reinstated`), before anything else reads them.
 """
 
 from __future__ import annotations
