@@ -153,3 +153,29 @@ def test_every_solver_has_a_line_style_in_the_sweep_plot():
     from solvers.registry import SOLVERS
 
     assert set(METHOD_STYLE) == set(SOLVERS)
+
+
+def test_plot_command_checks_the_budget_as_the_plan_runs_and_takes_a_bandwidth(
+    tmp_path, capsys, caplog
+):
+    """Under its budget a prefetch waits for memory, as the drawing and the plan's own peak
+    say: no warning that the peak passes it. A chain without a link takes --bandwidth, as
+    solve does, to draw an offloading plan."""
+    from dataclasses import replace
+
+    from offremat.cli import main
+
+    chain = _chain(4)
+    free_peak = simulate(_offloading_plan(chain, 10**12), chain).peak_bytes
+    plan = _offloading_plan(chain, free_peak - 4 * MiB)
+    assert plan.feasible and plan.predicted_peak_bytes < free_peak
+    chain_path, plan_path = tmp_path / "c.json", tmp_path / "p.json"
+    replace(chain, link=None).save(chain_path)
+    plan.save(plan_path)
+    png = str(tmp_path / "p.png")
+    assert main(["plot", str(chain_path), str(plan_path), "--out", png]) == 2
+    assert "no link" in capsys.readouterr().err
+    assert (
+        main(["plot", str(chain_path), str(plan_path), "--out", png, "--bandwidth", "4GB/s"]) == 0
+    )
+    assert "passes the budget" not in caplog.text

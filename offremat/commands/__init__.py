@@ -17,7 +17,7 @@ from typing import Any
 
 from offremat import examples
 from solvers.budget import parse_bandwidth, parse_budget
-from solvers.chain import Chain, ChainFormatError
+from solvers.chain import Chain, ChainFormatError, Link
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak
 
@@ -49,6 +49,18 @@ def _finite(value: Any) -> Any:
 
 
 BANDWIDTH_HELP = "host link for both directions: 25GB/s, 12GiB/s or bytes per second (2.5e10)"
+
+
+def add_bandwidth_option(parser: argparse.ArgumentParser, purpose: str) -> None:
+    """``--bandwidth RATE``, with ``purpose`` said in its help."""
+    parser.add_argument(
+        "--bandwidth", type=bandwidth_rate, metavar="RATE", help=f"{BANDWIDTH_HELP}, {purpose}"
+    )
+
+
+def with_bandwidth(chain: Chain, rate: float | None) -> Chain:
+    """``chain`` with a link of ``rate`` both ways in place of its own, if a rate is given."""
+    return chain if rate is None else chain.with_link(Link(rate, rate))
 
 
 def bandwidth_rate(text: str) -> float:

@@ -11,10 +11,12 @@ from offremat.commands import (
     BUDGET_HELP,
     EXIT_OK,
     UsageError,
+    add_bandwidth_option,
     chain_help,
     draw_plan,
     load_chain,
     resolve_budget,
+    with_bandwidth,
 )
 from solvers.budget import format_bytes
 from solvers.plan import Plan, PlanError
@@ -37,12 +39,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--budget", "-b", metavar="B", help=f"{BUDGET_HELP}; default: the plan's own budget"
     )
+    add_bandwidth_option(parser, "replacing the chain's (as given to solve --bandwidth)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, check, simulate and draw."""
-    chain = load_chain(args.chain)
+    chain = with_bandwidth(load_chain(args.chain), args.bandwidth)
     try:
         plan = Plan.load(args.plan)
     except FileNotFoundError:
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     print(f"wrote {args.out}")
     limit = budget if budget is not None else plan.budget_bytes
-    peak = simulate(plan, chain).peak_bytes
+    # Under its budget the simulator holds prefetches back until memory allows, as drawn.
+    peak = simulate(plan, chain, limit).peak_bytes
     if limit is not None and peak > limit:
         logger.warning(
             "the plan's simulated peak, %s, passes the budget of %s",

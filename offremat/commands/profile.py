@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offremat.commands import BANDWIDTH_HELP, EXIT_OK, UsageError, bandwidth_rate, integer_at_least
+from offremat.commands import EXIT_OK, UsageError, add_bandwidth_option, integer_at_least
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 
@@ -66,12 +66,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--device", metavar="DEV", help="cpu, cuda or cuda:K (default: cuda when available)"
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=bandwidth_rate,
-        metavar="RATE",
-        help=f"{BANDWIDTH_HELP}, instead of measuring it (a CPU has no link otherwise)",
-    )
+    add_bandwidth_option(parser, "instead of measuring it (a CPU has no link otherwise)")
     parser.add_argument(
         "--warmup", type=integer_at_least(0), default=2, metavar="N", help="warm-up runs (2)"
     )

@@ -18,12 +18,11 @@ from rich.table import Table
 from rich.text import Text
 
 from offremat.commands import (
-    BANDWIDTH_HELP,
     BUDGET_HELP,
     EXIT_INFEASIBLE,
     EXIT_OK,
     UsageError,
-    bandwidth_rate,
+    add_bandwidth_option,
     chain_help,
     check_plot_path,
     draw_plan,
@@ -32,10 +31,11 @@ from offremat.commands import (
     load_chain,
     positive_number,
     resolve_budget,
+    with_bandwidth,
 )
 from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError, format_bytes
-from solvers.chain import Chain, Link
+from solvers.chain import Chain
 from solvers.milp_progress import ProgressCallback, SearchProgress
 from solvers.plan import Plan
 from solvers.registry import SOLVER_OPTIONS, SOLVERS, solve
@@ -72,12 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="dp/milp memory discretization (default 500)",
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=bandwidth_rate,
-        metavar="RATE",
-        help=f"{BANDWIDTH_HELP}, replacing the chain's (offloading needs one)",
-    )
+    add_bandwidth_option(parser, "replacing the chain's (offloading needs one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", metavar="PLAN.json", help="write the plan (offremat.plan/1)")
     parser.add_argument("--plot", metavar="PATH", help="draw the plan's timeline and memory (PNG)")
@@ -127,8 +122,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Solve, then print the plan (table or JSON) and write --out / --plot."""
     chain = load_chain(args.chain)
-    if args.bandwidth is not None:
-        chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
+    chain = with_bandwidth(chain, args.bandwidth)
     budget = resolve_budget(args.budget, chain)
     # Said before a solve that can take the whole time limit.
     if args.plot:

@@ -13,14 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from offremat.commands import (
-    BANDWIDTH_HELP,
     EXIT_OK,
     UsageError,
-    bandwidth_rate,
+    add_bandwidth_option,
     chain_help,
     integer_at_least,
     load_chain,
     positive_number,
+    with_bandwidth,
 )
 from offremat.sweep import (
     DEFAULT_MILP_TIME_LIMIT_S,
@@ -31,7 +31,7 @@ from offremat.sweep import (
     write_csv,
 )
 from solvers.budget import format_bytes
-from solvers.chain import Chain, Link
+from solvers.chain import Chain
 from solvers.dp import DEFAULT_SLOTS
 from solvers.registry import keep_all_peak
 
@@ -81,12 +81,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--slots", type=integer_at_least(1), metavar="N", help="dp/milp memory discretization"
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=bandwidth_rate,
-        metavar="RATE",
-        help=f"{BANDWIDTH_HELP}, replacing the chain's (needed for offloading on a chain "
-        "without a link, e.g. one profiled on CPU)",
+    add_bandwidth_option(
+        parser,
+        "replacing the chain's (needed for offloading on a chain without a link, e.g. one "
+        "profiled on CPU)",
     )
     parser.add_argument(
         "--batch",
@@ -112,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None and args.batch is not None:
         raise UsageError("--batch sets the batch of --model; a chain file has its batch already")
     chain = _chain(args)
-    if args.bandwidth is not None:
-        chain = chain.with_link(Link(args.bandwidth, args.bandwidth))
+    chain = with_bandwidth(chain, args.bandwidth)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
