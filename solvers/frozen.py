@@ -19,7 +19,7 @@ from typing import Any
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.ops import Op, forward_checkpoint, forward_none
-from solvers.plan import PLAN_TIME_INFO, Plan
+from solvers.plan import PLAN_TIME_INFO, Plan, relative_gap
 
 
 def trained_part(chain: Chain) -> Chain:
@@ -54,7 +54,7 @@ def lift(plan: Plan, chain: Chain) -> Plan:
     }
     objective, bound = info.get("objective"), info.get("best_bound")
     if info.get("gap") is not None and objective and bound is not None:
-        info["gap"] = max(0.0, (objective - bound) / objective)
+        info["gap"] = relative_gap(objective, bound)
     return Plan(
         frozen_forwards(p) + moved, chain.stage_names, plan.solver, chain_name=chain.name, info=info
     )

@@ -50,9 +50,7 @@ from solvers.milp_warm import (
     tight_budget_candidates,
     warm_start_candidates,
 )
-from solvers.plan import (
-    Plan,
-)
+from solvers.plan import Plan, relative_gap
 from solvers.simulator import score
 
 FAMILY_OPTIMAL = "optimal in its family"
@@ -201,9 +199,9 @@ def solve_milp(
     objective = search.objective_s
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
     if objective is not None and bound is not None and math.isfinite(bound):
-        relative_gap = max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+        gap_found = relative_gap(objective, bound)
     else:
-        relative_gap = None
+        gap_found = None
     size = model.size
     # HiGHS proves its plan optimal among the MILP's family of plans (docs/milp.md), and its
     # dual bound holds for that family: a plan outside it (a non-persistent one, as DTR's can
@@ -214,7 +212,7 @@ def solve_milp(
         "objective": objective,
         "milp_plan_time_s": own_time,
         "best_bound": bound if bound is not None and math.isfinite(bound) else None,
-        "gap": relative_gap,
+        "gap": gap_found,
         "solve_time_s": time.monotonic() - started,
         "backend": backend,
         "warm_start": warm_name,

@@ -103,6 +103,11 @@ class PlanError(ValueError):
 PLAN_TIME_INFO = ("objective", "best_bound", "milp_plan_time_s", "dp_time_s", "fastest_s")
 
 
+def relative_gap(objective: float, bound: float) -> float:
+    """A solver's relative gap, (objective − bound) ÷ objective, as MILP solvers report it."""
+    return max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule for one training step, with the figures the simulator predicts for it."""
