@@ -4,14 +4,15 @@ A recomputation must draw the numbers the first forward drew. That holds for the
 and CUDA generators, for every ``torch.Generator`` a module keeps as an attribute, and for
 the global generators of Python's ``random`` and NumPy (a block that draws a layer-drop or a
 scale from them): their states are captured before a recomputed stage's first forward and
-replayed around each recomputation, as ``torch.utils.checkpoint`` does for torch's global
-ones. A generator kept anywhere else (a
+replayed around each recomputation (those the first forward drew from), as
+``torch.utils.checkpoint`` does for torch's global ones. A generator kept anywhere else (a
 closure, a list, a global variable) cannot be found, so :class:`GeneratorWatch` refuses the
 model up front rather than let a recomputation draw other numbers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,44 +38,70 @@ def cuda_device_indices(device: torch.device) -> list[int]:
 
 @dataclass(frozen=True)
 class RngState:
-    """The states of the generators a stage may draw from.
+    """The states of the generators a stage may draw from (None: a generator left out).
 
-    The CPU generator, those of the CUDA devices the stage runs on, and every
+    The CPU generator, those of the CUDA devices the stage runs on, every
     ``torch.Generator`` its modules keep as an attribute (a module that draws noise from a
-    generator of its own would otherwise recompute other numbers).
+    generator of its own would otherwise recompute other numbers), and the host generators.
     """
 
-    cpu: torch.Tensor
+    cpu: torch.Tensor | None
     cuda: tuple[tuple[int, torch.Tensor], ...]
     owned: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
     host: tuple[Any, Any] | None = None  # Python's random and NumPy's global generators
 
     @classmethod
     def capture(
-        cls, cuda_devices: Sequence[int], generators: Sequence[torch.Generator] = ()
+        cls,
+        cuda_devices: Sequence[int],
+        generators: Sequence[torch.Generator] = (),
+        host: HostRandomReader | None = None,
     ) -> RngState:
-        """The current states."""
+        """The current states (the host ones through ``host``, a step's reader)."""
         return cls(
             torch.get_rng_state(),
             tuple((index, torch.cuda.get_rng_state(index)) for index in cuda_devices),
             tuple((generator, generator.get_state()) for generator in generators),
-            host_random_state(),
+            host_random_state() if host is None else host.read(),
         )
 
-    def unchanged(self) -> bool:
-        """Whether the states are still these: nothing drew random numbers since."""
-        return (
-            torch.equal(torch.get_rng_state(), self.cpu)
-            and all(
-                torch.equal(torch.cuda.get_rng_state(index), state) for index, state in self.cuda
-            )
-            and all(torch.equal(g.get_state(), state) for g, state in self.owned)
-            and (self.host is None or _same_host_state(host_random_state(), self.host))
+    def drawn(self, host: HostRandomReader) -> RngState | None:
+        """These states, of the generators drawn from since; None if nothing drew.
+
+        A recomputation replays only those: a computation that draws the same numbers takes
+        the same path, so it draws from the same generators.
+        """
+        cpu = self.cpu
+        if cpu is not None and torch.equal(torch.get_rng_state(), cpu):
+            cpu = None
+        cuda = tuple(
+            (index, state)
+            for index, state in self.cuda
+            if not torch.equal(torch.cuda.get_rng_state(index), state)
+        )
+        owned = tuple(
+            (g, state) for g, state in self.owned if not torch.equal(g.get_state(), state)
+        )
+        previous = self.host
+        if previous is not None and same_host_state(host.read(), previous):
+            previous = None
+        if cpu is None and not cuda and not owned and previous is None:
+            return None
+        return RngState(cpu, cuda, owned, previous)
+
+    def current(self) -> RngState:
+        """The current states of the generators this one holds."""
+        return RngState(
+            None if self.cpu is None else torch.get_rng_state(),
+            tuple((index, torch.cuda.get_rng_state(index)) for index, _ in self.cuda),
+            tuple((generator, generator.get_state()) for generator, _ in self.owned),
+            None if self.host is None else host_random_state(),
         )
 
     def restore(self) -> None:
         """Make these the generators' states."""
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         for index, state in self.cuda:
             torch.cuda.set_rng_state(state, index)
         for generator, state in self.owned:
@@ -85,7 +112,9 @@ class RngState:
 
 def host_random_state() -> tuple[Any, Any]:
     """The states of Python's ``random`` and NumPy's global generators."""
-    return random.getstate(), np.random.get_state()
+    # The legacy tuple only exists for a Mersenne Twister; NumPy warns for any other.
+    twister = type(np.random.get_bit_generator()) is np.random.MT19937
+    return random.getstate(), np.random.get_state(legacy=twister)
 
 
 def restore_host_random(state: tuple[Any, Any]) -> None:
@@ -94,22 +123,83 @@ def restore_host_random(state: tuple[Any, Any]) -> None:
     np.random.set_state(state[1])
 
 
-def _same_host_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
-    (python_a, numpy_a), (python_b, numpy_b) = a, b
-    return (
-        python_a == python_b
-        and numpy_a[2:] == numpy_b[2:]
-        and numpy_a[0] == numpy_b[0]
-        and np.array_equal(numpy_a[1], numpy_b[1])
-    )
+def same_host_state(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two host states (from :func:`host_random_state`) are the same."""
+    return a is b or (a[0] == b[0] and _same_numpy_state(a[1], b[1]))
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    # A tuple holding an array for NumPy's Mersenne Twister, a dict for other bit generators.
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_numpy_state(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(map(_same_numpy_state, a, b))
+    return type(a) is type(b) and a == b
+
+
+class HostRandomReader:
+    """Reads the host generators' states (Python's ``random``, NumPy's global) during a step.
+
+    A full read of NumPy's legacy state copies its 624 words one at a time, about 35 µs: more
+    than a small stage's own cost, twice per recomputed stage. The reader keeps its last full
+    read and hands it out again while a cheap fingerprint is the same: Python's state (read in
+    full, 8 µs) and the raw bytes of NumPy's Mersenne Twister. One change escapes that
+    fingerprint: NumPy's legacy ``gauss`` handing out the normal deviate it keeps cached,
+    which moves no Twister word, so while one is cached every read is full; so is every read
+    when NumPy's global bit generator is not a Mersenne Twister. A reader serves one step:
+    between steps the caller may set any state, the cached normal included.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, Any], Any] | None = None
+        self._fingerprints = True  # until a full read disagrees with its fingerprint
+
+    def read(self) -> tuple[Any, Any]:
+        """The host generators' states now, as :func:`host_random_state` gives them."""
+        fingerprint = _host_fingerprint() if self._fingerprints else None
+        if self._last is not None and fingerprint is not None:
+            state, seen = self._last
+            if seen == fingerprint and not _gauss_cached(state[1]):
+                return state
+        state = host_random_state()
+        # The Twister's bytes are read where NumPy's state struct lies; should its layout
+        # ever differ, the reader reads in full rather than trust stale bytes.
+        if fingerprint is not None and fingerprint[1] != _twister_bytes(state[1]):
+            self._fingerprints = False
+            fingerprint = None
+        self._last = (state, fingerprint)
+        return state
+
+
+_TWISTER_STATE_BYTES = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+
+
+def _host_fingerprint() -> tuple[Any, bytes] | None:
+    generator = np.random.get_bit_generator()
+    if type(generator) is not np.random.MT19937:  # a subclass may keep its state elsewhere
+        return None
+    twister = ctypes.string_at(generator.ctypes.state_address, _TWISTER_STATE_BYTES)
+    return random.getstate(), twister
+
+
+def _twister_bytes(numpy_state: Any) -> bytes | None:
+    if not isinstance(numpy_state, tuple):
+        return None
+    _, key, position = numpy_state[:3]
+    return key.astype(np.uint32).tobytes() + int(position).to_bytes(4, "little", signed=True)
+
+
+def _gauss_cached(numpy_state: Any) -> bool:
+    # The legacy tuple: ("MT19937", key, pos, has_gauss, cached_gaussian).
+    return not isinstance(numpy_state, tuple) or bool(numpy_state[3])
 
 
 @contextmanager
 def replayed_rng(state: RngState) -> Iterator[None]:
     """Run with the generators as they were in ``state``, then restore the current states."""
-    current = RngState.capture(
-        [index for index, _ in state.cuda], [generator for generator, _ in state.owned]
-    )
+    current = state.current()
     state.restore()
     try:
         yield

@@ -20,7 +20,7 @@ import torch
 from offremat._buffers import FirstForward, shared_buffer_keys
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
-from offremat._rng import RngState, cuda_device_indices
+from offremat._rng import HostRandomReader, RngState, cuda_device_indices
 from offremat._scan import ModuleScan, fixed_storages
 from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
@@ -127,7 +127,9 @@ class _Step(Compute):
         self.on_host: dict[tuple[str, int], PlanTensor] = {}
         self.offloaded_by: dict[int, PlanTensor] = {}
         self.grads: dict[int, PlanTensor] = {}
+        # Per recomputed stage, the states of the generators its first forward drew from.
         self.rng: dict[int, RngState] = {}
+        self.host_random = HostRandomReader()
         self.kept: dict[int, KeptGraph] = {}
         self.produced: dict[tuple[str, int], Any] = {}
         self.in_backward = False

@@ -105,7 +105,11 @@ class Compute:
         if first:
             # Only a stage the plan runs forward again replays its random numbers.
             replays = i in self.executor.recomputed
-            rng = RngState.capture(self.cuda_devices, self.generators[i - 1]) if replays else None
+            rng = (
+                RngState.capture(self.cuda_devices, self.generators[i - 1], self.host_random)
+                if replays
+                else None
+            )
         else:
             rng = self.rng.get(i)
         versions = [version_of(tensor) for tensor in inputs]
@@ -157,9 +161,10 @@ class Compute:
         del result
         if first:
             self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
-            if rng is not None and not rng.unchanged():
-                self.rng[i] = rng
-            del rng
+            drawn = None if rng is None else rng.drawn(self.host_random)
+            if drawn is not None:
+                self.rng[i] = drawn
+            del rng, drawn
         del inputs
         is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:
