@@ -12,6 +12,7 @@ there.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -92,10 +93,19 @@ def module_generators(root: nn.Module) -> tuple[torch.Generator, ...]:
     return tuple(found.values())
 
 
+# The types of most of a module's attributes (its hook and parameter dicts, flags, sizes),
+# which no generator has.
+_PLAIN_TYPES = frozenset({dict, OrderedDict, set, bool, int, float, str, type(None), tuple, list})
+
+
 def _own_generators(module: nn.Module) -> list[torch.Generator]:
     # Not isinstance: torch.Generator's metaclass checks instances in Python, slowly, and
     # this looks at every attribute of every module at every step.
-    return [value for value in vars(module).values() if issubclass(type(value), torch.Generator)]
+    return [
+        value
+        for value in vars(module).values()
+        if type(value) not in _PLAIN_TYPES and issubclass(type(value), torch.Generator)
+    ]
 
 
 def fixed_storages(scans: Iterable[ModuleScan]) -> frozenset[int]:

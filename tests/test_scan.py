@@ -42,3 +42,13 @@ def test_generators_are_found_without_touching_other_tensors() -> None:
     # A sparse buffer has no storage to key; finding generators must not need one.
     model[1].register_buffer("mask", torch.eye(4).to_sparse())
     assert module_generators(model) == (model[0]._noise,)
+
+
+class SeededGenerator(torch.Generator):
+    """A generator of the user's own class."""
+
+
+def test_a_generator_of_a_subclass_is_found() -> None:
+    model = nn.Sequential(Noisy(), nn.Linear(4, 4))
+    model[1].noise = SeededGenerator()
+    assert module_generators(model) == (model[0]._noise, model[1].noise)
