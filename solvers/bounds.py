@@ -58,13 +58,33 @@ def necessary_budget_bytes(chain: Chain) -> int:
     return max(need, g[0] + chain.held_bytes)
 
 
+def backward_room(chain: Chain, budget_bytes: int, k: int) -> int:
+    """The bytes left for the saved sets x̄_i (i < k) when B(k) starts (no frozen stages).
+
+    Besides its working set, the GPU holds a_0 (the caller's input, resident all step) and,
+    once B(L) has run, the caller's ``held_bytes``.
+    """
+    held = chain.held_bytes if k < chain.length else 0
+    return budget_bytes - chain.activation_bytes(0) - held - backward_working_set(chain, k)
+
+
 def absent_saved_bytes(chain: Chain, budget_bytes: int) -> int | None:
     """E, the bytes of saved sets x̄_i (i < L, no frozen stages) that cannot be on the GPU when
     B(L) runs (see :func:`lower_bound_s`); None when B(L)'s own working set does not fit."""
-    room = budget_bytes - backward_working_set(chain, chain.length)
+    room = backward_room(chain, budget_bytes, chain.length)
     if room < 0:
         return None
     return max(0, sum(s.saved_bytes for s in chain.stages[:-1]) - room)
+
+
+def trained_part_budget(chain: Chain, budget_bytes: int) -> int:
+    """The budget at which a bound of :func:`solvers.frozen.trained_part` holds for ``chain``.
+
+    A plan of the whole chain holds a_0 all step, and may drop a_p, which the trained part
+    takes as its input and counts as resident all along: so a_0 is taken and a_p given back.
+    """
+    p = chain.frozen_stages
+    return budget_bytes - chain.activation_bytes(0) + chain.activation_bytes(p)
 
 
 def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
@@ -72,10 +92,10 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
 
     Reasoning, on the model of design.md. Every forward runs at least once before the first
     backward B(L) starts, and every backward once after, so the compute stream spends at least
-    Σf before that instant and Σb after it. When B(L) runs, the GPU holds δ_L, x̄_L, the
+    Σf before that instant and Σb after it. When B(L) runs, the GPU holds a_0, δ_L, x̄_L, the
     δ_{L-1} that B(L) allocates and its temporary, plus every saved set x̄_i (i < L) that is
-    kept; so at most C = budget - (g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept, and
-    E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
+    kept; so at most C = budget - (x_0 + g_L + x̄_L + g_{L-1} + btmp_L) bytes of them are kept,
+    and E = Σ_{i<L} x̄_i - C bytes of saved sets are absent. Each absent x̄_i is either
     recomputed by an extra F_all(i) after B(L) starts (≥ r_i more compute, r_i the refill
     time of solvers.semantics.refills, at most f_i), or offloaded
     before B(L) starts (the d2h channel moves its bytes before then) and prefetched after (the
@@ -93,10 +113,10 @@ def lower_bound_s(chain: Chain, budget_bytes: int | None) -> float:
     if budget_bytes is None:
         return compute
     if chain.frozen_stages:
-        # The frozen forwards run at least once. No backward reads a_0, so a plan may drop it
-        # after them: the trained part is bounded with the whole budget.
+        # The frozen forwards run at least once, then the trained part's stages.
         frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
-        return frozen_s + lower_bound_s(trained_part(chain), budget_bytes)
+        budget = trained_part_budget(chain, budget_bytes)
+        return frozen_s + lower_bound_s(trained_part(chain), budget)
     excess = absent_saved_bytes(chain, budget_bytes)
     if excess is None:
         return math.inf

@@ -15,17 +15,19 @@ for every k the first pass lasts at least f_1 + ... + f_k + Σ_{i >= k} o_i x̄_
 rest at least Σ_{i >= k} o_i x̄_i / h2d + b_k + ... + b_1.
 
 Memory is checked when every backward starts, not only B(L). When B(k) starts, beside its
-own working set W_k (δ_k, x̄_k, δ_{k-1} and its temporary), each x̄_i (i < k) is there unless it
+own working set W_k (δ_k, x̄_k, δ_{k-1} and its temporary), the input a_0 and, after B(L), the
+caller's held bytes (:func:`solvers.bounds.backward_room`), each x̄_i (i < k) is there unless it
 was recomputed after B(L) started (r_i), copied out before B(L) started (o_i), or copied out by
 the time B(k) starts (a fraction l_ik, continuous: a relaxation): a copy still under way when
-B(L) starts frees its bytes later, and neither recomputation nor o_i pays for that. So for
-every k, Σ_{i < k} (1 - r_i - o_i - l_ik) x̄_i <= budget - W_k, and the copies that leave by
-B(k) fit on the channel between F(1)'s end and B(k)'s start, which is at most the step's time
-less f_1 and b_k + ... + b_1. Early stages whose saved sets are large (a ResNet's) must be
-absent when their neighbours' backwards run, even where B(L)'s constraint alone would leave
-them. A MILP of 2(L - 1) binaries that HiGHS closes in milliseconds. Its optimum (or, if cut
-short, its proven dual bound) is a lower bound on every plan's time, never below
-``lower_bound_s``.
+B(L) starts frees its bytes later, and neither recomputation nor o_i pays for that. B(k) reads
+a_{k-1}, which x̄_{k-1} contains: when x̄_{k-1} is absent, a_{k-1} is there alone. So for
+every k, Σ_{i < k} (1 - r_i - o_i - l_ik) x̄_i + (r_{k-1} + o_{k-1} + l_{k-1,k}) a_{k-1} <=
+budget - x_0 - held - W_k, and the copies that leave by B(k) fit on the channel between F(1)'s
+end and B(k)'s start, which is at most the step's time less f_1 and b_k + ... + b_1. Early
+stages whose saved sets are large (a ResNet's) must be absent when their neighbours' backwards
+run, even where B(L)'s constraint alone would leave them. A MILP of 2(L - 1) binaries that
+HiGHS closes in milliseconds. Its optimum (or, if cut short, its proven dual bound) is a lower
+bound on every plan's time, never below ``lower_bound_s``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ import math
 
 import pulp
 
-from solvers.bounds import absent_saved_bytes, backward_working_set, lower_bound_s
+from solvers.bounds import (
+    absent_saved_bytes,
+    backward_room,
+    lower_bound_s,
+    trained_part_budget,
+)
 from solvers.chain import Chain
 from solvers.frozen import trained_part
 from solvers.milp_search import native_stdout_silenced
@@ -49,9 +56,10 @@ def whole_tensor_bound_s(
     if not math.isfinite(fractional):
         return fractional
     if chain.frozen_stages:
-        # As in lower_bound_s: a plan may drop a_0 after the frozen forwards.
+        # As in lower_bound_s: the frozen forwards, then the trained part's stages.
         frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
-        part = whole_tensor_bound_s(trained_part(chain), budget_bytes, offload, time_limit_s)
+        budget = trained_part_budget(chain, budget_bytes)
+        part = whole_tensor_bound_s(trained_part(chain), budget, offload, time_limit_s)
         return max(fractional, frozen_s + part)
     excess = absent_saved_bytes(chain, budget_bytes)
     if not excess:
@@ -91,7 +99,7 @@ def whole_tensor_bound_s(
     unit = max(s.saved_bytes for _, s in earlier) or 1
     copying = chain.link is not None and offload
     for k in range(2, chain.length + 1):
-        room = budget_bytes - backward_working_set(chain, k)
+        room = backward_room(chain, budget_bytes, k)
         if room < 0:
             return math.inf  # B(k)'s own working set does not fit: no plan does
         below = list(zip(recompute, moved, earlier[: k - 1], strict=False))
@@ -105,11 +113,15 @@ def whole_tensor_bound_s(
             )
             until_b_k = sum(chain.stage(j).bwd_s for j in range(1, k + 1)) + chain.stage(1).fwd_s
             problem += out / d2h <= first_pass + rest - until_b_k / scale
-        # x̄_1 .. x̄_{k-1}: those not absent are on the GPU when B(k) starts.
+        # x̄_1 .. x̄_{k-1}: those not absent are on the GPU when B(k) starts, and B(k)'s input
+        # a_{k-1} (inside x̄_{k-1}) is, alone, when x̄_{k-1} is absent.
         kept = pulp.lpSum(
             (1 - r - o - gone) * (s.saved_bytes / unit)
             for (r, o, (_, s)), gone in zip(below, late, strict=True)
         )
+        r, o, (_, previous) = below[-1]
+        gone = late[-1]
+        kept += (r + o + gone) * (previous.out_bytes / unit)
         problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
         problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))

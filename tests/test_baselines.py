@@ -327,34 +327,35 @@ def test_lower_bound_without_pressure_is_the_compute_time() -> None:
 
 
 def test_lower_bound_by_hand_without_a_link() -> None:
-    # Room for kept saved sets at B(4): budget - (x_4 + x̄_4 + x_3 + btmp_4) = 150 - 47 = 103
-    # of Σ_{i<4} x̄_i = 130, so 27 bytes must be recomputed; the cheapest per byte is s1
-    # (1 s for 40 B, against 2/60 and 1/30 for s2 and s3).
+    # Room for kept saved sets at B(4): budget - (x_0 + x_4 + x̄_4 + x_3 + btmp_4) = 150 - 8 -
+    # 47 = 95 of Σ_{i<4} x̄_i = 130, so 35 bytes must be recomputed; the cheapest per byte is
+    # s1 (1 s for 40 B, against 2/60 and 1/30 for s2 and s3).
     budget = 150
-    assert lower_bound_s(tiny(), budget) == pytest.approx(COMPUTE + 27 * (1.0 / 40))
-    # With a link, offloading may replace the recomputation: 27 bytes at 27 B/s take 1 s on
+    assert lower_bound_s(tiny(), budget) == pytest.approx(COMPUTE + 35 * (1.0 / 40))
+    # With a link, offloading may replace the recomputation: 35 bytes at 35 B/s take 1 s on
     # each channel, well within Σf = 7 and Σb = 10, so nothing is forced.
-    assert lower_bound_s(tiny(Link(27.0, 27.0)), budget) == COMPUTE
-    # Too small to even run B(4): no plan.
-    assert lower_bound_s(tiny(), 46) == math.inf
+    assert lower_bound_s(tiny(Link(35.0, 35.0)), budget) == COMPUTE
+    # Too small to even run B(4) beside the input: no plan.
+    assert lower_bound_s(tiny(), 54) == math.inf
+    assert lower_bound_s(tiny(), 55) < math.inf
 
 
 def test_lower_bound_with_a_slow_link_by_hand() -> None:
-    # Budget 117 leaves room for 70 of the 130 bytes of x̄_1..x̄_3: 60 bytes must leave. On a
-    # 4 B/s link, moving m bytes takes m/4 s on each channel; recomputing the rest costs 1/40 s
-    # per byte for the first 40 (s1) and 1/30 after. Offloading up to m = 28 hides behind
-    # Σf = 7; beyond that each byte costs 1/4 s of forward to save 1/40 s of recompute. So the
-    # best is m = 28: 7 + 10 + 32/40.
+    # Budget 117 leaves room for 62 of the 130 bytes of x̄_1..x̄_3 (the input takes 8): 68
+    # bytes must leave. On a 4 B/s link, moving m bytes takes m/4 s on each channel;
+    # recomputing the rest costs 1/40 s per byte for the first 40 (s1) and 1/30 after.
+    # Offloading up to m = 28 hides behind Σf = 7; beyond that each byte costs 1/4 s of
+    # forward to save 1/40 s of recompute. So the best is m = 28: 7 + 10 + 40/40.
     chain = tiny(Link(4.0, 4.0))
-    assert lower_bound_s(chain, 117) == pytest.approx(7 + 10 + 32 / 40)
+    assert lower_bound_s(chain, 117) == pytest.approx(7 + 10 + 40 / 40)
 
     def step(moved: float) -> float:
-        left = 60 - moved
+        left = 68 - moved
         recompute = min(left, 40) / 40 + max(0.0, left - 40) / 30
         return max(7.0, moved / 4) + max(10.0 + recompute, moved / 4)
 
     # The exact minimum of the relaxation, checked on a fine grid.
-    assert lower_bound_s(chain, 117) <= min(step(k / 100) for k in range(6001)) + 1e-12
+    assert lower_bound_s(chain, 117) <= min(step(k / 100) for k in range(6801)) + 1e-12
 
 
 def _budgets(chain: Chain) -> list[int]:

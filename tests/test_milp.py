@@ -206,13 +206,18 @@ def test_unknown_backend_is_refused():
 
 
 def test_cbc_backend_reaches_the_same_optimum():
+    searched = 0
     for chain, budget in instances(600, 2, 5):
         highs = solve_milp(chain, budget, slots=budget, time_limit_s=20)
         cbc = solve_milp(chain, budget, slots=budget, time_limit_s=20, backend="cbc")
         assert cbc.info["backend"] == "cbc"
-        assert cbc.info["solver_status"] == "optimal in its family"
+        # A warm start that meets the lower bound is returned before any backend runs.
+        status = cbc.info["solver_status"]
+        assert status in ("optimal in its family", "optimal (meets the lower bound)")
+        searched += status == "optimal in its family"
         assert cbc.predicted_time_s == pytest.approx(highs.predicted_time_s, rel=1e-6)
         assert cbc.predicted_peak_bytes <= budget
+    assert searched  # CBC itself solved one
 
 
 def test_infeasible_budget_names_the_least_one():
