@@ -57,6 +57,16 @@ def model_fingerprint(model: nn.Module) -> str:
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
+def plain_settings(value: Any) -> tuple[tuple[str, Any], ...]:
+    """The attributes of ``value`` that hold plain values (numbers, strings, flags), private
+    ones included, by name."""
+    try:
+        attributes = vars(value)
+    except TypeError:  # no __dict__
+        return ()
+    return tuple(sorted((k, v) for k, v in attributes.items() if _is_simple(v)))
+
+
 def _settings(module: nn.Module) -> str:
     """The module's public attributes of plain values (numbers, strings, tuples of them) and
     configs (dataclasses, dicts, objects with ``to_dict``), as text; tensors and submodules
@@ -69,6 +79,8 @@ def _settings(module: nn.Module) -> str:
             found.append(f"{name}={value!r}")
             continue
         if callable(getattr(value, "to_dict", None)):
+            # A Hugging Face config keeps its attention implementation out of to_dict.
+            found.append(f"{name}.private={plain_settings(value)!r}")
             value = value.to_dict()
         elif not (isinstance(value, dict) or _is_dataclass_object(value)):
             continue

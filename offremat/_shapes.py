@@ -11,9 +11,10 @@ from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed 
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
 quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
-the stages' modules or their tensors change (``model.to(...)``, a layer unfrozen or widened, a
-submodule replaced by another kind), or a stage module is switched between training and eval
-mode (dropout off, a batch norm frozen), every plan is made again.
+the stages' modules, their tensors or their configs' settings change (``model.to(...)``, a
+layer unfrozen or widened, a submodule replaced by another kind, another attention
+implementation), every plan is made again; a stage module switched between training and eval
+mode (dropout off, a batch norm frozen) gets plans of its own for that mode.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from offremat._plan_cache import PlanCache
+from offremat._plan_cache import PlanCache, plain_settings
 from offremat._step import StepsInFlight
 from offremat._tensors import Structure, flatten
 from offremat.executor import PlanExecutor
@@ -141,6 +142,9 @@ class ShapePlans:
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
         self.module_state, self.modes = self._planned_state()
+        # The plans of the other mixtures of training and eval modes seen (see executor).
+        self.by_modes: dict[tuple[bool, ...], Any] = {}
+        self.disk_modes = self.modes  # the disk cache holds plans for these modes only
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -174,11 +178,14 @@ class ShapePlans:
 
     def _planned_state(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
         """What the stages' plans were made for, in one walk (it runs at every step): each
-        module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, and its
-        hooks (one that logs activations keeps them, which the profile measures); and each
-        module's training flag. Not buffers: one may follow the input's shape (a mask cached
-        for the last length), which each shape's own plan covers."""
+        module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
+        hooks (one that logs activations keeps them, which the profile measures) and the
+        plain settings of its ``config`` (a Hugging Face model's attention implementation,
+        which decides what attention saves); and each module's training flag. Not buffers:
+        one may follow the input's shape (a mask cached for the last length), which each
+        shape's own plan covers."""
         modules, modes = [], []
+        configs: set[int] = set()
         for stage in self.stages:
             for module in stage.modules():
                 modes.append(module.training)
@@ -196,28 +203,42 @@ class ShapePlans:
                 )
                 if any(hooks):  # by handle id: a removed hook's id is never given again
                     modules.append(("hooks", *(tuple(h) for h in hooks)))
+                config = module.__dict__.get("config")
+                if config is not None and id(config) not in configs:
+                    configs.add(id(config))
+                    modules.append(("config", plain_settings(config)))
         return tuple(modules), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         modules, modes = self._planned_state()
-        if modules != self.module_state or modes != self.modes:
+        if modules != self.module_state:
             # model.to(dtype or device) changes every activation size, a wider or another
-            # module what a stage computes, a layer unfrozen what it saves, and so do a dropout
-            # switched off or a batch norm frozen. Every plan goes, and the disk cache, keyed
-            # by the model as optimize saw it, no longer applies.
-            changed = (
-                "modules, parameters (a type, shape, dtype, device or requires_grad) or hooks"
-                if modules != self.module_state
-                else "training or eval mode"
-            )
+            # module what a stage computes, a layer unfrozen what it saves. Every plan goes,
+            # and the disk cache, keyed by the model as optimize saw it, no longer applies.
             # Said aloud: each change profiles again, and a plan given to optimize is gone.
-            logger.warning("the stages' %s changed: planning each shape again", changed)
-            self.executors.clear()
-            self.profiled.clear()
-            self.provisional.clear()
+            logger.warning(
+                "the stages' modules, parameters (a type, shape, dtype, device or "
+                "requires_grad), hooks or settings changed: planning each shape again"
+            )
+            self.executors, self.profiled, self.provisional = {}, {}, set()
+            self.by_modes.clear()
             self.disk = None
-            self.module_state, self.modes = modules, modes
+            self.module_state = modules
+        if modes != self.modes:
+            # A dropout switched off or a batch norm frozen computes and saves other tensors:
+            # each mixture of training and eval modes has plans of its own, kept while the
+            # model trains in another (train() and eval() may alternate every epoch).
+            self.by_modes[self.modes] = (self.executors, self.profiled, self.provisional)
+            self.executors, self.profiled, self.provisional = self.by_modes.pop(
+                modes, ({}, {}, set())
+            )
+            if not self.executors:
+                logger.warning(
+                    "the stages' training or eval mode changed: planning each shape again "
+                    "for this mode"
+                )
+            self.modes = modes
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:
@@ -227,7 +248,8 @@ class ShapePlans:
         else:
             self.cache.misses += 1
             began = time.perf_counter()
-            cached = None if self.disk is None else self.disk.load(repr(signature))
+            disk = self._disk()
+            cached = None if disk is None else disk.load(repr(signature))
             if cached is not None:
                 chain, plan = cached
                 self.cache.from_disk += 1
@@ -235,11 +257,15 @@ class ShapePlans:
                 chain = self._chain(signature, batch)
                 plan = self._plan(signature, chain)
                 # The disk keeps the final solver's plans only.
-                if self.disk is not None and signature not in self.provisional:
-                    self.disk.store(repr(signature), chain, plan)
+                if disk is not None and signature not in self.provisional:
+                    disk.store(repr(signature), chain, plan)
             executor = self._install(signature, chain, plan, began, "planned")
         self.last = executor
         return executor
+
+    def _disk(self) -> PlanCache | None:
+        """The disk cache, where it holds plans for the modes the stages are in now."""
+        return self.disk if self.modes == self.disk_modes else None
 
     def _plan(self, signature: Signature, chain: Chain) -> Plan:
         """``quick``'s plan (then provisional) where it fits, else ``solve``'s; the error of a
@@ -268,8 +294,9 @@ class ShapePlans:
         began = time.perf_counter()
         self.provisional.discard(signature)
         plan = self.solve(chain)
-        if self.disk is not None:
-            self.disk.store(repr(signature), chain, plan)
+        disk = self._disk()
+        if disk is not None:
+            disk.store(repr(signature), chain, plan)
         self.cache.improved += 1
         return self._install(signature, chain, plan, began, "improved the plan for")
 

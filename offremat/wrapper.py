@@ -137,8 +137,12 @@ class OptimizedModule(nn.Module):
             return getattr(model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's output; with a gradient wanted, the step follows :attr:`plan`."""
-        if not self.training or not torch.is_grad_enabled():
+        """The model's output; with a gradient wanted, the step follows :attr:`plan`.
+
+        In eval mode too: training with dropout off is training, and its backward needs the
+        budget as much (each mixture of modes gets plans of its own, see ``_shapes``).
+        """
+        if not torch.is_grad_enabled():
             return self._model(*args, **kwargs)
         if torch.compiler.is_compiling():
             refuse_compile()

@@ -8,6 +8,8 @@ import beside the CPU torch. :class:`ResNet` is written the torchvision way inst
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -42,10 +44,10 @@ _DECODER = {
 }
 
 
-def llama() -> nn.Module:
+def llama(**settings: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**_DECODER))
+    return LlamaForCausalLM(LlamaConfig(**_DECODER, **settings))
 
 
 def qwen2() -> nn.Module:

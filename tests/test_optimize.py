@@ -428,8 +428,8 @@ def test_a_block_replaced_after_optimize_is_refused() -> None:
     model.insert(4, Widening())
     with pytest.raises(RuntimeError, match="replaced, added or removed"):
         om(x)
-    om.eval()
-    om(x)  # outside training the model runs as it is
+    with torch.no_grad():
+        om(x)  # without a gradient the model runs as it is
     found = Looped()
     om = offremat.optimize(found, x, budget=0.9)
     found.blocks[2] = Widening()

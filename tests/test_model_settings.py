@@ -1,0 +1,89 @@
+"""What a plan was made for: a model's settings and modes. A step never runs on a plan made for
+other settings (a Hugging Face model's attention implementation, which decides what attention
+saves) or another mode (training with dropout off in eval mode). Oracles: the independent
+memory tracker and plain autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offremat
+from offremat.measure import StepMemory
+from tests import model_zoo as zoo
+
+pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+BATCH = {"input_ids": IDS, "labels": IDS}
+
+
+def step(om, model) -> tuple[int, torch.Tensor]:
+    """One training step's measured peak (gradients pre-allocated, as after the first) and
+    loss."""
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=BATCH) as memory:
+        loss = om(**BATCH).loss
+        loss.backward()
+    return memory.peak_bytes, loss.detach()
+
+
+def plain_step(model) -> torch.Tensor:
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    loss = model(**BATCH).loss
+    loss.backward()
+    return loss.detach()
+
+
+def same_gradients(model, reference) -> bool:
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return all(torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
+def test_an_attention_implementation_set_after_optimize_is_planned_again() -> None:
+    # Eager attention saves its probabilities, which sdpa does not: the sdpa plan measured
+    # 19% over its budget on eager attention.
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    assert model.config._attn_implementation == "sdpa"
+    om = offremat.optimize(model, BATCH, budget=0.5)
+    model.set_attn_implementation("eager")
+    reference = copy.deepcopy(model)
+    peak, loss = step(om, model)
+    assert om.cache_info()["misses"] == 1  # planned again
+    assert peak <= om.plan.budget_bytes
+    assert torch.equal(loss, plain_step(reference)) and same_gradients(model, reference)
+
+
+def test_the_disk_cache_tells_attention_implementations_apart(tmp_path) -> None:
+    # Read back from the disk, the sdpa plan measured 19% over its budget on eager attention.
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = zoo.llama(attn_implementation=implementation).train()
+        om = offremat.optimize(model, BATCH, budget=0.3, cache_dir=tmp_path)
+        assert om.cache_info()["from_disk"] == 0, implementation
+        peak, _ = step(om, model)
+        assert peak <= om.plan.budget_bytes, implementation
+
+
+def test_training_in_eval_mode_follows_a_plan_of_its_own() -> None:
+    # Dropout off by eval() is still training: it ran plain autograd at 3.2x the budget.
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    model.config.attention_dropout = 0.1  # so that the modes compute differently
+    om = offremat.optimize(model, BATCH, budget=0.3)
+    reference = copy.deepcopy(model)
+    for mode in ("eval", "train", "eval"):
+        om.train(mode == "train")
+        reference.train(mode == "train")
+        torch.manual_seed(1)
+        peak, loss = step(om, model)
+        torch.manual_seed(1)
+        assert torch.equal(loss, plain_step(reference)) and same_gradients(model, reference)
+        assert peak <= om.plan.budget_bytes, mode
+    # Each mode keeps its plans: eval was planned once, train's plan came back.
+    assert om.cache_info()["misses"] == 1
