@@ -137,6 +137,18 @@ def sharding_hooks(module: nn.Module) -> set[int]:
     }
 
 
+def output_capture_hooks(module: nn.Module) -> set[int]:
+    """The keys of the forward hooks Hugging Face installs, once, to record what blocks
+    compute (``output_hidden_states``): they record nothing unless a call asks, which a
+    training step may not (:func:`offremat._call_checks.refuse_recorded_outputs`)."""
+    return {
+        key
+        for hooks in (module._forward_pre_hooks, module._forward_hooks)
+        for key, hook in hooks.items()
+        if getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+    }
+
+
 def refuse_own_hooks(model: nn.Module) -> None:
     """Refuse hooks on a model whose training step runs its children as stages.
 

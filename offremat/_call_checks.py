@@ -2,8 +2,8 @@
 
 A step that would not be the planned one is refused with what to do instead: another
 autocast than the profile's (its activations are not the planned sizes), ``torch.compile``
-of the whole step, a request for every block's hidden states, or saved-tensor hooks of the
-caller's around the step.
+of the whole step, a request for every block's hidden states or for a key-value cache, or
+saved-tensor hooks of the caller's around the step.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offremat._block_values import cache_in
 from offremat._blocks import NotAChainError
 from offremat._stage import AutocastState
 
@@ -46,10 +47,21 @@ def refuse_compile() -> None:
     )
 
 
+def recorded_output_flags(model: nn.Module) -> set[str]:
+    """The ``output_*`` flags that ask a model for what each block computed: hidden states,
+    attentions, and whatever else a Hugging Face model records with hooks (router logits)."""
+    flags = {"output_hidden_states", "output_attentions"}
+    for module in model.modules():
+        flags |= {f"output_{key}" for key in getattr(module, "_can_record_outputs", None) or {}}
+    return flags
+
+
 def refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse to return every block's hidden state or attention: the chain hands one on."""
+    """Refuse to return what every block computed: the chain hands one hidden state on, and
+    a recomputation would record a block twice."""
     config = getattr(model, "config", None)
-    for flag in ("output_hidden_states", "output_attentions"):
+    asked = {key for key, value in kwargs.items() if key.startswith("output_") and value is True}
+    for flag in sorted(recorded_output_flags(model) | asked):
         wanted = kwargs.get(flag)
         if wanted is None:
             wanted = getattr(config, flag, False)
@@ -57,8 +69,24 @@ def refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
             raise NotAChainError(
                 f"{flag}=True asks for every block's result, which an offremat training step "
                 f"does not keep; call with {flag}=False (and set model.config.{flag} = False), "
-                "or take them from a run under model.eval()"
+                "or take them from a run under torch.no_grad()"
             )
+
+
+def refuse_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a key-value cache in a training step: the blocks run without one, as under
+    Hugging Face's gradient checkpointing (a recomputed block would fill it twice), so the
+    step could neither attend to a cache given nor fill one to return."""
+    given = any(cache_in(value) for value in (*args, *kwargs.values()))
+    if given or kwargs.get("use_cache") is True:
+        what = "past_key_values" if given else "use_cache=True"
+        raise NotAChainError(
+            f"this training step asks for a key-value cache ({what}); offremat runs the "
+            "blocks without one, as Hugging Face's gradient checkpointing does, so the step "
+            "could not attend to the cached keys and values, nor fill a cache to return. "
+            "Train without it (no past_key_values, use_cache=False), or make this call under "
+            "torch.no_grad()"
+        )
 
 
 def refuse_outer_saved_tensor_hooks() -> None:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from offremat._block_values import block_output, hidden_of, side_inputs_of
-from offremat._blocks import NotAChainError, sharding_hooks
+from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
 from offremat._discover import BlockCall, BlockRun
 from offremat._tensors import flatten, same_structure
 
@@ -255,8 +255,10 @@ def _refuse_hooks(run: BlockRun) -> None:
     global_hooks = module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
     for call in run.calls:
         module = call.module
-        own = (module._forward_hooks.keys() | module._forward_pre_hooks.keys()) - sharding_hooks(
-            module
+        own = (
+            (module._forward_hooks.keys() | module._forward_pre_hooks.keys())
+            - sharding_hooks(module)
+            - output_capture_hooks(module)
         )
         if global_hooks or own:
             raise NotAChainError(

@@ -36,6 +36,7 @@ from offremat._blocks import (
 from offremat._call_checks import (
     refuse_autocast,
     refuse_compile,
+    refuse_kv_cache,
     refuse_recorded_outputs,
 )
 from offremat._discover import BlockRun, Call, call_of
@@ -177,6 +178,7 @@ class OptimizedModule(nn.Module):
                 check_device(list(self._model), tensors[0].device)
             return self._plans.executor(args[0])(args[0])
         refuse_recorded_outputs(self._model, kwargs)
+        refuse_kv_cache(args, kwargs)
         refuse_replaced_blocks(self._model, self._places)
         executor = self._plans.executor(Call(args, kwargs))
         with RunInterception(self._run, executor) as interception:

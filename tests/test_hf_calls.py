@@ -1,0 +1,86 @@
+"""Hugging Face calls in a training step: what each is given when the blocks run under a plan.
+
+Outputs recorded per block (hidden states, attentions, router logits) and a key-value cache
+cannot be what plain autograd gives, so they are refused; the hooks Hugging Face installs to
+record them, which record nothing otherwise, do not stop later training. Oracle: plain
+autograd, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offremat
+from offremat import NotAChainError
+from tests import model_zoo as zoo
+
+pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0))
+BATCH = {"input_ids": IDS, "labels": IDS}
+
+
+def train_step(model) -> torch.Tensor:
+    for parameter in model.parameters():
+        parameter.grad = None
+    loss = model(**BATCH).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_hidden_states_asked_for_without_gradients_leave_training_as_it_was() -> None:
+    # The first such call installs Hugging Face's recording hooks on every block, for good:
+    # they refused every later training step ("has forward hooks").
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    reference = copy.deepcopy(model)
+    om = offremat.optimize(model, BATCH, budget=0.5)
+    for network in (om, reference):
+        train_step(network)
+        network.eval()
+        with torch.no_grad():
+            states = network(input_ids=IDS, output_hidden_states=True).hidden_states
+        assert len(states) == model.config.num_hidden_layers + 1
+        network.train()
+    assert model.model.layers[0]._forward_hooks  # the recording hook is there
+    assert torch.equal(train_step(om), train_step(reference))
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_a_key_value_cache_in_a_training_step_is_refused() -> None:
+    # Chunked training carried an empty cache on: the second chunk's loss was 4.5710 where
+    # plain autograd's, attending to the first chunk, was 4.6249.
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    om = offremat.optimize(model, BATCH, budget=0.5)
+    with pytest.raises(NotAChainError, match=r"key-value cache \(use_cache=True\)"):
+        om(**BATCH, use_cache=True)
+    first = om(input_ids=IDS[:, :16], labels=IDS[:, :16])  # use_cache from the config
+    with pytest.raises(NotAChainError, match=r"key-value cache \(past_key_values\)"):
+        om(input_ids=IDS[:, 16:], labels=IDS[:, 16:], past_key_values=first.past_key_values)
+    om(**BATCH, use_cache=False).loss.backward()
+
+
+def test_router_logits_for_a_load_balancing_loss_are_refused_by_name() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    om = offremat.optimize(MixtralForCausalLM(config).train(), BATCH, budget=0.5)
+    with pytest.raises(NotAChainError, match="output_router_logits=True"):
+        om(**BATCH, output_router_logits=True)
