@@ -113,6 +113,8 @@ def find_block_run(
 ) -> BlockRun:
     """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
     records = record_calls(model, run_model)
+    # Run again, the random generators moved on: see _refuse_random_runs.
+    again = record_calls(model, run_model)
     if blocks is not None:
         container = _container(model, blocks)
         children = {id(child) for child in container.children()}
@@ -134,6 +136,7 @@ def find_block_run(
         # them are chain blocks too (a ResNet's stem holds much of its activation memory).
         prefix, suffix = _stem(records, first), _tail(records, best[-1])
     members = [*prefix, *best, *suffix]
+    _refuse_random_runs(model, best, records, again)
     _refuse_other_readers(records, members)
     added = {id(r) for r in (*prefix, *suffix)}
     calls = tuple(
@@ -177,6 +180,31 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
         )
     hidden, side = side_inputs_of(first.path, args, kwargs)
     return (hidden, *side)
+
+
+def _refuse_random_runs(
+    model: nn.Module,
+    run: list[RecordedCall],
+    records: list[RecordedCall],
+    again: list[RecordedCall],
+) -> None:
+    """Refuse blocks that another call on the same batch runs otherwise: a model that skips
+    blocks at random (LayerDrop) would be planned as a chain of one draw's blocks. Calls of
+    other kinds may differ (the experts a router picks inside a block)."""
+    kinds = {type(r.module) for r in run}
+    first = [r.path for r in records if type(r.module) in kinds]
+    second = [r.path for r in again if type(r.module) in kinds]
+    if first != second:
+        differ = next(
+            (a for a, b in zip(first, second, strict=False) if a != b), (first + second)[-1]
+        )
+        raise NotAChainError(
+            f"{type(model).__name__} ran another sequence of blocks when called again on the "
+            f"same batch (the two runs part at {differ}): a model whose run of blocks depends "
+            "on random draws (LayerDrop, stochastic depth that skips a block) is no fixed "
+            "chain and cannot be planned; turn that off for training under offremat "
+            "(config.layerdrop = 0.0, say)"
+        )
 
 
 def _refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall]) -> None:

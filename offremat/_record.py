@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offremat._blocks import NotAChainError
 from offremat._tensors import Structure, flatten
 
 
@@ -178,7 +179,11 @@ def capture_call(
     finally:
         handle.remove()
     if capture.arguments is None:
-        raise RuntimeError(f"the model did not call {type(module).__name__} {nth + 1} times")
+        raise NotAChainError(
+            f"the model did not call {type(module).__name__} {nth + 1} times when run again on "
+            "the same batch: a model whose run of blocks depends on random draws (LayerDrop) "
+            "is no fixed chain and cannot be planned"
+        )
     return capture.arguments
 
 

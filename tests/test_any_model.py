@@ -336,3 +336,27 @@ def test_a_named_container_that_is_no_chain_says_what_breaks_it(per_layer, why) 
         offremat.optimize(model, x, budget=1.0)
     with pytest.raises(offremat.NotAChainError, match=why):
         offremat.optimize(model, x, budget=1.0, blocks="blocks")
+
+
+class LayerDropNet(torch.nn.Module):
+    """Skips each of its blocks at random in training, as LayerDrop does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(8)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.training and torch.rand(()) < 0.3:
+                continue
+            x = block(x)
+        return x.sum()
+
+
+def test_blocks_skipped_at_random_are_refused_when_optimized() -> None:
+    # Planned, one draw's blocks made the chain, and steps failed later with other messages.
+    torch.manual_seed(0)
+    with pytest.raises(offremat.NotAChainError, match="ran another sequence of blocks"):
+        offremat.optimize(LayerDropNet(), torch.randn(4, 16), budget=0.5)
