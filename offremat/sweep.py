@@ -19,7 +19,6 @@ from typing import Any
 
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link
-from solvers.dp import DEFAULT_SLOTS
 from solvers.plan import Plan
 from solvers.registry import SOLVERS, keep_all_peak, min_feasible_budget, solve
 
@@ -76,14 +75,14 @@ def profile_named_model(
     return chain
 
 
-def budget_range(chain: Chain, count: int = 12, slots: int = DEFAULT_SLOTS) -> list[int]:
+def budget_range(chain: Chain, count: int = 12) -> list[int]:
     """``count`` evenly spaced budgets from the least feasible one to the keep-all peak.
 
     The least feasible budget is the smallest of the DP's and the baselines' least feasible
     budgets (the MILP's has no closed form), so each of them first fits within the span.
     """
     top = keep_all_peak(chain)
-    floor = min_feasible_budget(chain, "dp", slots=slots)
+    floor = min_feasible_budget(chain, "dp")
     for method in ("chen", "checkpoint-every-stage", "offload-all", "min-peak"):
         if method not in NEEDS_LINK or chain.link is not None:
             floor = min(floor, min_feasible_budget(chain, method))

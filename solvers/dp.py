@@ -269,6 +269,9 @@ def solve_dp(
 ) -> Plan:
     """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
 
+    Sizes are rounded up to ``budget_bytes / slots``; where that rounding alone leaves no
+    plan, above rotor's exact least memory, a finer DP or the least-memory plan answers
+    (:func:`_near_least_memory`), so every budget from :func:`memory_need` up has a plan.
     With a ``tolerance`` above 0, the plan that needs the least memory among those at most
     that fraction slower than the fastest: the table holds the optimum for every smaller
     budget, so this costs nothing more. When plain autograd fits, it is the answer whatever
@@ -287,20 +290,29 @@ def solve_dp(
         )
         return score(plan, chain, budget_bytes)
     check_table_size(chain, slots)
-    if budget_bytes <= 0:  # no memory unit to round sizes to
-        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
     plain = keep_all(chain)
     if simulate(plain, chain, budget_bytes).feasible:
         plan = Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})
         return score(plan, chain, budget_bytes)
+    plan = _table_plan(chain, budget_bytes, slots, tolerance) if budget_bytes > 0 else None
+    if plan is None:
+        least = memory_need(chain)
+        if budget_bytes < least:
+            raise InfeasibleBudgetError(budget_bytes, least, "dp")
+        plan = _near_least_memory(chain, budget_bytes, slots)
+    return score(plan, chain, budget_bytes)
+
+
+def _table_plan(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Plan | None:
+    """The DP's plan with sizes rounded up to ``budget_bytes / slots``; None if none fits."""
     unit = budget_bytes / slots
     sizes = _Sizes.of(chain, unit)
     capacity = slots - int(sizes.activation[0])
     if capacity < 0:
-        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
+        return None
     table = _Table(chain, sizes, capacity)
     if not np.isfinite(table.time[1, chain.length, capacity]):
-        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(chain, slots), "dp")
+        return None
     fastest = table.time[1, chain.length]
     room = capacity
     if tolerance:
@@ -310,8 +322,42 @@ def solve_dp(
     info = {"slots": slots, "dp_time_s": float(fastest[room])}
     if tolerance:
         info |= {"tolerance": tolerance, "fastest_s": float(fastest[capacity])}
-    plan = Plan(ops=tuple(ops), stage_names=chain.stage_names, solver="dp", info=info)
-    return score(plan, chain, budget_bytes)
+    return Plan(ops=tuple(ops), stage_names=chain.stage_names, solver="dp", info=info)
+
+
+FINER_SLOTS = (10, 100)
+"""How many times more slots the DP tries when rounding alone leaves it without a plan."""
+
+FINER_TABLE_BYTES = 2**30
+"""The most memory a finer DP's tables may take (a fallback should not cost more)."""
+
+
+def _near_least_memory(chain: Chain, budget_bytes: int, slots: int) -> Plan:
+    """A plan for a budget between rotor's exact least memory, where some plan always fits,
+    and the least the DP at ``slots`` finds one at (sizes rounded up cost it those plans).
+
+    The DP with finer slots where it is quick; else the fastest that fits of the least-memory
+    plan and the DP's plans at their own (rounded-up) least budgets, whose true peaks can be
+    lower.
+    """
+    counts = [
+        slots * factor
+        for factor in FINER_SLOTS
+        if estimated_seconds(chain.length, slots * factor) <= WARN_SECONDS
+        and table_bytes(chain.length, slots * factor) <= FINER_TABLE_BYTES
+    ]
+    for count in counts:
+        plan = _table_plan(chain, budget_bytes, count, 0.0)
+        if plan is not None:
+            return plan
+    candidates = [least_memory_plan(chain)]
+    for count in (slots, *counts):
+        rounded = _table_plan(chain, _rounded_least_budget(chain, count), count, 0.0)
+        if rounded is not None:
+            candidates.append(rounded)
+    fitting = [plan for plan in candidates if simulate(plan, chain, budget_bytes).feasible]
+    best = min(fitting, key=lambda plan: simulate(plan, chain, budget_bytes).makespan_s)
+    return Plan(best.ops, chain.stage_names, "dp", info={"slots": slots, "near_least": True})
 
 
 def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[_Sizes, np.ndarray, np.ndarray]:
@@ -368,14 +414,18 @@ def least_memory_plan(chain: Chain) -> Plan:
     return score(plan, chain, None)
 
 
-def min_feasible_budget(chain: Chain, slots: int = DEFAULT_SLOTS) -> int:
-    """The least budget, in bytes, at which :func:`solve_dp` with ``slots`` finds a plan.
+def min_feasible_budget(chain: Chain) -> int:
+    """The least budget, in bytes, at which :func:`solve_dp` finds a plan: rotor's exact
+    least memory (:func:`memory_need`), whatever its slots."""
+    return memory_need(chain)
+
+
+def _rounded_least_budget(chain: Chain, slots: int) -> int:
+    """The least budget at which the DP's table with ``slots`` (sizes rounded up) fits a plan.
 
     Plain autograd's peak always qualifies, so it bounds the search when rounding to few slots
     keeps the table from fitting anything smaller.
     """
-    if chain.frozen_stages:
-        return least_budget(chain, lambda part: min_feasible_budget(part, slots))
     ceiling = simulate(keep_all(chain), chain).peak_bytes
 
     def fits(budget: int) -> bool:

@@ -26,7 +26,6 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.coarsen import balanced_groups, coarsen, expand
 from solvers.dp import DEFAULT_SLOTS, memory_need
-from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.frozen import least_budget, with_frozen_prefix
 from solvers.milp_bound import whole_tensor_bound_s
 from solvers.milp_codec import decode
@@ -42,7 +41,6 @@ from solvers.milp_search import (
 # Raised by solve_milp: importable from here.
 from solvers.milp_search import BackendUnavailableError as BackendUnavailableError
 from solvers.milp_warm import (
-    FINER_SLOTS,
     first_in_family,
     fitting_budget,
     least_budget_with_offloading,
@@ -134,7 +132,8 @@ def solve_milp(
         coarse = coarse_candidate(chain, budget_bytes, offload, backend, slots, deadline)
         if coarse is not None:
             candidates = sorted([*candidates, coarse], key=lambda item: item[1].predicted_time_s)
-    fallback_name, fallback_plan = candidates[0] if candidates else (None, None)
+    fitting = [item for item in candidates if item[1].feasible]
+    fallback_name, fallback_plan = fitting[0] if fitting else (None, None)
     if _meets(candidates, floor):
         # No plan is faster than the bound: searching on would only spend the time limit.
         best = candidates[0]
@@ -191,11 +190,8 @@ def solve_milp(
         # Below rotor's least memory only the least-memory MILP's schedule was a candidate.
         least, schedule = least_budget_with_offloading(chain, backend, deadline)
         raise InfeasibleBudgetError(budget_bytes, fitting_budget(chain, least, schedule), "milp")
-    if plan is None:
-        # Rotor's exact least memory is below the budget, yet neither the DP with finer slots
-        # nor the MILP within its time found a plan: name the budget the finer DP needs.
-        finer = dp_min_feasible_budget(chain, slots * FINER_SLOTS[-1])
-        raise InfeasibleBudgetError(budget_bytes, finer, "milp")
+    # From rotor's exact least memory the DP's warm start fits (solvers.dp._near_least_memory).
+    assert plan is not None
     objective = search.objective_s
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
     if objective is not None and bound is not None and math.isfinite(bound):

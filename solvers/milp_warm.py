@@ -20,12 +20,10 @@ from solvers.chain import Chain
 from solvers.dp import (
     WARN_SECONDS,
     estimated_seconds,
-    least_memory_plan,
     memory_need,
     solve_dp,
     table_bytes,
 )
-from solvers.dp import min_feasible_budget as dp_min_feasible_budget
 from solvers.milp_codec import NotInFamilyError, Schedule, decode, encode
 from solvers.milp_model import JointModel
 
@@ -56,9 +54,6 @@ _PREFIX_SLOTS = 200
 _PREFIX_SHARE = 0.2
 _PREFIX_RESERVES = 5
 _PREFIX_LEADS = (1, 2, 3)
-# How much finer than asked the DP's memory grid gets when the budget is just above rotor's
-# least memory.
-FINER_SLOTS = (10, 100)
 # The DP on a grid this much finer is a warm start too, where its estimated time is at most
 # this share of the time left: rounding sizes up to 500 slots costs rotor's DP up to 0.9% of
 # step time on the ResNet and Llama chains of experiments/ilp_vs_dp.py, which the MILP's
@@ -196,30 +191,14 @@ def tight_budget_candidates(
 ) -> list[tuple[str, Plan]]:
     """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
 
-    Between rotor's exact least memory and the DP's rounded one, the DP with finer slots
-    usually finds a plan, and the least-memory plan always does; below it only offloading can,
-    and the least-memory MILP says whether it does. Raises :class:`InfeasibleBudgetError`
+    From rotor's exact least memory the DP finds one (with finer slots or the least-memory
+    plan where its rounding leaves none); below it only offloading can, and the least-memory
+    MILP says whether it does. Raises :class:`InfeasibleBudgetError`
     when nothing fits.
     """
     recompute_least = memory_need(chain)
     if budget_bytes >= recompute_least:
-        for factor in FINER_SLOTS:
-            try:
-                finer = slots * factor
-                return [(f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer))]
-            except InfeasibleBudgetError:
-                continue
-        # The DP's plan at its own least budget is rounded up, so its true peak can be lower:
-        # where it fits here it is much faster than the least-memory plan.
-        fitting = [
-            ("least-memory plan", scored_plan(least_memory_plan(chain).ops, chain, budget_bytes))
-        ]
-        for factor in (1, *FINER_SLOTS):
-            rounded = solve_dp(chain, dp_min_feasible_budget(chain, slots * factor), slots * factor)
-            plan = scored_plan(rounded.ops, chain, budget_bytes)
-            if plan.feasible:
-                fitting.append((f"dp ({slots * factor} slots, at its least budget)", plan))
-        return sorted(fitting, key=lambda candidate: candidate[1].predicted_time_s)
+        return [("dp", solve_dp(chain, budget_bytes, slots))]
     least, schedule = recompute_least, None
     if offload:
         least, schedule = least_budget_with_offloading(

@@ -32,7 +32,6 @@ from offremat.sweep import (
 )
 from solvers.budget import format_bytes
 from solvers.chain import Chain
-from solvers.dp import DEFAULT_SLOTS
 from solvers.registry import keep_all_peak
 
 logger = logging.getLogger(__name__)
@@ -128,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{chain.name}: every size in the chain is 0 bytes, so there is no budget to sweep"
         )
-    budgets = budget_range(chain, args.points, DEFAULT_SLOTS if args.slots is None else args.slots)
+    budgets = budget_range(chain, args.points)
     console = Console(stderr=True, highlight=False)
     console.print(
         Text(
