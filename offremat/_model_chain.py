@@ -201,7 +201,10 @@ class _Boundary(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.probe = probe
         ctx.input_shape = hidden.shape
-        return last.view_as(last)
+        # Not a view of ``last``: the code after the chain may change it in place (a DenseNet
+        # applies F.relu(..., inplace=True) to the last block's output), which autograd forbids
+        # on a view a custom function returns.
+        return last.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:

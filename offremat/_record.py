@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError
-from offremat._tensors import Structure, flatten
+from offremat._tensors import Structure, flatten, version_of
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,12 @@ class RecordedCall:
     output_tensors: int
     state_only: bool
     side: tuple[tuple[int, ...], Structure]
+    returns_input: bool = False
 
     @property
     def in_place(self) -> bool:
         """Whether it returned its own input (changed in place, as ``ReLU(inplace=True)``)."""
-        return self.output is not None and self.output == self.hidden
+        return self.returns_input
 
 
 def hidden_keyword(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bool | None:
@@ -71,19 +72,25 @@ def split_hidden(
 
 
 class _Tokens:
-    """Serial numbers for live tensors, dropped when a tensor is freed."""
+    """Serial numbers for live tensors' values, dropped when a tensor is freed.
+
+    A tensor changed in place gets a new serial: a call that takes it after the change (the
+    head after ``F.relu(out, inplace=True)`` on the last block's output) does not take what
+    the call before returned, so it does not continue a chain from it.
+    """
 
     def __init__(self) -> None:
-        self.serials: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self.serials: dict[int, tuple[int, weakref.ref[torch.Tensor], int]] = {}
         self.count = 0
 
     def of(self, tensor: torch.Tensor) -> int:
+        version = version_of(tensor)
         known = self.serials.get(id(tensor))
-        if known is not None and known[1]() is tensor:
+        if known is not None and known[1]() is tensor and known[2] == version:
             return known[0]
         self.count += 1
         forget = _Forget(self.serials, id(tensor))
-        self.serials[id(tensor)] = (self.count, weakref.ref(tensor, forget))
+        self.serials[id(tensor)] = (self.count, weakref.ref(tensor, forget), version)
         return self.count
 
 
@@ -130,6 +137,7 @@ class _Recorder:
         tensors, structure = flatten(output)
         first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
         call["output"] = None if first is None else self.tokens.of(first)
+        call["returns_input"] = first is not None and first is split_hidden(args, kwargs)[0]
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
         call["state_only"] = call["state_only"] and len(tensors) == 1

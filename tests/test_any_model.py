@@ -360,3 +360,51 @@ def test_blocks_skipped_at_random_are_refused_when_optimized() -> None:
     torch.manual_seed(0)
     with pytest.raises(offremat.NotAChainError, match="ran another sequence of blocks"):
         offremat.optimize(LayerDropNet(), torch.randn(4, 16), budget=0.5)
+
+
+class ResidualBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.linear = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(self.norm(x))
+
+
+class ChangesTheLastOutputInPlace(torch.nn.Module):
+    """Applies ReLU in place to the last block's output, as torchvision's DenseNet does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(ResidualBlock() for _ in range(6))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(F.relu(h, inplace=True))
+
+
+@pytest.mark.parametrize("blocks", [None, "blocks"])
+def test_the_last_blocks_output_changed_in_place_after_the_run(blocks) -> None:
+    # Discovery took the head for a block of the chain (the in-place op keeps the tensor), and
+    # profiling the code after the chain hit autograd's rule on views a function returns.
+    torch.manual_seed(0)
+    model = ChangesTheLastOutputInPlace()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 16)
+    om = offremat.optimize(model, x, budget=0.6, blocks=blocks)
+    assert om.chain.stage_names[-1] == "blocks.5"
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=x) as memory:
+        loss = om(x).pow(2).mean()
+        loss.backward()
+    expected = reference(x).pow(2).mean()
+    expected.backward()
+    assert torch.equal(loss.detach(), expected.detach())
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+    assert memory.peak_bytes <= om.plan.budget_bytes
