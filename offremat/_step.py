@@ -67,7 +67,8 @@ class StepsInFlight:
                 "a training forward began while an earlier forward of the same model still "
                 "waits for its backward: both steps' activations are held, up to twice the "
                 "budget; run each backward before the next forward, or put both inputs in "
-                "one batch"
+                "one batch. (torch.autograd.grad, or backward(inputs=...), with respect to "
+                "the chain's parameters does not run it: use loss.backward() and read .grad)"
             )
         self.steps.add(step)
 
