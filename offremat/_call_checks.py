@@ -56,12 +56,12 @@ def recorded_output_flags(model: nn.Module) -> set[str]:
     return flags
 
 
-def refuse_recorded_outputs(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse to return what every block computed: the chain hands one hidden state on, and
-    a recomputation would record a block twice."""
+def refuse_recorded_outputs(model: nn.Module, flags: set[str], kwargs: dict[str, Any]) -> None:
+    """Refuse to return what every block computed (``flags``, from
+    :func:`recorded_output_flags`): the chain hands one hidden state on, and a recomputation
+    would record a block twice."""
     config = getattr(model, "config", None)
-    asked = {key for key, value in kwargs.items() if key.startswith("output_") and value is True}
-    for flag in sorted(recorded_output_flags(model) | asked):
+    for flag in sorted(flags):
         wanted = kwargs.get(flag)
         if wanted is None:
             wanted = getattr(config, flag, False)

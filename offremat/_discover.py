@@ -189,11 +189,12 @@ def _refuse_random_runs(
     again: list[RecordedCall],
 ) -> None:
     """Refuse blocks that another call on the same batch runs otherwise: a model that skips
-    blocks at random (LayerDrop) would be planned as a chain of one draw's blocks. Calls of
-    other kinds may differ (the experts a router picks inside a block)."""
-    kinds = {type(r.module) for r in run}
-    first = [r.path for r in records if type(r.module) in kinds]
-    second = [r.path for r in again if type(r.module) in kinds]
+    blocks at random (LayerDrop) would be planned as a chain of one draw's blocks. The calls
+    compared are those of the modules beside the run's blocks in their containers; calls
+    inside a block may differ (the experts a router picks)."""
+    containers = {_parent(r.path) for r in run}
+    first = [r.path for r in records if _parent(r.path) in containers]
+    second = [r.path for r in again if _parent(r.path) in containers]
     if first != second:
         differ = next(
             (a for a, b in zip(first, second, strict=False) if a != b), (first + second)[-1]
@@ -205,6 +206,10 @@ def _refuse_random_runs(
             "chain and cannot be planned; turn that off for training under offremat "
             "(config.layerdrop = 0.0, say)"
         )
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
 
 
 def _refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall]) -> None:

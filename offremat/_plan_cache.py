@@ -57,7 +57,7 @@ def model_fingerprint(model: nn.Module) -> str:
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def plain_settings(value: Any) -> tuple[tuple[str, Any], ...]:
+def _plain_settings(value: Any) -> tuple[tuple[str, Any], ...]:
     """The attributes of ``value`` that hold plain values (numbers, strings, flags), private
     ones included, by name."""
     try:
@@ -80,7 +80,7 @@ def _settings(module: nn.Module) -> str:
             continue
         if callable(getattr(value, "to_dict", None)):
             # A Hugging Face config keeps its attention implementation out of to_dict.
-            found.append(f"{name}.private={plain_settings(value)!r}")
+            found.append(f"{name}.private={_plain_settings(value)!r}")
             value = value.to_dict()
         elif not (isinstance(value, dict) or _is_dataclass_object(value)):
             continue

@@ -30,9 +30,9 @@ def in_training_mode(model: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
     """Run the inside with ``model`` in training mode where it is in eval mode, then give every
     module its own flag back.
 
-    Only a model in training mode runs its steps on a plan, and dropout saves masks in
-    training mode only: a model optimized in eval mode (as Hugging Face's ``from_pretrained``
-    returns it) and then trained would run a plan made for a smaller step.
+    Dropout saves masks in training mode only: a model optimized in eval mode (as Hugging
+    Face's ``from_pretrained`` returns it) and then trained would run a plan made for a
+    smaller step. (A step in eval mode gets plans of its own, see ``_shapes``.)
     """
     roots = [model] if isinstance(model, nn.Module) else list(model)
     evaluating = [root for root in roots if not root.training]

@@ -188,9 +188,9 @@ def capture_call(
         handle.remove()
     if capture.arguments is None:
         raise NotAChainError(
-            f"the model did not call {type(module).__name__} {nth + 1} times when run again on "
-            "the same batch: a model whose run of blocks depends on random draws (LayerDrop) "
-            "is no fixed chain and cannot be planned"
+            f"the model did not call {type(module).__name__} {nth + 1} times when run again: "
+            "its run of blocks changes from call to call (a model whose blocks depend on random "
+            "draws, LayerDrop, is no fixed chain and cannot be planned)"
         )
     return capture.arguments
 

@@ -4,7 +4,7 @@ A recomputation must draw the numbers the first forward drew. That holds for the
 and CUDA generators, for every ``torch.Generator`` a module keeps as an attribute, and for
 the global generators of Python's ``random`` and NumPy (a block that draws a layer-drop or a
 scale from them): their states are captured before a recomputed stage's first forward and
-replayed around each recomputation (those the first forward drew from), as
+replayed around each recomputation (the host ones where the first forward moved them), as
 ``torch.utils.checkpoint`` does for torch's global ones. A generator kept anywhere else (a
 closure, a list, a global variable) cannot be found, so :class:`GeneratorWatch` refuses the
 model up front rather than let a recomputation draw other numbers.
@@ -38,14 +38,14 @@ def cuda_device_indices(device: torch.device) -> list[int]:
 
 @dataclass(frozen=True)
 class RngState:
-    """The states of the generators a stage may draw from (None: a generator left out).
+    """The states of the generators a stage may draw from (``host`` None: not those).
 
     The CPU generator, those of the CUDA devices the stage runs on, every
     ``torch.Generator`` its modules keep as an attribute (a module that draws noise from a
     generator of its own would otherwise recompute other numbers), and the host generators.
     """
 
-    cpu: torch.Tensor | None
+    cpu: torch.Tensor
     cuda: tuple[tuple[int, torch.Tensor], ...]
     owned: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
     host: tuple[Any, Any] | None = None  # Python's random and NumPy's global generators
@@ -65,34 +65,18 @@ class RngState:
             host_random_state() if host is None else host.read(),
         )
 
-    def drawn(self, host: HostRandomReader) -> RngState | None:
-        """These states, of the generators drawn from since; None if nothing drew.
-
-        A recomputation replays only those: a computation that draws the same numbers takes
-        the same path, so it draws from the same generators.
+    def for_replay(self, host: HostRandomReader) -> RngState:
+        """These states, as a recomputation replays them: torch's generators always (a block
+        that draws inside ``torch.random.fork_rng`` leaves them as they were, yet drew from
+        them), the host generators only where they moved since (reading them is dear).
         """
-        cpu = self.cpu
-        if cpu is not None and torch.equal(torch.get_rng_state(), cpu):
-            cpu = None
-        cuda = tuple(
-            (index, state)
-            for index, state in self.cuda
-            if not torch.equal(torch.cuda.get_rng_state(index), state)
-        )
-        owned = tuple(
-            (g, state) for g, state in self.owned if not torch.equal(g.get_state(), state)
-        )
-        previous = self.host
-        if previous is not None and same_host_state(host.read(), previous):
-            previous = None
-        if cpu is None and not cuda and not owned and previous is None:
-            return None
-        return RngState(cpu, cuda, owned, previous)
+        moved = self.host is not None and not same_host_state(host.read(), self.host)
+        return RngState(self.cpu, self.cuda, self.owned, self.host if moved else None)
 
     def current(self) -> RngState:
         """The current states of the generators this one holds."""
         return RngState(
-            None if self.cpu is None else torch.get_rng_state(),
+            torch.get_rng_state(),
             tuple((index, torch.cuda.get_rng_state(index)) for index, _ in self.cuda),
             tuple((generator, generator.get_state()) for generator, _ in self.owned),
             None if self.host is None else host_random_state(),
@@ -100,8 +84,7 @@ class RngState:
 
     def restore(self) -> None:
         """Make these the generators' states."""
-        if self.cpu is not None:
-            torch.set_rng_state(self.cpu)
+        torch.set_rng_state(self.cpu)
         for index, state in self.cuda:
             torch.cuda.set_rng_state(state, index)
         for generator, state in self.owned:

@@ -11,10 +11,11 @@ from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed 
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
 quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
-the stages' modules, their tensors or their configs' settings change (``model.to(...)``, a
-layer unfrozen or widened, a submodule replaced by another kind, another attention
-implementation), every plan is made again; a stage module switched between training and eval
-mode (dropout off, a batch norm frozen) gets plans of its own for that mode.
+the stages' modules, their tensors or their configs' implementations change
+(``model.to(...)``, a layer unfrozen or widened, a submodule replaced by another kind,
+another attention implementation), every plan is made again; a stage module switched
+between training and eval mode (dropout off, a batch norm frozen) gets plans of its own for
+that mode.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from offremat._plan_cache import PlanCache, plain_settings
+from offremat._blocks import output_capture_hooks
+from offremat._plan_cache import PlanCache
 from offremat._step import StepsInFlight
 from offremat._tensors import Structure, flatten
 from offremat.executor import PlanExecutor
@@ -91,6 +93,13 @@ def _varying(
     if len(new_sizes) != 1 or len(known_sizes) != 1:
         return None
     return frozenset(positions), new_sizes.pop(), known_sizes.pop()
+
+
+def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
+    """The implementations a model's config picks by name (``_attn_implementation_internal``):
+    not its other settings, one of which may count steps."""
+    attributes = getattr(config, "__dict__", {})
+    return tuple(sorted((k, v) for k, v in attributes.items() if "implementation" in k))
 
 
 def describe(signature: Signature) -> str:
@@ -180,8 +189,9 @@ class ShapePlans:
         """What the stages' plans were made for, in one walk (it runs at every step): each
         module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
         hooks (one that logs activations keeps them, which the profile measures) and the
-        plain settings of its ``config`` (a Hugging Face model's attention implementation,
-        which decides what attention saves); and each module's training flag. Not buffers:
+        implementations its ``config`` picks (a Hugging Face model's attention
+        implementation, which decides what attention saves); and each module's training
+        flag. Not buffers:
         one may follow the input's shape (a mask cached for the last length), which each
         shape's own plan covers."""
         modules, modes = [], []
@@ -202,11 +212,15 @@ class ShapePlans:
                     module._backward_hooks,
                 )
                 if any(hooks):  # by handle id: a removed hook's id is never given again
-                    modules.append(("hooks", *(tuple(h) for h in hooks)))
+                    # Hugging Face's recording hooks record nothing in a training step.
+                    inert = output_capture_hooks(module)
+                    keys = tuple(tuple(k for k in h if k not in inert) for h in hooks)
+                    if any(keys):
+                        modules.append(("hooks", *keys))
                 config = module.__dict__.get("config")
                 if config is not None and id(config) not in configs:
                     configs.add(id(config))
-                    modules.append(("config", plain_settings(config)))
+                    modules.append(("config", implementations(config)))
         return tuple(modules), tuple(modes)
 
     def executor(self, batch: Any) -> PlanExecutor:
@@ -236,7 +250,8 @@ class ShapePlans:
             if not self.executors:
                 logger.warning(
                     "the stages' training or eval mode changed: planning each shape again "
-                    "for this mode"
+                    "for this mode (a step with gradients enabled follows a plan in eval mode "
+                    "too; evaluate under torch.no_grad(), which runs the model as it is)"
                 )
             self.modes = modes
         signature = input_signature(batch)
@@ -316,6 +331,11 @@ class ShapePlans:
             format_bytes(plan.predicted_peak_bytes or 0),
         )
         return executor
+
+    def all_executors(self) -> list[PlanExecutor]:
+        """The executors of every mixture of modes seen, the current one's first."""
+        kept = [executors for executors, _, _ in self.by_modes.values()]
+        return [e for executors in (self.executors, *kept) for e in executors.values()]
 
     def info(self) -> dict[str, Any]:
         """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read

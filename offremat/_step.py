@@ -128,7 +128,7 @@ class _Step(Compute):
         self.on_host: dict[tuple[str, int], PlanTensor] = {}
         self.offloaded_by: dict[int, PlanTensor] = {}
         self.grads: dict[int, PlanTensor] = {}
-        # Per recomputed stage, the states of the generators its first forward drew from.
+        # Per recomputed stage, the generators' states its recomputations replay.
         self.rng: dict[int, RngState] = {}
         self.host_random = HostRandomReader()
         self.kept: dict[int, KeptGraph] = {}

@@ -161,10 +161,9 @@ class Compute:
         del result
         if first:
             self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
-            drawn = None if rng is None else rng.drawn(self.host_random)
-            if drawn is not None:
-                self.rng[i] = drawn
-            del rng, drawn
+            if rng is not None:
+                self.rng[i] = rng.for_replay(self.host_random)
+            del rng
         del inputs
         is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:

@@ -7,8 +7,8 @@ Design note: the returned :class:`OptimizedModule` *is* the model as far as ``nn
 tell. It shares the model's parameter, buffer and child dictionaries, so ``state_dict()`` has
 the model's keys (a checkpoint saved from either loads into the other), ``parameters()`` yields
 the same tensors, and ``to()``, ``train()`` and ``eval()`` act on the model itself. Only
-``forward`` differs, and only when a gradient is wanted: under ``eval()`` or ``no_grad`` it
-runs the model as it is.
+``forward`` differs, and only when a gradient is wanted: under ``no_grad`` it runs the model
+as it is (in eval mode too a step with gradients follows a plan).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from offremat._blocks import (
     refuse_replaced_blocks,
 )
 from offremat._call_checks import (
+    recorded_output_flags,
     refuse_autocast,
     refuse_compile,
     refuse_kv_cache,
@@ -76,12 +77,14 @@ class OptimizedModule(nn.Module):
         placed = model._modules.items() if run is None else [(c.path, c.module) for c in run.calls]
         object.__setattr__(self, "_places", block_places(model, list(placed)))
         object.__setattr__(self, "_plans", plans)
+        # The output_* flags that record every block's result (a walk of the model, once).
+        object.__setattr__(self, "_recorded_flags", recorded_output_flags(model))
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
 
     @property
     def model(self) -> nn.Module:
-        """The wrapped model, run as it is under ``eval()`` or ``no_grad``."""
+        """The wrapped model, run as it is under ``no_grad``."""
         return self._model
 
     @property
@@ -112,7 +115,7 @@ class OptimizedModule(nn.Module):
 
     def release_host_memory(self) -> None:
         """Give back the host buffers kept for offloads between steps."""
-        for executor in self._plans.executors.values():
+        for executor in self._plans.all_executors():
             executor.release_host_memory()
 
     @property  # type: ignore[override]
@@ -177,7 +180,7 @@ class OptimizedModule(nn.Module):
             if tensors:
                 check_device(list(self._model), tensors[0].device)
             return self._plans.executor(args[0])(args[0])
-        refuse_recorded_outputs(self._model, kwargs)
+        refuse_recorded_outputs(self._model, self._recorded_flags, kwargs)
         refuse_kv_cache(args, kwargs)
         refuse_replaced_blocks(self._model, self._places)
         executor = self._plans.executor(Call(args, kwargs))

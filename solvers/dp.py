@@ -328,36 +328,30 @@ def _table_plan(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -
 FINER_SLOTS = (10, 100)
 """How many times more slots the DP tries when rounding alone leaves it without a plan."""
 
-FINER_TABLE_BYTES = 2**30
+FINER_SECONDS = 0.5
+"""A finer DP runs where it takes at most this long, or twice the asked one's time."""
+
+FINER_TABLE_BYTES = 2**28
 """The most memory a finer DP's tables may take (a fallback should not cost more)."""
 
 
 def _near_least_memory(chain: Chain, budget_bytes: int, slots: int) -> Plan:
     """A plan for a budget between rotor's exact least memory, where some plan always fits,
-    and the least the DP at ``slots`` finds one at (sizes rounded up cost it those plans).
-
-    The DP with finer slots where it is quick; else the fastest that fits of the least-memory
-    plan and the DP's plans at their own (rounded-up) least budgets, whose true peaks can be
-    lower.
-    """
-    counts = [
-        slots * factor
-        for factor in FINER_SLOTS
-        if estimated_seconds(chain.length, slots * factor) <= WARN_SECONDS
-        and table_bytes(chain.length, slots * factor) <= FINER_TABLE_BYTES
-    ]
-    for count in counts:
+    and the least the DP at ``slots`` finds one at (sizes rounded up cost it those plans):
+    the DP with finer slots where that is quick, else the least-memory plan."""
+    quick = max(FINER_SECONDS, 2 * estimated_seconds(chain.length, slots))
+    for factor in FINER_SLOTS:
+        count = slots * factor
+        if (
+            estimated_seconds(chain.length, count) > quick
+            or table_bytes(chain.length, count) > FINER_TABLE_BYTES
+        ):
+            break
         plan = _table_plan(chain, budget_bytes, count, 0.0)
         if plan is not None:
             return plan
-    candidates = [least_memory_plan(chain)]
-    for count in (slots, *counts):
-        rounded = _table_plan(chain, _rounded_least_budget(chain, count), count, 0.0)
-        if rounded is not None:
-            candidates.append(rounded)
-    fitting = [plan for plan in candidates if simulate(plan, chain, budget_bytes).feasible]
-    best = min(fitting, key=lambda plan: simulate(plan, chain, budget_bytes).makespan_s)
-    return Plan(best.ops, chain.stage_names, "dp", info={"slots": slots, "near_least": True})
+    least = least_memory_plan(chain)
+    return Plan(least.ops, chain.stage_names, "dp", info={"slots": slots, "least_memory": True})
 
 
 def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[_Sizes, np.ndarray, np.ndarray]:
@@ -418,29 +412,6 @@ def min_feasible_budget(chain: Chain) -> int:
     """The least budget, in bytes, at which :func:`solve_dp` finds a plan: rotor's exact
     least memory (:func:`memory_need`), whatever its slots."""
     return memory_need(chain)
-
-
-def _rounded_least_budget(chain: Chain, slots: int) -> int:
-    """The least budget at which the DP's table with ``slots`` (sizes rounded up) fits a plan.
-
-    Plain autograd's peak always qualifies, so it bounds the search when rounding to few slots
-    keeps the table from fitting anything smaller.
-    """
-    ceiling = simulate(keep_all(chain), chain).peak_bytes
-
-    def fits(budget: int) -> bool:
-        return budget >= ceiling or memory_need(chain, budget / slots) <= slots
-
-    low, high = memory_need(chain) - 1, memory_need(chain)
-    while not fits(high):
-        low, high = high, min(ceiling, int(high * 1.05) + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle
-    return high
 
 
 def _single_stage_times(chain: Chain) -> list[float]:

@@ -122,7 +122,7 @@ def solve_milp(
         chain, budget_bytes, slots, offload, deadline, with_prefix=not long_chain
     )
     if not candidates:
-        candidates = tight_budget_candidates(chain, budget_bytes, slots, offload, backend, deadline)
+        candidates = tight_budget_candidates(chain, budget_bytes, offload, backend, deadline)
     # A bound valid for every plan: whole-tensor lower_bound_s. A plan meeting it ends the
     # search; in the model it tightens the relaxation.
     floor = whole_tensor_bound_s(

@@ -187,19 +187,12 @@ def first_in_family(
 
 
 def tight_budget_candidates(
-    chain: Chain, budget_bytes: int, slots: int, offload: bool, backend: str, deadline: float
+    chain: Chain, budget_bytes: int, offload: bool, backend: str, deadline: float
 ) -> list[tuple[str, Plan]]:
-    """A plan for a budget below what the DP finds at ``slots`` and the baselines need.
-
-    From rotor's exact least memory the DP finds one (with finer slots or the least-memory
-    plan where its rounding leaves none); below it only offloading can, and the least-memory
-    MILP says whether it does. Raises :class:`InfeasibleBudgetError`
-    when nothing fits.
-    """
-    recompute_least = memory_need(chain)
-    if budget_bytes >= recompute_least:
-        return [("dp", solve_dp(chain, budget_bytes, slots))]
-    least, schedule = recompute_least, None
+    """A plan for a budget below rotor's least memory, where the DP has none: only
+    offloading can fit there, and the least-memory MILP says whether it does. Raises
+    :class:`InfeasibleBudgetError` when nothing fits."""
+    least, schedule = memory_need(chain), None
     if offload:
         least, schedule = least_budget_with_offloading(
             chain, backend, deadline, wanted=budget_bytes

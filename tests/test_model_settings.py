@@ -87,3 +87,16 @@ def test_training_in_eval_mode_follows_a_plan_of_its_own() -> None:
         assert peak <= om.plan.budget_bytes, mode
     # Each mode keeps its plans: eval was planned once, train's plan came back.
     assert om.cache_info()["misses"] == 1
+
+
+def test_host_memory_of_every_mode_is_given_back() -> None:
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    om = offremat.optimize(model, BATCH, budget=0.5, solver="offload-all", bandwidth="10GB/s")
+    for mode in ("train", "eval"):
+        om.train(mode == "train")
+        step(om, model)
+    executors = om._plans.all_executors()
+    assert len(executors) == 2 and all(e.host_buffer_bytes > 0 for e in executors)
+    om.release_host_memory()
+    assert all(e.host_buffer_bytes == 0 for e in executors)

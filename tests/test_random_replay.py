@@ -211,3 +211,40 @@ def test_the_host_reader_reads_what_a_full_read_reads() -> None:
     for _ in range(300):
         rng.choice(draws)()
         assert same_host_state(reader.read(), host_random_state())
+
+
+class ForkedNoise(nn.Module):
+    """Draws noise inside torch.random.fork_rng: the global state is as it was after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        with torch.random.fork_rng(devices=[]):
+            noise = torch.randn_like(x)
+        return torch.tanh(self.linear(x) + noise)
+
+
+class Noise(nn.Module):
+    """Moves the global state between the blocks that fork it."""
+
+    def forward(self, x):
+        return x + torch.randn_like(x)
+
+
+def test_draws_inside_fork_rng_are_replayed_on_recomputation() -> None:
+    # The state looked unchanged after the first forward, so it was not replayed: the
+    # recomputation drew from another state (gradients differed, silently).
+    torch.manual_seed(0)
+    blocks = [ForkedNoise(), Noise(), ForkedNoise(), Noise(), ForkedNoise(), nn.Linear(WIDTH, 1)]
+    model = nn.Sequential(*blocks)
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget="1GiB", solver="checkpoint-every-stage")
+    torch.manual_seed(1)
+    om(x).pow(2).mean().backward()
+    torch.manual_seed(1)
+    reference(x).pow(2).mean().backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
