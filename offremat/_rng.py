@@ -132,7 +132,9 @@ class HostRandomReader:
     fingerprint: NumPy's legacy ``gauss`` handing out the normal deviate it keeps cached,
     which moves no Twister word, so while one is cached every read is full; so is every read
     when NumPy's global bit generator is not a Mersenne Twister. A reader serves one step:
-    between steps the caller may set any state, the cached normal included.
+    between steps the caller may set any state, the cached normal included. Within a step, a
+    block that sets NumPy's state back to one with a cached normal and the same Twister words
+    would go unseen; no block is known to.
     """
 
     def __init__(self) -> None:
