@@ -152,7 +152,9 @@ class ShapePlans:
         self.in_flight = StepsInFlight()
         self.module_state, self.modes = self._planned_state()
         # The plans of the other mixtures of training and eval modes seen (see executor).
-        self.by_modes: dict[tuple[bool, ...], Any] = {}
+        self.by_modes: dict[
+            tuple[bool, ...], tuple[dict[Signature, PlanExecutor], dict[Signature, Chain], set]
+        ] = {}
         self.disk_modes = self.modes  # the disk cache holds plans for these modes only
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
@@ -191,9 +193,8 @@ class ShapePlans:
         hooks (one that logs activations keeps them, which the profile measures) and the
         implementations its ``config`` picks (a Hugging Face model's attention
         implementation, which decides what attention saves); and each module's training
-        flag. Not buffers:
-        one may follow the input's shape (a mask cached for the last length), which each
-        shape's own plan covers."""
+        flag. Not buffers: one may follow the input's shape (a mask cached for the last
+        length), which each shape's own plan covers."""
         modules, modes = [], []
         configs: set[int] = set()
         for stage in self.stages:

@@ -408,12 +408,6 @@ def least_memory_plan(chain: Chain) -> Plan:
     return score(plan, chain, None)
 
 
-def min_feasible_budget(chain: Chain) -> int:
-    """The least budget, in bytes, at which :func:`solve_dp` finds a plan: rotor's exact
-    least memory (:func:`memory_need`), whatever its slots."""
-    return memory_need(chain)
-
-
 def _single_stage_times(chain: Chain) -> list[float]:
     """opt(t, t)'s time, F_all(t) then B(t), for t = 0..L.
 

@@ -21,7 +21,7 @@ from solvers.baselines import BASELINES, keep_all
 from solvers.bounds import lower_bound_s as lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.dp import min_feasible_budget as dp_min_feasible_budget
+from solvers.dp import memory_need
 from solvers.dtr import dtr_least_budget
 from solvers.plan import OFFLOAD, Plan
 from solvers.simulator import score, simulate
@@ -198,7 +198,7 @@ def _least_feasible(plan: Plan, chain: Chain, above: int = 0) -> int:
 def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     """The least budget at which ``solver`` finds a plan.
 
-    For dp this is :func:`solvers.dp.min_feasible_budget`, rotor's exact least memory; for a
+    For dp this is rotor's exact least memory, :func:`solvers.dp.memory_need`; for a
     baseline, the least budget at which its fixed plan fits; for dtr,
     :func:`solvers.dtr.dtr_least_budget`; for milp and checkmate (no offloading),
     :func:`solvers.milp.least_feasible_budget` (``offload``, ``time_limit_s`` and ``backend``
@@ -207,7 +207,7 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     if solver in BASELINES:
         return _least_feasible(BASELINES[solver](chain), chain)
     if solver == "dp":
-        return dp_min_feasible_budget(chain)
+        return memory_need(chain)
     if solver == "dtr":
         return dtr_least_budget(chain)
     if solver in ("milp", "checkmate"):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from solvers.baselines import keep_all as keep_all_plan
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Stage
-from solvers.dp import least_memory_plan, memory_need, min_feasible_budget, solve_dp
+from solvers.dp import least_memory_plan, memory_need, solve_dp
 from solvers.plan import validate
 from solvers.simulator import simulate
 
@@ -270,7 +270,7 @@ def test_infeasible_budget_names_the_least_feasible_one() -> None:
     need = memory_need(chain)
     with pytest.raises(InfeasibleBudgetError) as error:
         solve_dp(chain, need - 1, slots=need - 1)
-    assert error.value.min_budget_bytes == min_feasible_budget(chain) == need
+    assert error.value.min_budget_bytes == need
     assert str(error.value.min_budget_bytes) in str(error.value)
     # The named budget has a plan at every resolution: rounding sizes up to few slots leaves
     # the table without one there, and a finer DP or the least-memory plan answers.
@@ -313,7 +313,7 @@ def test_the_dp_has_a_plan_wherever_a_recomputing_baseline_fits(chain, slots, ab
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains, st.floats(1.0, 4.0))
 def test_simulated_peak_is_within_budget(chain: Chain, factor: float) -> None:
-    budget = int(min_feasible_budget(chain) * factor)
+    budget = int(memory_need(chain) * factor)
     plan = solve_dp(chain, budget, slots=50)
     result = simulate(plan, chain, budget)
     assert result.peak_bytes <= budget

@@ -22,7 +22,7 @@ from offremat.profiler import profile_model
 from solvers.baselines import checkpoint_every_stage, chen, keep_all, offload_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
-from solvers.dp import min_feasible_budget, solve_dp
+from solvers.dp import memory_need, solve_dp
 from solvers.host import COMPUTE, ISSUE, RELEASE
 from solvers.plan import (
     Plan,
@@ -216,7 +216,7 @@ def plans_for(chain: Chain) -> list[Plan]:
     peak = keep_all_peak(chain)
     for maker in (keep_all, chen, checkpoint_every_stage, offload_all):
         plans.append(score(maker(chain), chain, peak))
-    least = min_feasible_budget(chain)
+    least = memory_need(chain)
     for fraction in (0.0, 0.35, 0.7):
         budget = int(least + fraction * (peak - least))
         try:
@@ -285,7 +285,7 @@ def test_milp_plans_match_plain_autograd(seed: int) -> None:
     reference_model = copy.deepcopy(model)
     reference = run_step(reference_model, reference_model, x, target, seed)
     peak = keep_all_peak(chain)
-    least = min_feasible_budget(chain)
+    least = memory_need(chain)
     # A fast link offloads everything; a slow one mixes offloads (checkpoints too), frees and
     # recomputation.
     decisions = set()
@@ -312,7 +312,7 @@ def wide_mlp(width: int, depth: int) -> nn.Sequential:
 
 def recompute_plans(model: nn.Sequential, x: torch.Tensor) -> tuple[Chain, list[Plan]]:
     chain = profile_model(model, x, warmup=0, repeats=1)
-    least = min_feasible_budget(chain)
+    least = memory_need(chain)
     peak = keep_all_peak(chain)
     plans = [score(keep_all(chain), chain, peak), score(chen(chain), chain, peak)]
     plans += [score(checkpoint_every_stage(chain), chain, peak)]

@@ -14,7 +14,7 @@ from torch import nn
 import offremat
 from offremat.models import GPTConfig, build_gpt, gpt_batch
 from solvers.budget import InfeasibleBudgetError, parse_budget
-from solvers.dp import min_feasible_budget
+from solvers.dp import memory_need
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak
 
@@ -205,7 +205,7 @@ def test_milp_with_a_fast_link_trains_like_plain_autograd() -> None:
     model = mlp()
     x = batch()[0]
     chain = quick_chain(model, x, bandwidth=1e9)
-    budget = (min_feasible_budget(chain) + keep_all_peak(chain)) // 2
+    budget = (memory_need(chain) + keep_all_peak(chain)) // 2
     om = offremat.optimize(
         model, x, budget=budget, solver="milp", chain=chain, time_limit_s=10.0, measure_memory=True
     )
