@@ -3,23 +3,34 @@
 Mimose (Liao et al. 2022) predicts each layer's memory from the input size with a small
 regression, fitted online from the sizes already seen. Here every per-stage figure of the
 cost model (times, and the bytes of outputs, saved sets, gradients and temporaries) and the
-chain-wide ones are fitted as a polynomial in one size ``n`` (a batch size or a sequence
-length): activation bytes are such a polynomial of degree at most two (linear layers scale
-with n, attention scores with n²), and times nearly so, ``c + a·n + b·n²`` with fixed
-per-operation costs ``c``, linear work ``a·n`` and quadratic work ``b·n²``, none negative.
+chain-wide ones are predicted from their values at other values of one size ``n`` (a batch
+size or a sequence length). Activation bytes are most often a polynomial of degree at most two
+(linear layers scale with n, attention scores with n²), but not always, and times nearly so,
+``c + a·n + b·n²`` with fixed per-operation costs ``c``, linear work ``a·n`` and quadratic
+work ``b·n²``, none negative.
 
-From two profiled sizes, used only between them, bytes are a line: exact for a figure linear
-in n, and for a convex quadratic the chord lies above the curve there, so bytes are never
-underestimated. Two points leave one of a time's three coefficients free, and the chord
-over-estimates by ``b·(n - n1)(n2 - n)`` (4-11% at length 192 from 64 and 256 on the
-in-repo GPT), so a time is the lower of two fits that each bound it from above there: the
-chord (``b ≥ 0``) and ``a·n + b·n²`` through the origin (``c ≥ 0``, over by
-``c·(n - n1)(n2 - n) / (n1·n2)``). The lower is at most :data:`TIME_ERROR` above the truth
-for every such time, or the shape is profiled instead: sizes far apart, where the curvature
-can hide. From three sizes or more it is a quadratic, used between them and up to
-:data:`REACH` of their span beyond them on either side: its constant term is the fixed
-per-operation cost that dominates small sizes, and three exact points of a quadratic fix it
-everywhere. Anything else is left to a real profile.
+Bytes are held to a stricter rule than times: a time predicted too low makes a plan slower
+than predicted, a byte figure predicted too low breaks the budget. Between two profiled sizes
+a byte figure is the chord of its two nearest profiled values: exact for a figure linear in
+n, and above the curve for any convex one (a polynomial of any degree with no negative
+coefficient: attention scores grow as n², triangle attention's as n³), so bytes are never
+underestimated there. A quadratic fit is exact for bytes only when they are a quadratic, which
+three sizes cannot tell from a cubic (through three points of n³ a quadratic comes out 24%
+low between them), so the quadratic is used for bytes only where four sizes or more show it:
+its fit reproduces every profiled figure. Outside the profiled sizes no chord bounds a
+figure, and a shape there is predicted only on that evidence.
+
+Times: from two profiled sizes, used only between them, the chord over-estimates
+``c + a·n + b·n²`` by ``b·(n - n1)(n2 - n)`` (4-11% at length 192 from 64 and 256 on the
+in-repo GPT), and two points leave one of its three coefficients free, so a time is the lower
+of two fits that each bound it from above there: the chord (``b ≥ 0``) and ``a·n + b·n²``
+through the origin (``c ≥ 0``, over by ``c·(n - n1)(n2 - n) / (n1·n2)``). The lower is at
+most :data:`TIME_ERROR` above the truth for every such time, or the shape is profiled
+instead: sizes far apart, where the curvature can hide. From three sizes or more a time is a
+quadratic, used between them and up to :data:`REACH` of their span beyond them on either side
+(where the bytes allow it): its constant term is the fixed per-operation cost that dominates
+small sizes, and three exact points of a quadratic fix it everywhere. Anything else is left to
+a real profile.
 """
 
 from __future__ import annotations
@@ -35,9 +46,14 @@ from solvers.chain import STAGE_BYTE_FIELDS, Chain, Stage
 MIN_POINTS = 2
 """Profiled sizes needed before predicting between them: two points determine a line."""
 
+QUADRATIC_EVIDENCE = 4
+"""Profiled sizes needed before byte figures are taken for quadratics: one more than a
+quadratic's coefficients, so that the fit can be wrong."""
+
 REACH = 0.25
 """How far beyond the profiled sizes, below the smallest or above the largest, a quadratic fit
-(three sizes or more) predicts, as a fraction of their span: a quadratic through three exact
+(of times, and of bytes that :data:`QUADRATIC_EVIDENCE` sizes show quadratics) predicts, as a
+fraction of their span: a quadratic through three exact
 points of a quadratic is exact everywhere, but a figure that changes regime (another kernel
 chosen above or below some size) is not one, so the prediction stays near what was
 measured."""
@@ -57,9 +73,10 @@ _CHAIN_BYTES = ("input_bytes", "input_grad_bytes", "held_bytes")
 def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain | None:
     """The chain at ``size`` fitted from ``(size, chain)`` pairs, or None when unsure.
 
-    Unsure: fewer than :data:`MIN_POINTS` distinct sizes, ``size`` outside them (two sizes)
-    or more than :data:`REACH` of their span beyond them (three or more), two
-    sizes too far apart for :data:`TIME_ERROR` at ``size``, or chains whose stages differ.
+    Unsure: fewer than :data:`MIN_POINTS` distinct sizes; ``size`` outside them, unless
+    :data:`QUADRATIC_EVIDENCE` sizes show the bytes quadratics, and then more than :data:`REACH`
+    of their span beyond them; two sizes too far apart for :data:`TIME_ERROR` at ``size``; or
+    chains whose stages differ.
     """
     sizes = sorted({float(n) for n, _ in profiled})
     if len(sizes) < MIN_POINTS:
@@ -89,8 +106,13 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
         for chain in chains
     ]
     measured = np.array(columns, dtype=float)
-    byte_values = _fit(xs, measured, size, range(min(3, len(sizes))))
-    if not _not_below_neighbours(xs, measured, size, byte_values):
+    if _quadratic(xs, measured):
+        byte_values = _fit(xs, measured, size, range(3))
+        if not _not_below_neighbours(xs, measured, size, byte_values):
+            return None
+    elif sizes[0] <= size <= sizes[-1]:
+        byte_values = _chord(xs, measured, size)
+    else:
         return None
     stages = []
     for k, name in enumerate(names):
@@ -124,6 +146,30 @@ def _fit(xs: np.ndarray, values: np.ndarray, size: float, powers: Sequence[int])
     basis = np.stack([(xs / scale) ** p for p in powers], axis=1)
     coefficients = np.linalg.lstsq(basis, values, rcond=None)[0]
     return np.array([(size / scale) ** p for p in powers]) @ coefficients
+
+
+def _quadratic(xs: np.ndarray, measured: np.ndarray) -> bool:
+    """Whether :data:`QUADRATIC_EVIDENCE` sizes or more show every byte figure a quadratic in
+    the size: the least-squares quadratic through them gives back each profiled value (to a
+    byte, or a millionth of the figure's largest value)."""
+    if len(set(xs.tolist())) < QUADRATIC_EVIDENCE:
+        return False
+    fitted = np.stack([_fit(xs, measured, float(x), range(3)) for x in xs])
+    tolerance = 1.0 + 1e-6 * np.abs(measured).max(axis=0)
+    return bool(np.all(np.abs(fitted - measured) <= tolerance))
+
+
+def _chord(xs: np.ndarray, measured: np.ndarray, size: float) -> np.ndarray:
+    """Each column of ``measured`` on the line between its values at the profiled sizes
+    nearest ``size`` on either side (the larger value where a size was profiled twice)."""
+    sizes = np.unique(xs)
+    highest = np.stack([measured[xs == x].max(axis=0) for x in sizes])
+    upper = min(int(np.searchsorted(sizes, size)), len(sizes) - 1)
+    lower = max(upper - 1, 0)
+    if sizes[upper] == size or upper == lower:
+        return highest[upper]
+    weight = (size - sizes[lower]) / (sizes[upper] - sizes[lower])
+    return (1 - weight) * highest[lower] + weight * highest[upper]
 
 
 def _not_below_neighbours(

@@ -259,21 +259,78 @@ def test_a_shape_is_predicted_along_one_dimension_of_each_tensor_only() -> None:
     assert _varying(tokens(32), tokens(48)) is not None  # ids and mask: one size
 
 
-def test_a_fit_that_dips_below_a_smaller_size_s_bytes_is_not_used() -> None:
-    # Bytes growing as n**4, profiled at 16, 32 and 64: the quadratic through them dips below
-    # the bytes at 16 around 24, where it would plan for a fraction of the real size.
+def _growing(power: int, sizes: tuple[int, ...]) -> list[tuple[int, Chain]]:
+    """Profiled chains of one stage whose saved bytes grow as ``size ** power``."""
+    chains = []
+    for n in sizes:
+        stage = Stage("s", 1e-3, 2e-3, out_bytes=n, saved_bytes=2 * n**power)
+        chains.append((n, Chain("c", 1000, (stage,))))
+    return chains
+
+
+@pytest.mark.parametrize(
+    ("power", "sizes", "unseen"),
+    [
+        (3, (8, 16, 32), 11),  # triangle attention: a quadratic through these is 24% low at 11
+        (3, (8, 16, 24, 32), 11),
+        (4, (16, 32, 64), 24),  # the quadratic through these dips below the bytes at 16
+        (2, (16, 32, 64), 24),
+    ],
+)
+def test_predicted_bytes_between_profiled_sizes_are_never_below_the_truth(
+    power: int, sizes: tuple[int, ...], unseen: int
+) -> None:
     from solvers.predict import predict_chain
 
-    def chain(n: int) -> Chain:
-        stage = Stage("s", 1e-3, 2e-3, out_bytes=n**4, saved_bytes=2 * n**4)
-        return Chain("c", 1000, (stage,))
+    predicted = predict_chain(_growing(power, sizes), unseen)
+    assert predicted is not None
+    assert predicted.stages[0].saved_bytes >= 2 * unseen**power
+    assert predicted.stages[0].out_bytes == unseen  # linear: the chord is exact
 
-    profiled = [(n, chain(n)) for n in (16, 32, 64)]
-    assert predict_chain(profiled, 24) is None
-    quadratic = [
-        (n, Chain("c", 1000, (Stage("s", 1e-3, 2e-3, n * n, 2 * n * n),))) for n in (16, 32, 64)
-    ]
-    assert predict_chain(quadratic, 24).stages[0].saved_bytes == 2 * 24 * 24
+
+def test_bytes_are_taken_for_a_quadratic_only_where_four_sizes_show_one() -> None:
+    from solvers.predict import predict_chain
+
+    three, four = _growing(2, (16, 32, 64)), _growing(2, (16, 32, 48, 64))
+    assert predict_chain(three, 24).stages[0].saved_bytes > 2 * 24 * 24  # the chord, above
+    assert predict_chain(four, 24).stages[0].saved_bytes == 2 * 24 * 24  # exact
+    # Beyond the profiled sizes no chord bounds the bytes: predicted from a shown quadratic only.
+    assert predict_chain(three, 70) is None
+    assert predict_chain(four, 70).stages[0].saved_bytes == 2 * 70 * 70
+    assert predict_chain(_growing(3, (16, 32, 48, 64)), 70) is None
+
+
+class TriangleAttention(nn.Module):
+    """Saves a [batch, n, n, n] softmax, as the triangle attention of AlphaFold's Evoformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.query(x)[..., 0]
+        logits = q[:, :, None, None] * q[:, None, :, None] + q[:, None, None, :]
+        weights = logits.softmax(-1).mean(-1).mean(-1)
+        return x + self.out(x * weights[..., None])
+
+
+def test_a_length_predicted_for_bytes_growing_as_its_cube_stays_within_the_budget() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TriangleAttention() for _ in range(10)])
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(2, n, 4, generator=generator), torch.randn(2, n, 4, generator=generator)
+
+    # 0.86 of keep-all's peak at length 11. Length 32 does not fit, but is profiled.
+    om = offremat.optimize(model, batch(16)[0], budget=120_000)
+    with pytest.raises(offremat.InfeasibleBudgetError):
+        om(batch(32)[0])
+    for n in (8, 11):
+        check_step(om, model, reference, *batch(n))
+    # A quadratic through 8, 16 and 32 comes out 24% low at 11, and planned over the budget.
+    assert om.chain.metadata.get("predicted_from") == [8.0, 16.0, 32.0]
 
 
 def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
@@ -285,9 +342,9 @@ def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
     sources = {}
     # 240 lies between two profiled sizes, near one: predicted. 128 lies too far from both
     # (a time could be 25% off): profiled. 192 lies between three: predicted. 32 lies below
-    # them by less than a quarter of their span: predicted. 8 lies too far below: profiled.
-    # 288 lies beyond them by less than a quarter of their span: predicted. 320 lies too far
-    # above: profiled.
+    # them, where three sizes do not bound the bytes: profiled. Four sizes show the bytes
+    # linear (a quadratic), so 8, below them by less than a quarter of their span, and 288,
+    # above them by as little, are predicted. 320 lies too far above: profiled.
     for rows in (256, 240, 128, 192, 32, 8, 288, 320):
         x = torch.randn(rows, 64, generator=generator)
         check_step(om, model, reference, x, torch.randn(rows, 64, generator=generator))
@@ -297,9 +354,9 @@ def test_a_shape_near_profiled_ones_is_planned_on_a_predicted_chain() -> None:
         240: [64.0, 256.0],
         128: None,
         192: [64.0, 128.0, 256.0],
-        32: [64.0, 128.0, 256.0],
-        8: None,
-        288: [8.0, 64.0, 128.0, 256.0],
+        32: None,
+        8: [32.0, 64.0, 128.0, 256.0],
+        288: [32.0, 64.0, 128.0, 256.0],
         320: None,
     }
     assert om.cache_info()["predicted"] == 4
@@ -354,11 +411,11 @@ def _profiles(model_name: str, sizes: tuple[int, ...]) -> dict[int, Chain]:
     ("model_name", "sizes", "unseen"),
     [
         ("gpt", (96, 256), 128),  # between two: the lower of two upper bounds
-        ("gpt", (64, 128, 256), 96),  # between three: a quadratic
-        ("gpt", (64, 128, 256), 32),  # below three
+        ("gpt", (64, 128, 256), 96),  # between three: times a quadratic, bytes a chord
+        ("gpt", (64, 96, 128, 256), 32),  # below four
         ("resnet", (16, 32), 24),
-        ("resnet", (8, 16, 24), 28),  # above three
-        ("resnet", (16, 24, 32), 12),  # below three
+        ("resnet", (8, 12, 16, 24), 28),  # above four
+        ("resnet", (16, 20, 24, 32), 12),  # below four
     ],
 )
 def test_predicted_costs_match_a_real_profile_of_the_same_shape(model_name, sizes, unseen):
@@ -422,15 +479,16 @@ def test_between_two_sizes_a_time_is_bounded_from_above_and_far_sizes_are_profil
 def test_the_predictor_declines_shapes_far_from_profiled_ones() -> None:
     from solvers.predict import predict_chain
 
-    chains = _profiles("resnet", (8, 16, 32))
+    chains = _profiles("resnet", (8, 16, 24, 32))
     two = [(8, chains[8]), (32, chains[32])]
-    three = list(chains.items())
+    four = list(chains.items())
     assert predict_chain(two[:1], 16) is None  # one size: nothing to fit
     assert predict_chain(two, 4) is None and predict_chain(two, 36) is None  # outside two
-    assert predict_chain(three, 1) is None  # below reach
-    assert predict_chain(three, 2) is not None
-    assert predict_chain(three, 39) is None  # above reach
-    assert predict_chain(three, 38) is not None
+    assert predict_chain(four[1:], 38) is None  # above three: their bytes not shown quadratic
+    assert predict_chain(four, 1) is None  # below reach
+    assert predict_chain(four, 2) is not None
+    assert predict_chain(four, 39) is None  # above reach
+    assert predict_chain(four, 38) is not None
 
 
 def test_with_the_milp_a_new_shape_runs_on_the_dps_plan_then_on_the_milps(tmp_path) -> None:
