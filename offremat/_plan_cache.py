@@ -1,9 +1,10 @@
 """Plans kept on disk between runs, keyed by everything a plan depends on.
 
 A file holds one chain and its plan, under a key made of the model's structure (module types,
-the code of their ``forward`` methods, parameter and buffer shapes, dtypes and
-``requires_grad``), the device, the budget as given, the solver and its
-options, the example batch's signature and the signature of the input shape planned. A file
+the code of their ``forward`` methods and of the functions those reach, parameter and buffer
+shapes, dtypes and ``requires_grad``), the versions of torch and of offremat's own code, the
+device, the budget as given, the solver and its options, the example batch's signature and
+the signature of the input shape planned. A file
 that cannot be read, is truncated, has another format or another key, or holds a plan that
 does not validate against its chain or does not fit its budget there is logged and ignored:
 never fatal, never trusted. Files are written to a temporary name in the same folder and
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import importlib
 import inspect
 import json
 import logging
@@ -33,17 +36,18 @@ from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
-# 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it
-FORMAT = "offremat.plan-cache/3"
+# 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it;
+# 4: the code forward reaches and the library's versions in it
+FORMAT = "offremat.plan-cache/4"
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A digest of the model's structure: module types, settings and ``forward`` code by path,
-    tensors' shapes and dtypes. Settings are the modules' plain attributes (a dropout's ``p``, a
-    count of attention heads, a Hugging Face config) and, with the code (an edited block), they
-    change what a forward saves. Functions the ``forward`` calls are not followed."""
+    """A digest of the model's structure: module types, settings and code by path, tensors'
+    shapes and dtypes. Settings are the modules' plain attributes (a dropout's ``p``, a count
+    of attention heads, a Hugging Face config) and, with the code (an edited block, another
+    activation function), they change what a forward saves."""
     parts = [
-        f"{path}:{type(module).__qualname__}:{_settings(module)}:{_code(type(module).forward)}"
+        f"{path}:{type(module).__qualname__}:{_settings(module)}:{_reached_code(module)}"
         for path, module in model.named_modules()
     ]
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
@@ -52,6 +56,105 @@ def model_fingerprint(model: nn.Module) -> str:
             for name, tensor in tensors
         )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def library_versions() -> str:
+    """Torch's version and a digest of offremat's own source: a plan profiled and solved by
+    other code is not trusted."""
+    return f"torch {torch.__version__}, offremat {_source_digest()}"
+
+
+@functools.cache
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for package in ("offremat", "solvers"):
+        root = Path(importlib.import_module(package).__file__ or "").parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _reached_code(module: nn.Module) -> str:
+    """The module's ``forward`` and the functions it reaches by name, each named with its code.
+
+    From ``forward``, a name its code uses is followed where it is a function: an attribute of
+    the module (``self.act = F.silu``), a method of its class, or a global of the function's
+    own module. Only functions from the package that defines the module's class are followed
+    further (its helpers); others (torch's) are named, with their code, and not entered.
+    """
+    home = _package(type(module))
+    parts = []
+    pending: list[Any] = [type(module).forward]
+    seen: set[int] = set()
+    while pending:
+        function = _unwrapped(pending.pop())
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        parts.append(_named(function))
+        code = getattr(function, "__code__", None)
+        if code is None or _package(function) != home:
+            continue
+        found = []
+        for name in sorted(_names(code)):
+            for value in (
+                vars(module).get(name),
+                inspect.getattr_static(type(module), name, None),
+                getattr(function, "__globals__", {}).get(name),
+            ):
+                if _function_like(value):
+                    found.append(value)
+        pending.extend(reversed(found))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _unwrapped(function: Any) -> Any:
+    """The function behind a decorator, a bound method, a static or class method."""
+    while True:
+        if isinstance(function, (staticmethod, classmethod, types.MethodType)):
+            function = function.__func__
+            continue
+        with contextlib.suppress(ValueError):  # a cycle of __wrapped__
+            unwrapped = inspect.unwrap(function)
+            if unwrapped is not function:
+                function = unwrapped
+                continue
+        return function
+
+
+def _named(function: Any) -> str:
+    """A function's module, name and code (a partial's function and plain arguments)."""
+    if isinstance(function, functools.partial):
+        arguments = [_plain_or_type(a) for a in function.args]
+        keywords = sorted((k, _plain_or_type(v)) for k, v in function.keywords.items())
+        return f"partial({_named(_unwrapped(function.func))}, {arguments!r}, {keywords!r})"
+    name = getattr(function, "__qualname__", type(function).__qualname__)
+    return f"{getattr(function, '__module__', None)}.{name}:{_code(function)}"
+
+
+def _function_like(value: Any) -> bool:
+    if value is None or isinstance(value, (type, nn.Module)):
+        return False
+    return callable(value) or isinstance(value, (staticmethod, classmethod))
+
+
+def _plain_or_type(value: Any) -> Any:
+    return value if _is_simple(value) else type(value).__qualname__
+
+
+def _package(value: Any) -> str | None:
+    module = getattr(value, "__module__", None)
+    return module.split(".")[0] if isinstance(module, str) else None
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a code object and the code nested in it use."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names(constant)
+    return names
 
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype, torch.device)

@@ -4,6 +4,7 @@ rules by which each new input shape gets one (:mod:`offremat._shapes`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -121,8 +122,8 @@ def same_stages(first: Chain, chain: Chain) -> Chain:
 def _solver_for(plan: Plan, solver: str, solver_options: dict[str, Any]) -> Callable[[Chain], Plan]:
     """How a new input shape gets its plan: solved at the first plan's budget, in bytes."""
     if plan.budget_bytes is None:
-        return lambda chain: score(plan, chain, None)
-    return lambda chain: solve(chain, plan.budget_bytes, solver, **solver_options)
+        return functools.partial(_scored, plan)
+    return functools.partial(_solved, plan.budget_bytes, solver, solver_options)
 
 
 def _quick_for(
@@ -132,9 +133,17 @@ def _quick_for(
     ``slots``) and the MILP's replaces it at the next one; other solvers are quick already."""
     if solver != "milp" or plan.budget_bytes is None:
         return None
-    budget = plan.budget_bytes
-    slots = solver_options.get("slots")
-    return lambda chain: solve(chain, budget, "dp", slots=slots)
+    options = {"slots": solver_options.get("slots")}
+    return functools.partial(_solved, plan.budget_bytes, "dp", options)
+
+
+# Module-level functions rather than closures, so that an optimized model pickles.
+def _scored(plan: Plan, chain: Chain) -> Plan:
+    return score(plan, chain, None)
+
+
+def _solved(budget: int, solver: str, options: dict[str, Any], chain: Chain) -> Plan:
+    return solve(chain, budget, solver, **options)
 
 
 def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:

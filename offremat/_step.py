@@ -72,6 +72,14 @@ class StepsInFlight:
             )
         self.steps.add(step)
 
+    def __getstate__(self) -> dict[str, bool]:
+        # A copy (pickle, deepcopy) has no step in flight: those belong to this process.
+        return {"warned": self.warned}
+
+    def __setstate__(self, state: dict[str, bool]) -> None:
+        self.steps = weakref.WeakSet()
+        self.warned = state["warned"]
+
 
 class _Step(Compute):
     """The state of one training step, from the forward to the end of the backward."""

@@ -47,7 +47,7 @@ from offremat._model_chain import (
     model_chain_stages,
     profile_model_chain,
 )
-from offremat._plan_cache import PlanCache, model_fingerprint
+from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import QUICK, Request, in_training_mode, link_of, same_stages
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans, input_signature
@@ -320,7 +320,10 @@ def _disk(
     modules_of = model if isinstance(model, nn.Module) else nn.ModuleList(model)
     # A dropout switched off or a frozen batch norm changes what the stages save.
     modes = "".join("1" if module.training else "0" for module in modules_of.modules())
-    return PlanCache(cache_dir, {"model": model_fingerprint(modules_of), "modes": modes, **key})
+    fingerprint = model_fingerprint(modules_of)
+    return PlanCache(
+        cache_dir, {"model": fingerprint, "modes": modes, "library": library_versions(), **key}
+    )
 
 
 def _refuse_lazy(model: nn.Module | Sequence[nn.Module]) -> None:
@@ -358,17 +361,34 @@ def _optimize(
     check_model_chain_output(model, call, found, modules)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
-    def profile_shape(new: Call) -> Chain:
-        again = found.on(model, new)
-        return same_stages(
-            chain,
-            profile_model_chain(
-                model, new, again, bandwidth=link_of(chain), blocks=stage_blocks, **QUICK
-            ),
-        )
-
+    profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)
     plans = request.plans(modules, call, chain, plan, profile_shape)
     return OptimizedModule(model, plans, run=found.run)
+
+
+# Module-level functions rather than closures, so that an optimized model pickles.
+def _profile_model_shape(
+    model: nn.Module,
+    found: ModelChain,
+    chain: Chain,
+    stage_blocks: list[tuple[str, nn.Module]],
+    new: Call,
+) -> Chain:
+    """A new input shape's chain, profiled quickly over the stages of the first."""
+    again = found.on(model, new)
+    return same_stages(
+        chain,
+        profile_model_chain(
+            model, new, again, bandwidth=link_of(chain), blocks=stage_blocks, **QUICK
+        ),
+    )
+
+
+def _profile_sequential_shape(
+    chain: Chain, stage_blocks: list[tuple[str, nn.Module]], value: Any
+) -> Chain:
+    """A new input shape's chain, profiled quickly over the stages of the first."""
+    return same_stages(chain, profile_model(stage_blocks, value, bandwidth=link_of(chain), **QUICK))
 
 
 def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
@@ -411,11 +431,7 @@ def _optimize_sequential(
     )
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
-    def profile_shape(value: Any) -> Chain:
-        return same_stages(
-            chain, profile_model(stage_blocks, value, bandwidth=link_of(chain), **QUICK)
-        )
-
+    profile_shape = functools.partial(_profile_sequential_shape, chain, stage_blocks)
     return OptimizedModule(
         sequential, request.plans(modules, example_input, chain, plan, profile_shape)
     )

@@ -5,9 +5,11 @@ gradients, BatchNorm statistics, bit for bit) and the independent memory tracker
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 import offremat
@@ -464,3 +466,38 @@ def test_calls_that_vary_inside_the_blocks_and_a_users_output_flag_are_no_refusa
     reference(**batch).pow(2).mean().backward()
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert (ours.grad is None and theirs.grad is None) or torch.equal(ours.grad, theirs.grad)
+
+
+def _loss(model: nn.Module, inputs: dict[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    if isinstance(inputs, dict):
+        return model(**inputs).loss
+    return model(inputs).square().mean()
+
+
+@pytest.mark.parametrize("kind", ["sequential", "own model", "hugging face"])
+def test_an_optimized_model_pickles_and_trains_like_plain_autograd_after_loading(kind) -> None:
+    torch.manual_seed(0)
+    if kind == "hugging face":
+        model, example = zoo.gpt2().train(), LM_BATCH
+        ids = IDS[:, :48]
+        other = {"input_ids": ids, "labels": ids}
+    elif kind == "own model":
+        model, example, other = zoo.ResidualNet().train(), FEATURES, FEATURES[:, :8]
+    else:
+        model = nn.Sequential(*[zoo.Residual(16) for _ in range(6)])
+        example, other = FEATURES, FEATURES[:, :8]
+    om = offremat.optimize(model, example, budget=0.5)
+    _loss(om, example).backward()
+    buffer = io.BytesIO()
+    torch.save(om, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    reference = copy.deepcopy(loaded.model)
+    for inputs in (example, other, example):  # the plan made before saving, and a new shape's
+        for network in (loaded, reference):
+            network.zero_grad(set_to_none=False)
+            torch.manual_seed(1)
+            _loss(network, inputs).backward()
+        for p, q in zip(loaded.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    assert loaded.cache_info()["plans"] == 2

@@ -220,6 +220,69 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
     assert len(digests) == 1
 
 
+def _helper(h: torch.Tensor) -> torch.Tensor:
+    return torch.relu(h)
+
+
+def _edited_helper(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * torch.sigmoid(h)
+
+
+class ActivationBlock(nn.Module):
+    """Calls its activation through an attribute, as ``nn.TransformerEncoderLayer`` does."""
+
+    def __init__(self, activation) -> None:
+        super().__init__()
+        self.up, self.down, self.activation = nn.Linear(64, 256), nn.Linear(256, 64), activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.activation(self.up(x)))
+
+
+class HelperBlock(ReluBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._inner(x)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return _helper(self.linear(x))
+
+
+def _slower_silu(x: torch.Tensor) -> torch.Tensor:  # saves three times what F.silu does
+    return x * torch.sigmoid(x) * torch.tanh(torch.exp(-x * x) + 1)
+
+
+def test_a_cached_plan_is_not_read_after_a_function_the_forward_reaches_changed(
+    tmp_path, monkeypatch
+) -> None:
+    from offremat import _plan_cache
+    from offremat._plan_cache import model_fingerprint
+
+    before = model_fingerprint(HelperBlock())
+    monkeypatch.setitem(globals(), "_helper", _edited_helper)  # as if the file had been edited
+    assert model_fingerprint(HelperBlock()) != before
+    monkeypatch.setitem(globals(), "_helper", globals()["_helper"])
+    x = torch.randn(256, 64)
+
+    def build(activation) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[ActivationBlock(activation) for _ in range(6)])
+
+    # With F.silu the plan fits 2 MB; with _slower_silu no plan does.
+    offremat.optimize(build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path)
+    with pytest.raises(offremat.InfeasibleBudgetError):
+        offremat.optimize(build(_slower_silu), x, budget=2_000_000, cache_dir=tmp_path)
+    # Another version of offremat's code (or of torch) does not read the plans either.
+    again = offremat.optimize(
+        build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path
+    )
+    assert again.cache_info()["from_disk"] == 1
+    monkeypatch.setattr(_plan_cache, "_source_digest", lambda: "another version")
+    other = offremat.optimize(
+        build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path
+    )
+    assert other.cache_info()["from_disk"] == 0
+
+
 class CachedMask(nn.Module):
     """Keeps a buffer shaped by the last input: a mask cached for the last sequence length."""
 
