@@ -44,6 +44,7 @@ from solvers.bounds import (
 )
 from solvers.chain import Chain
 from solvers.frozen import trained_part
+from solvers.milp_model import time_unit
 from solvers.milp_search import native_stdout_silenced
 
 
@@ -65,7 +66,7 @@ def whole_tensor_bound_s(
     if not excess:
         return fractional
     earlier = list(enumerate(chain.stages[:-1]))
-    scale = chain.compute_time_s or 1.0  # times in units of Σf + Σb, for the solver
+    scale = time_unit(chain, offload)
     problem = pulp.LpProblem("whole_tensor_bound", pulp.LpMinimize)
     recompute = [problem.add_variable(f"r{i}", cat=pulp.LpBinary) for i, _ in earlier]
     moved = [problem.add_variable(f"o{i}", cat=pulp.LpBinary) for i, _ in earlier]

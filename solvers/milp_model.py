@@ -38,10 +38,26 @@ class ModelSize:
     nonzeros: int
 
 
+def time_unit(chain: Chain, offload: bool) -> float:
+    """The MILPs' unit of time: Σf + Σb, unless copying the largest saved set one way takes
+    more than :data:`MOST_UNITS` of those (a chain whose compute takes next to no time would
+    put copy times of 10²⁰ units before HiGHS, which takes them for infinite)."""
+    unit = chain.compute_time_s
+    if offload and chain.link is not None:
+        largest = max(s.saved_bytes for s in chain.stages)
+        slower = min(chain.link.d2h_bytes_per_s, chain.link.h2d_bytes_per_s)
+        unit = max(unit, largest / slower / MOST_UNITS)
+    return unit if unit > 0 else 1.0
+
+
+MOST_UNITS = 1e6
+"""The most units of time one copy may take in the MILPs (see :func:`time_unit`)."""
+
+
 class JointModel(Constraints):
     """The MILP for one chain and budget, built with PuLP; see ``docs/milp.md``.
 
-    Memory is counted in units of the largest saved set and time in units of Σf + Σb, which
+    Memory is counted in units of the largest saved set and time in :func:`time_unit`, which
     keeps the coefficients near 1 for the solver. With ``budget_bytes=None`` the budget is a
     variable and the objective is the least peak (used to find the least feasible budget).
     ``time_cap_s`` bounds the makespan (a cut-off, and the big-M of the timing constraints).
@@ -60,7 +76,7 @@ class JointModel(Constraints):
         self.length = length = chain.length
         self.problem = pulp.LpProblem("offremat_joint", pulp.LpMinimize)
         self.memory_unit = float(max(max(s.saved_bytes for s in chain.stages), 1))
-        self.time_unit = chain.compute_time_s if chain.compute_time_s > 0 else 1.0
+        self.time_unit = time_unit(chain, offload)
         self._structural: list[pulp.LpVariable] = []
         self._all_binaries: list[pulp.LpVariable] = []
         self._places: dict[str, tuple[int, int | None]] = {}

@@ -386,3 +386,18 @@ def test_the_least_budget_with_offloading_is_the_found_plan_s_simulated_peak():
     assert plan.feasible and plan.predicted_peak_bytes <= least
     with pytest.raises(InfeasibleBudgetError):
         solve(chain, least - 1, "milp", time_limit_s=5)
+
+
+@pytest.mark.parametrize("seconds", [1e-30, 1e-300])
+def test_a_chain_computing_in_next_to_no_time_still_gets_a_plan(seconds: float) -> None:
+    # Copies would take 10²⁰ units of Σf + Σb, which HiGHS takes for infinite.
+    stages = tuple(
+        Stage(f"s{i}", fwd_s=seconds, bwd_s=seconds, out_bytes=1000, saved_bytes=5000)
+        for i in range(4)
+    )
+    chain = Chain("tiny", 1000, stages, link=Link(1e9, 1e9))
+    budget = int(0.9 * keep_all_peak(chain))
+    plan = solve_milp(chain, budget, time_limit_s=5)
+    assert validate(plan, chain) == []
+    assert simulate(plan, chain).peak_bytes <= budget
+    assert whole_tensor_bound_s(chain, budget) <= simulate(plan, chain).makespan_s
