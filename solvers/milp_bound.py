@@ -26,13 +26,25 @@ budget - x_0 - held - W_k, and the copies that leave by B(k) fit on the channel 
 end and B(k)'s start, which is at most the step's time less f_1 and b_k + ... + b_1. Early
 stages whose saved sets are large (a ResNet's) must be absent when their neighbours' backwards
 run, even where B(L)'s constraint alone would leave them. A MILP of 2(L - 1) binaries that
-HiGHS closes in milliseconds. Its optimum (or, if cut short, its proven dual bound) is a lower
-bound on every plan's time, never below ``lower_bound_s``.
+HiGHS closes in milliseconds.
+
+A recomputation reads its stage's input. The refill of an absent x̄_{j+1}, and any forward of
+stage j+1 run after B(L) starts, read a_j, which is there only if x̄_j is not absent, or a_j
+is held alone when B(L) starts (its bytes then: c_j), or is on the host (its bytes on both
+channels, as an offloaded set's: h_j), or a forward of stage j runs after B(L) starts, itself
+reading a_{j-1}: a forward of its own (f_j more: y_j), or x̄_j's refill run early (f_j - f'_j
+more), after which x̄_j is whole until B(j), so when B(j+1) starts (e_j), unless copied out
+and back after B(L) starts (g_j). A second model adds these 5(L - 2) binaries; a long chain's
+can be cut short by the time limit where the first closes, so the bound is the larger of the
+two. Each optimum (or, if cut short, its proven dual bound) is a lower bound on every plan's
+time, never below ``lower_bound_s``.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 
 import pulp
 
@@ -62,9 +74,83 @@ def whole_tensor_bound_s(
         budget = trained_part_budget(chain, budget_bytes)
         part = whole_tensor_bound_s(trained_part(chain), budget, offload, time_limit_s)
         return max(fractional, frozen_s + part)
-    excess = absent_saved_bytes(chain, budget_bytes)
-    if not excess:
+    if not absent_saved_bytes(chain, budget_bytes):
         return fractional
+    if any(backward_room(chain, budget_bytes, k) < 0 for k in range(2, chain.length + 1)):
+        return math.inf  # a backward's own working set does not fit: no plan does
+    # The model without the inputs of recomputations first: it closes fast, and the larger
+    # one, cut short on a long chain, may prove less in the time left.
+    deadline = time.monotonic() + time_limit_s
+    best = fractional
+    for anchored in (False, True):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        best = max(best, _proven_s(chain, budget_bytes, offload, anchored, left))
+    return best
+
+
+@dataclass(frozen=True)
+class _Anchors:
+    """Where a_j comes from, for j = 1 .. L-2, when something needs it after B(L) starts
+    (the module's notes): held alone, on the host, made by a forward of its own, or by x̄_j's
+    refill run early and then kept or copied out and back."""
+
+    stages: list[int]
+    alone: list[pulp.LpVariable]
+    away: list[pulp.LpVariable | int]  # 0 without copying
+    own: list[pulp.LpVariable]
+    early: list[pulp.LpVariable]
+    early_out: list[pulp.LpVariable | int]
+
+    @classmethod
+    def add(cls, problem: pulp.LpProblem, chain: Chain, recompute: list, copying: bool) -> _Anchors:
+        stages = list(range(1, chain.length - 1))
+
+        def binaries(name: str, present: bool = True) -> list:
+            return [
+                problem.add_variable(f"{name}{j}", cat=pulp.LpBinary) if present else 0
+                for j in stages
+            ]
+
+        anchors = cls(
+            stages,
+            binaries("c"),
+            binaries("h", copying),
+            binaries("y"),
+            binaries("e"),
+            binaries("g", copying),
+        )
+        sources = {
+            j: 1 - recompute[j - 1] + anchors.alone[j - 1] + anchors.away[j - 1] + anchors.made(j)
+            for j in stages
+        }
+        for j in stages:
+            problem += anchors.early[j - 1] + anchors.early_out[j - 1] <= recompute[j - 1]
+            problem += recompute[j] <= sources[j]  # x̄_{j+1}'s refill reads a_j
+            if j > 1:
+                problem += anchors.made(j) <= sources[j - 1]  # F(j) reads a_{j-1}
+        return anchors
+
+    def made(self, j: int) -> pulp.LpAffineExpression:
+        """Whether a forward of stage j runs after B(L) starts."""
+        return self.own[j - 1] + self.early[j - 1] + self.early_out[j - 1]
+
+    def forward_s(self, chain: Chain) -> pulp.LpAffineExpression:
+        """The compute these forwards add to the refills: f_j, or f_j - f'_j for a refill."""
+        return pulp.lpSum(
+            own * chain.stage(j).fwd_s
+            + (early + out) * (chain.stage(j).fwd_s - chain.stage(j).refill_s)
+            for j, own, early, out in zip(
+                self.stages, self.own, self.early, self.early_out, strict=True
+            )
+        )
+
+
+def _proven_s(
+    chain: Chain, budget_bytes: int, offload: bool, anchored: bool, time_limit_s: float
+) -> float:
+    """The model's optimum or, cut short, its proven dual bound, in seconds."""
     earlier = list(enumerate(chain.stages[:-1]))
     scale = time_unit(chain, offload)
     problem = pulp.LpProblem("whole_tensor_bound", pulp.LpMinimize)
@@ -76,10 +162,15 @@ def whole_tensor_bound_s(
     forward = sum(s.fwd_s for s in chain.stages) / scale
     backward = sum(s.bwd_s for s in chain.stages) / scale
     problem += first_pass >= forward
-    problem += rest >= backward + pulp.lpSum(
+    copying = chain.link is not None and offload
+    anchors = _Anchors.add(problem, chain, recompute, copying) if anchored else None
+    refills = pulp.lpSum(
         r * s.refill_s / scale for r, (_, s) in zip(recompute, earlier, strict=True)
     )
-    if chain.link is None or not offload:
+    if anchors is not None:
+        refills += anchors.forward_s(chain) / scale
+    problem += rest >= backward + refills
+    if not copying:
         problem += pulp.lpSum(moved) == 0
     else:
         d2h = chain.link.d2h_bytes_per_s * scale
@@ -93,16 +184,28 @@ def whole_tensor_bound_s(
             )
             first_forwards += chain.stage(k).fwd_s / scale
             last_backwards = sum(chain.stage(j).bwd_s for j in range(1, k + 1)) / scale
+            if anchors is not None:
+                # a_j on the host left after F(j) and is back before x̄_{j+1}'s refill; x̄_j
+                # refilled early and copied out leaves and comes back after B(L) starts.
+                later += pulp.lpSum(
+                    h * chain.stage(j).out_bytes
+                    for j, h in zip(anchors.stages, anchors.away, strict=True)
+                    if j >= k
+                )
+                back_early = pulp.lpSum(
+                    g * chain.stage(j).saved_bytes
+                    for j, g in zip(anchors.stages, anchors.early_out, strict=True)
+                    if j >= k
+                )
+                problem += rest >= (later + back_early) / h2d + last_backwards
+                problem += rest >= back_early / d2h + last_backwards
             problem += first_pass >= first_forwards + later / d2h
             problem += rest >= later / h2d + last_backwards
     for r, o in zip(recompute, moved, strict=True):
         problem += r + o <= 1
     unit = max(s.saved_bytes for _, s in earlier) or 1
-    copying = chain.link is not None and offload
     for k in range(2, chain.length + 1):
         room = backward_room(chain, budget_bytes, k)
-        if room < 0:
-            return math.inf  # B(k)'s own working set does not fit: no plan does
         below = list(zip(recompute, moved, earlier[: k - 1], strict=False))
         late = [0.0] * len(below)
         if copying and k < chain.length:
@@ -123,9 +226,16 @@ def whole_tensor_bound_s(
         r, o, (_, previous) = below[-1]
         gone = late[-1]
         kept += (r + o + gone) * (previous.out_bytes / unit)
+        if anchors is not None and k < chain.length:  # x̄_{k-1} refilled early is whole
+            kept += anchors.early[k - 2] * (previous.saved_bytes - previous.out_bytes) / unit
+        if anchors is not None and k == chain.length:  # a_j held alone when B(L) starts
+            kept += pulp.lpSum(
+                c * (chain.stage(j).out_bytes / unit)
+                for j, c in zip(anchors.stages, anchors.alone, strict=True)
+            )
         problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
         problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
     info = problem.solverModel.getInfo()
     proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
-    return max(fractional, proven * scale * (1 - 1e-9))
+    return proven * scale * (1 - 1e-9)

@@ -61,6 +61,21 @@ def test_every_backward_start_counts_by_hand() -> None:
     assert exhaustive_optimum(chain, 30) == pytest.approx(14.0)
 
 
+def test_a_recomputation_needs_its_input_by_hand() -> None:
+    # x̄ = 10 each, a = δ = 1, a_0 = 1; f = 3, 1, 1 and b = 2. At a budget of 14, B(3)'s
+    # working set (12) and a_0 leave 1 byte: x̄1 and x̄2 are absent (Σf + Σb + f1 + f2 = 15 s)
+    # and that byte is B(3)'s input a_2, so a_1, which x̄2's refill reads, cannot stay:
+    # F(1) runs again before it (B(2) leaves no room for x̄1 refilled early), 18 s in all.
+    stages = (
+        Stage("s1", 3.0, 2.0, 1, 10),
+        Stage("s2", 1.0, 2.0, 1, 10),
+        Stage("s3", 1.0, 2.0, 1, 10),
+    )
+    chain = Chain("hand", 1, stages)
+    assert whole_tensor_bound_s(chain, 14) == pytest.approx(18.0)
+    assert exhaustive_optimum(chain, 14) == pytest.approx(18.0)
+
+
 def test_never_above_the_optimum_recomputing_only() -> None:
     tighter = 0
     for seed in range(60):
