@@ -2,8 +2,9 @@
 
 A step that would not be the planned one is refused with what to do instead: another
 autocast than the profile's (its activations are not the planned sizes), ``torch.compile``
-of the whole step, a request for every block's hidden states or for a key-value cache, or
-saved-tensor hooks of the caller's around the step.
+of the whole step, a request for every block's hidden states or for a key-value cache,
+saved-tensor hooks of the caller's around the step, and transforms that only plain autograd's
+schedule runs (``torch.func``, forward-mode AD, ``parametrize.cached``).
 """
 
 from __future__ import annotations
@@ -109,13 +110,45 @@ def in_functorch_transform() -> bool:
     return peek is not None and peek() is not None
 
 
+def plain_autograd_only(model: nn.Module, tensors: list[torch.Tensor]) -> str | None:
+    """Why this step can run only as plain autograd's schedule, or None: a ``torch.func``
+    transform, forward-mode AD's dual tensors, or ``parametrize.cached()`` around it."""
+    if in_functorch_transform():
+        return _FUNCTORCH
+    if torch.autograd.forward_ad._current_level >= 0 and any(
+        torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+        for t in (*tensors, *model.parameters())
+    ):
+        return (
+            "a training step of an offremat-optimized model is given dual tensors (forward-mode "
+            "AD): its plan holds and recomputes tensors with autograd functions of its own, "
+            "which have no forward-mode derivative. Compute the tangents with the model "
+            "itself (om.model), or use loss.backward()"
+        )
+    if torch.nn.utils.parametrize._cache_enabled and any(
+        torch.nn.utils.parametrize.is_parametrized(module) for module in model.modules()
+    ):
+        return (
+            "a training step of an offremat-optimized model runs inside "
+            "torch.nn.utils.parametrize.cached(): each parametrized weight is then computed "
+            "once, outside the stages that use it, so its gradient would reach the "
+            "parametrization one stage at a time (equal to plain autograd's up to rounding "
+            "only), and a recomputed stage would not compute it again. Run the step outside "
+            "cached(): each stage then computes the weight itself, as the plan recomputes it"
+        )
+    return None
+
+
+_FUNCTORCH = (
+    "a training step of an offremat-optimized model runs inside a torch.func transform "
+    "(grad, vmap, jacrev, vjp): its plan holds, moves and recomputes tensors itself, which the "
+    "transform's wrapped tensors do not allow. Use loss.backward() (per-example gradients: "
+    "one step per example, or the model without offremat)"
+)
+
+
 def refuse_functorch_transforms() -> None:
     """A ``torch.func`` transform wraps tensors whose storage the plan cannot hold, move or
     recompute."""
     if in_functorch_transform():
-        raise RuntimeError(
-            "a training step of an offremat-optimized model runs inside a torch.func "
-            "transform (grad, vmap, jacrev): its plan holds, moves and recomputes tensors "
-            "itself, which the transform's wrapped tensors do not allow. Use loss.backward() "
-            "(per-example gradients: one step per example, or the model without offremat)"
-        )
+        raise RuntimeError(_FUNCTORCH)

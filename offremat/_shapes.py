@@ -279,6 +279,14 @@ class ShapePlans:
         self.last = executor
         return executor
 
+    def runs_plainly(self, batch: Any) -> bool:
+        """Whether ``batch``'s plan is made already, for the stages as they are now, and is
+        plain autograd's schedule: nothing to plan, hold or recompute."""
+        if self._planned_state() != (self.module_state, self.modes):
+            return False
+        executor = self.executors.get(input_signature(batch))
+        return executor is not None and executor.plain and not executor.measure_memory
+
     def _disk(self) -> PlanCache | None:
         """The disk cache, where it holds plans for the modes the stages are in now."""
         return self.disk if self.modes == self.disk_modes else None

@@ -9,6 +9,7 @@ count once (Herrmann, Beaumont et al. 2019 count an activation's bytes the same 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,28 @@ def _visit(item: Any, tensors: list[torch.Tensor]) -> Structure:
         keys = tuple(item)
         children = tuple(_visit(item[key], tensors) for key in keys)
         return Structure("dict", children, (type(item), keys))
+    if (
+        dataclasses.is_dataclass(item)
+        and not isinstance(item, type)
+        and any(_holds_tensor(getattr(item, f.name, None)) for f in dataclasses.fields(item))
+    ):
+        raise TypeError(
+            f"a {type(item).__name__} holding tensors is passed between stages or as the "
+            "input; offremat sees tensors in tuples, lists, dicts and namedtuples only, and "
+            "would miss these (their gradients and their memory). Pass its tensors in one of "
+            "those (a namedtuple keeps the field names)"
+        )
     return Structure("value", value=item)
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(child) for child in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(child) for child in value.values())
+    return False
 
 
 def _build(node: Structure, remaining: Iterator[torch.Tensor]) -> Any:

@@ -34,6 +34,7 @@ from offremat._blocks import (
     refuse_replaced_blocks,
 )
 from offremat._call_checks import (
+    plain_autograd_only,
     recorded_output_flags,
     refuse_autocast,
     refuse_compile,
@@ -179,11 +180,14 @@ class OptimizedModule(nn.Module):
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
+            self._refuse_plain_autograd_only(args[0], tensors)
             return self._plans.executor(args[0])(args[0])
         refuse_recorded_outputs(self._model, self._recorded_flags, kwargs)
         refuse_kv_cache(args, kwargs)
         refuse_replaced_blocks(self._model, self._places)
-        executor = self._plans.executor(Call(args, kwargs))
+        call = Call(args, kwargs)
+        self._refuse_plain_autograd_only(call, flatten((args, kwargs))[0])
+        executor = self._plans.executor(call)
         with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)
         if not interception.ran:
@@ -193,6 +197,12 @@ class OptimizedModule(nn.Module):
                 "optimize it with a batch of the kind it trains on"
             )
         return output
+
+    def _refuse_plain_autograd_only(self, batch: Any, tensors: list[torch.Tensor]) -> None:
+        """Refuse a step that only plain autograd's schedule runs, unless its plan is that."""
+        reason = plain_autograd_only(self._model, tensors)
+        if reason is not None and not self._plans.runs_plainly(batch):
+            raise RuntimeError(reason)
 
     def extra_repr(self) -> str:
         plan = self.plan
@@ -243,6 +253,7 @@ def optimize(
     if stages is not None:
         check_count("stages", stages)
     _refuse_lazy(model)
+    _refuse_optimized(model)
     tensors, _ = flatten(example_batch)
     if not tensors:
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
@@ -337,6 +348,24 @@ def _refuse_lazy(model: nn.Module | Sequence[nn.Module]) -> None:
             "and the like): run it once on a batch, model(example_batch), before "
             "offremat.optimize, so that their shapes are known"
         )
+
+
+def _refuse_optimized(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Refuse a model that holds a model offremat already optimized: the inner one's steps
+    would run inside the outer one's recording, profile and stages."""
+    roots = [model] if isinstance(model, nn.Module) else list(model)
+    for root in roots:
+        if not isinstance(root, nn.Module):
+            continue
+        for path, module in root.named_modules():
+            if isinstance(module, OptimizedModule):
+                where = f" (at {path!r})" if path else ""
+                raise TypeError(
+                    f"this model is, or holds, a model offremat already optimized{where}: "
+                    "offremat.optimize the plain model (OptimizedModule.model) as one, with "
+                    "everything it holds, or keep the optimized one and do not optimize "
+                    "around it"
+                )
 
 
 def _optimize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
@@ -656,6 +657,71 @@ def test_steps_offremat_cannot_run_as_planned_say_why() -> None:
     model[1].requires_grad_(False)
     with pytest.raises(RuntimeError, match="stage '1' started or stopped requiring grad"):
         loss.backward()
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "vjp", "forward AD", "parametrize.cached"])
+def test_transforms_only_plain_autograd_runs_are_refused_unless_the_plan_is_plain(transform):
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(5)])
+    if transform == "parametrize.cached":
+        nn.utils.parametrizations.weight_norm(model[2][0])
+    x = torch.randn(32, 16)
+
+    def step(network: nn.Module) -> torch.Tensor:
+        if transform == "jacrev":
+            return torch.func.jacrev(lambda v: network(v).sum())(x)
+        if transform == "vjp":
+            return torch.func.vjp(network, x)[1](torch.ones(32, 16))[0]
+        if transform == "forward AD":
+            with torch.autograd.forward_ad.dual_level():
+                dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+                return torch.autograd.forward_ad.unpack_dual(network(dual)).tangent
+        with parametrize.cached():
+            loss = network(x).sum()
+        loss.backward()
+        return model[2][0].parametrizations.weight.original0.grad.clone()
+
+    om = offremat.optimize(model, x, budget=0.9)
+    assert "recompute" in om.plan.decisions.values()
+    with pytest.raises(RuntimeError, match=r"torch\.func|dual tensors|parametrize\.cached"):
+        step(om)
+    if transform in ("jacrev", "vjp"):
+        return  # the transform's input is a shape no plan was made for: nothing runs plainly
+    model.zero_grad()
+    theirs = step(model)
+    model.zero_grad()
+    ours = step(offremat.optimize(model, x, budget=1.0))  # plain autograd's schedule
+    assert torch.equal(ours, theirs)
+
+
+def test_a_dataclass_of_tensors_between_stages_is_refused_with_what_to_pass() -> None:
+    @dataclasses.dataclass
+    class State:
+        hidden: torch.Tensor
+
+    class Wrap(nn.Module):
+        def forward(self, x: torch.Tensor) -> State:
+            return State(x)
+
+    class Unwrap(nn.Linear):
+        def forward(self, state: State) -> torch.Tensor:
+            return super().forward(state.hidden)
+
+    model = nn.Sequential(nn.Linear(8, 8), Wrap(), Unwrap(8, 8), nn.Linear(8, 8))
+    with pytest.raises(TypeError, match=r"a State holding tensors .* namedtuple"):
+        offremat.optimize(model, torch.randn(4, 8), budget=0.5)
+
+
+def test_a_model_that_holds_an_optimized_model_is_refused() -> None:
+    torch.manual_seed(0)
+    inner = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(256, 8)
+    om = offremat.optimize(inner, x, budget=0.9)
+    for outer in (om, nn.Sequential(nn.Linear(8, 8), om, nn.Linear(8, 8))):
+        with pytest.raises(TypeError, match=r"already optimized.*OptimizedModule\.model"):
+            offremat.optimize(outer, x, budget=0.9)
 
 
 class Scaled(nn.Module):
