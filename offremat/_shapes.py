@@ -10,12 +10,12 @@ sequence length) and lies between two of them, or near three of them, gets a cha
 from theirs (:mod:`solvers.predict`); any other is profiled for real (one timed repeat, no
 warm-up: sizes exact, times rough). The stage grouping is the first shape's, so every plan
 runs the same stage modules. With a slow solver (the MILP), a new shape's first step runs on a
-quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. When
-the stages' modules, their tensors or their configs' implementations change
-(``model.to(...)``, a layer unfrozen or widened, a submodule replaced by another kind,
-another attention implementation), every plan is made again; a stage module switched
-between training and eval mode (dropout off, a batch norm frozen) gets plans of its own for
-that mode.
+quick solver's plan (the DP's) and the slow one replaces it at the shape's next step. Each
+state of the stages has plans of its own: their modules, their tensors and their configs'
+implementations (``model.to(...)``, a layer frozen, unfrozen or widened, a submodule replaced
+by another kind, another attention implementation) and each module's training or eval mode
+(dropout off, a batch norm frozen). The plans of the last few states stay, for states that
+alternate (a GAN's discriminator frozen for every generator step).
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ from solvers.predict import predict_chain
 logger = logging.getLogger(__name__)
 
 Signature = tuple[Any, ...]
+StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
+StatePlans = tuple[dict[Signature, "PlanExecutor"], dict[Signature, Chain], set[Signature]]
+
+KEPT_STATES = 8
+"""How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
 
 
 def input_signature(batch: Any) -> Signature:
@@ -151,11 +156,10 @@ class ShapePlans:
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
         self.module_state, self.modes = self._planned_state()
-        # The plans of the other mixtures of training and eval modes seen (see executor).
-        self.by_modes: dict[
-            tuple[bool, ...], tuple[dict[Signature, PlanExecutor], dict[Signature, Chain], set]
-        ] = {}
-        self.disk_modes = self.modes  # the disk cache holds plans for these modes only
+        # The plans of the other states of the stages seen lately (see executor).
+        self.by_state: dict[StageState, StatePlans] = {}
+        # The disk cache holds plans for the stages as optimize saw them only.
+        self.disk_state = (self.module_state, self.modes)
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
@@ -187,7 +191,7 @@ class ShapePlans:
         self.profiled[signature] = chain
         return chain
 
-    def _planned_state(self) -> tuple[tuple[Any, ...], tuple[bool, ...]]:
+    def _planned_state(self) -> StageState:
         """What the stages' plans were made for, in one walk (it runs at every step): each
         module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
         hooks (one that logs activations keeps them, which the profile measures) and the
@@ -226,35 +230,9 @@ class ShapePlans:
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        modules, modes = self._planned_state()
-        if modules != self.module_state:
-            # model.to(dtype or device) changes every activation size, a wider or another
-            # module what a stage computes, a layer unfrozen what it saves. Every plan goes,
-            # and the disk cache, keyed by the model as optimize saw it, no longer applies.
-            # Said aloud: each change profiles again, and a plan given to optimize is gone.
-            logger.warning(
-                "the stages' modules, parameters (a type, shape, dtype, device or "
-                "requires_grad), hooks or settings changed: planning each shape again"
-            )
-            self.executors, self.profiled, self.provisional = {}, {}, set()
-            self.by_modes.clear()
-            self.disk = None
-            self.module_state = modules
-        if modes != self.modes:
-            # A dropout switched off or a batch norm frozen computes and saves other tensors:
-            # each mixture of training and eval modes has plans of its own, kept while the
-            # model trains in another (train() and eval() may alternate every epoch).
-            self.by_modes[self.modes] = (self.executors, self.profiled, self.provisional)
-            self.executors, self.profiled, self.provisional = self.by_modes.pop(
-                modes, ({}, {}, set())
-            )
-            if not self.executors:
-                logger.warning(
-                    "the stages' training or eval mode changed: planning each shape again "
-                    "for this mode (a step with gradients enabled follows a plan in eval mode "
-                    "too; evaluate under torch.no_grad(), which runs the model as it is)"
-                )
-            self.modes = modes
+        state = self._planned_state()
+        if state != (self.module_state, self.modes):
+            self._switch(state)
         signature = input_signature(batch)
         executor = self.executors.get(signature)
         if executor is not None:
@@ -279,6 +257,41 @@ class ShapePlans:
         self.last = executor
         return executor
 
+    def _switch(self, state: StageState) -> None:
+        """Put the plans of the stages' state so far aside, and take up those of ``state``.
+
+        model.to(dtype or device) changes every activation size, a wider or another module
+        what a stage computes, a layer unfrozen what it saves, a dropout switched off or a
+        batch norm frozen what a stage computes and saves: each state of the stages has plans
+        of its own. The last few are kept, since some alternate at every step (a GAN freezes
+        its discriminator for the generator's step, train() and eval() may alternate every
+        epoch); a new one is said aloud, as each of its shapes is planned again.
+        """
+        self.by_state[(self.module_state, self.modes)] = (
+            self.executors,
+            self.profiled,
+            self.provisional,
+        )
+        while len(self.by_state) > KEPT_STATES:
+            self.by_state.pop(next(iter(self.by_state)))
+        kept = self.by_state.pop(state, None)
+        if kept is None:
+            if state[0] != self.module_state:
+                logger.warning(
+                    "the stages' modules, parameters (a type, shape, dtype, device or "
+                    "requires_grad), hooks or settings changed: planning each shape again "
+                    "for them"
+                )
+            else:
+                logger.warning(
+                    "the stages' training or eval mode changed: planning each shape again "
+                    "for this mode (a step with gradients enabled follows a plan in eval "
+                    "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
+                )
+            kept = ({}, {}, set())
+        self.executors, self.profiled, self.provisional = kept
+        self.module_state, self.modes = state
+
     def runs_plainly(self, batch: Any) -> bool:
         """Whether ``batch``'s plan is made already, for the stages as they are now, and is
         plain autograd's schedule: nothing to plan, hold or recompute."""
@@ -289,7 +302,7 @@ class ShapePlans:
 
     def _disk(self) -> PlanCache | None:
         """The disk cache, where it holds plans for the modes the stages are in now."""
-        return self.disk if self.modes == self.disk_modes else None
+        return self.disk if (self.module_state, self.modes) == self.disk_state else None
 
     def _plan(self, signature: Signature, chain: Chain) -> Plan:
         """``quick``'s plan (then provisional) where it fits, else ``solve``'s; the error of a
@@ -342,8 +355,8 @@ class ShapePlans:
         return executor
 
     def all_executors(self) -> list[PlanExecutor]:
-        """The executors of every mixture of modes seen, the current one's first."""
-        kept = [executors for executors, _, _ in self.by_modes.values()]
+        """The executors of every state of the stages kept, the current one's first."""
+        kept = [executors for executors, _, _ in self.by_state.values()]
         return [e for executors in (self.executors, *kept) for e in executors.values()]
 
     def info(self) -> dict[str, Any]:

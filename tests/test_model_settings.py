@@ -100,3 +100,28 @@ def test_host_memory_of_every_mode_is_given_back() -> None:
     assert len(executors) == 2 and all(e.host_buffer_bytes > 0 for e in executors)
     om.release_host_memory()
     assert all(e.host_buffer_bytes == 0 for e in executors)
+
+
+def test_a_discriminator_frozen_at_every_other_step_keeps_both_plans() -> None:
+    """A GAN's discriminator is frozen for the generator's step and trained for its own: both
+    states keep their plans, so neither is profiled again, and both train as plain autograd."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)]
+    discriminator = torch.nn.Sequential(torch.nn.Linear(32, 64), *blocks, torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(discriminator)
+    fake = torch.randn(128, 32)
+    om = offremat.optimize(discriminator, fake, budget=0.8)
+    for _ in range(3):
+        for frozen in (True, False):
+            for model in (discriminator, reference):
+                model.requires_grad_(not frozen)
+                model.zero_grad()
+            inputs = [fake.clone().requires_grad_(frozen) for _ in range(2)]
+            om(inputs[0]).sum().backward()
+            reference(inputs[1]).sum().backward()
+            if frozen:
+                assert torch.equal(inputs[0].grad, inputs[1].grad)
+            for p, q in zip(discriminator.parameters(), reference.parameters(), strict=True):
+                assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+    # One plan made after optimize's: the frozen state's (trained, the batch is the example's).
+    assert om.cache_info()["misses"] == 1
