@@ -301,7 +301,7 @@ class ShapePlans:
         return executor is not None and executor.plain and not executor.measure_memory
 
     def _disk(self) -> PlanCache | None:
-        """The disk cache, where it holds plans for the modes the stages are in now."""
+        """The disk cache, where it holds plans for the state the stages are in now."""
         return self.disk if (self.module_state, self.modes) == self.disk_state else None
 
     def _plan(self, signature: Signature, chain: Chain) -> Plan:
