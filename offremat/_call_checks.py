@@ -17,6 +17,7 @@ from torch import nn
 from offremat._block_values import cache_in
 from offremat._blocks import NotAChainError
 from offremat._stage import AutocastState
+from offremat._tensors import flatten
 
 
 def _describe(state: AutocastState) -> str:
@@ -110,14 +111,14 @@ def in_functorch_transform() -> bool:
     return peek is not None and peek() is not None
 
 
-def plain_autograd_only(model: nn.Module, tensors: list[torch.Tensor]) -> str | None:
+def plain_autograd_only(model: nn.Module, batch: Any) -> str | None:
     """Why this step can run only as plain autograd's schedule, or None: a ``torch.func``
     transform, forward-mode AD's dual tensors, or ``parametrize.cached()`` around it."""
     if in_functorch_transform():
         return _FUNCTORCH
     if torch.autograd.forward_ad._current_level >= 0 and any(
         torch.autograd.forward_ad.unpack_dual(t).tangent is not None
-        for t in (*tensors, *model.parameters())
+        for t in (*flatten(batch)[0], *model.parameters())
     ):
         return (
             "a training step of an offremat-optimized model is given dual tensors (forward-mode "

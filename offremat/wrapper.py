@@ -180,13 +180,13 @@ class OptimizedModule(nn.Module):
             tensors, _ = flatten(args[0])
             if tensors:
                 check_device(list(self._model), tensors[0].device)
-            self._refuse_plain_autograd_only(args[0], tensors)
+            self._refuse_plain_autograd_only(args[0])
             return self._plans.executor(args[0])(args[0])
         refuse_recorded_outputs(self._model, self._recorded_flags, kwargs)
         refuse_kv_cache(args, kwargs)
         refuse_replaced_blocks(self._model, self._places)
         call = Call(args, kwargs)
-        self._refuse_plain_autograd_only(call, flatten((args, kwargs))[0])
+        self._refuse_plain_autograd_only(call)
         executor = self._plans.executor(call)
         with RunInterception(self._run, executor) as interception:
             output = self._model(*args, **kwargs)
@@ -198,9 +198,9 @@ class OptimizedModule(nn.Module):
             )
         return output
 
-    def _refuse_plain_autograd_only(self, batch: Any, tensors: list[torch.Tensor]) -> None:
+    def _refuse_plain_autograd_only(self, batch: Any) -> None:
         """Refuse a step that only plain autograd's schedule runs, unless its plan is that."""
-        reason = plain_autograd_only(self._model, tensors)
+        reason = plain_autograd_only(self._model, batch)
         if reason is not None and not self._plans.runs_plainly(batch):
             raise RuntimeError(reason)
 
