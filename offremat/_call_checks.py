@@ -9,6 +9,7 @@ schedule runs (``torch.func``, forward-mode AD, ``parametrize.cached``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -111,14 +112,15 @@ def in_functorch_transform() -> bool:
     return peek is not None and peek() is not None
 
 
-def plain_autograd_only(model: nn.Module, batch: Any) -> str | None:
+def plain_autograd_only(stages: Sequence[nn.Module], batch: Any) -> str | None:
     """Why this step can run only as plain autograd's schedule, or None: a ``torch.func``
-    transform, forward-mode AD's dual tensors, or ``parametrize.cached()`` around it."""
+    transform, forward-mode AD's dual tensors, or ``parametrize.cached()`` around a step
+    whose stages hold a parametrized weight."""
     if in_functorch_transform():
         return _FUNCTORCH
     if torch.autograd.forward_ad._current_level >= 0 and any(
         torch.autograd.forward_ad.unpack_dual(t).tangent is not None
-        for t in (*flatten(batch)[0], *model.parameters())
+        for t in (*flatten(batch)[0], *(p for stage in stages for p in stage.parameters()))
     ):
         return (
             "a training step of an offremat-optimized model is given dual tensors (forward-mode "
@@ -127,7 +129,9 @@ def plain_autograd_only(model: nn.Module, batch: Any) -> str | None:
             "itself (om.model), or use loss.backward()"
         )
     if torch.nn.utils.parametrize._cache_enabled and any(
-        torch.nn.utils.parametrize.is_parametrized(module) for module in model.modules()
+        torch.nn.utils.parametrize.is_parametrized(module)
+        for stage in stages
+        for module in stage.modules()
     ):
         return (
             "a training step of an offremat-optimized model runs inside "

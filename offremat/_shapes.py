@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from offremat._blocks import output_capture_hooks
 from offremat._plan_cache import PlanCache
@@ -98,6 +100,18 @@ def _varying(
     if len(new_sizes) != 1 or len(known_sizes) != 1:
         return None
     return frozenset(positions), new_sizes.pop(), known_sizes.pop()
+
+
+@contextmanager
+def _parametrize_cache_suspended() -> Iterator[None]:
+    """Profile outside the caller's ``parametrize.cached()``: the profile's backwards would
+    free the graph of a weight the cache keeps for the step's own backward."""
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
 
 
 def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
@@ -187,7 +201,8 @@ class ShapePlans:
                 if predicted is not None:
                     self.cache.predicted += 1
                     return predicted
-        chain = self.profile(batch)
+        with _parametrize_cache_suspended():
+            chain = self.profile(batch)
         self.profiled[signature] = chain
         return chain
 
@@ -272,9 +287,9 @@ class ShapePlans:
             self.profiled,
             self.provisional,
         )
+        kept = self.by_state.pop(state, None)
         while len(self.by_state) > KEPT_STATES:
             self.by_state.pop(next(iter(self.by_state)))
-        kept = self.by_state.pop(state, None)
         if kept is None:
             if state[0] != self.module_state:
                 logger.warning(

@@ -36,6 +36,7 @@ from offremat._tensors import (
     Structure,
     flatten,
     is_differentiable,
+    refuse_hidden_tensors,
     storage_key,
     unflatten,
     version_of,
@@ -158,6 +159,7 @@ class Compute:
             watch.finish(name)
             self.first_forwards[i] = watch
         tensors, structure = flatten(result)
+        refuse_hidden_tensors(structure)
         del result
         if first:
             self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)

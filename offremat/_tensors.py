@@ -51,6 +51,18 @@ def _visit(item: Any, tensors: list[torch.Tensor]) -> Structure:
         keys = tuple(item)
         children = tuple(_visit(item[key], tensors) for key in keys)
         return Structure("dict", children, (type(item), keys))
+    return Structure("value", value=item)
+
+
+def refuse_hidden_tensors(structure: Structure) -> None:
+    """Refuse an activation whose tensors :func:`flatten` cannot see: a dataclass holding
+    them, passed between stages, would carry them past the plan (their gradients and their
+    memory)."""
+    if structure.kind != "value":
+        for child in structure.children:
+            refuse_hidden_tensors(child)
+        return
+    item = structure.value
     if (
         dataclasses.is_dataclass(item)
         and not isinstance(item, type)
@@ -62,7 +74,6 @@ def _visit(item: Any, tensors: list[torch.Tensor]) -> Structure:
             "would miss these (their gradients and their memory). Pass its tensors in one of "
             "those (a namedtuple keeps the field names)"
         )
-    return Structure("value", value=item)
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -164,6 +164,13 @@ class PlanExecutor:
         for pool in self._pools.values():
             pool.release()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, deepcopy) starts without this process's host buffers, CUDA
+        # streams and last step: they are made again at its first step.
+        state = dict(self.__dict__)
+        state.update(_streams={}, _pools={}, _anchors={}, _last=None)
+        return state
+
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""
         self.clear_stats()  # until this step completes

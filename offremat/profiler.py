@@ -38,6 +38,7 @@ from offremat._stage_profile import Measured, StageProfile, gradient_bytes
 from offremat._tensors import (
     flatten,
     is_differentiable,
+    refuse_hidden_tensors,
     storage_bytes,
     unflatten,
     unique_storages,
@@ -216,6 +217,7 @@ def _profile_all(
     resident for the whole step and counted once there, never in a stage's sizes.
     """
     tensors, structure = flatten(example_input)
+    refuse_hidden_tensors(structure)
     flags = [t.requires_grad and is_differentiable(t) for t in tensors]
     scans = [scan_modules(module) for _, module in stages]
     excluded = set(fixed_storages(scans))
@@ -232,6 +234,7 @@ def _profile_all(
         measured, output = stage.measure(warmup, repeats, sizes_only, last)
         results.append(measured)
         out_tensors, out_structure = flatten(output)
+        refuse_hidden_tensors(out_structure)
         # The grad-enabled forward knows which outputs carry a gradient, as plain autograd.
         flags = [t.requires_grad and is_differentiable(t) for t in out_tensors]
         value = unflatten([t.detach() for t in out_tensors], out_structure)

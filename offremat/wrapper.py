@@ -200,7 +200,7 @@ class OptimizedModule(nn.Module):
 
     def _refuse_plain_autograd_only(self, batch: Any) -> None:
         """Refuse a step that only plain autograd's schedule runs, unless its plan is that."""
-        reason = plain_autograd_only(self._model, batch)
+        reason = plain_autograd_only(self._plans.stages, batch)
         if reason is not None and not self._plans.runs_plainly(batch):
             raise RuntimeError(reason)
 

@@ -30,14 +30,15 @@ HiGHS closes in milliseconds.
 
 A recomputation reads its stage's input. The refill of an absent x̄_{j+1}, and any forward of
 stage j+1 run after B(L) starts, read a_j, which is there only if x̄_j is not absent, or a_j
-is held alone when B(L) starts (its bytes then: c_j), or is on the host (its bytes on both
-channels, as an offloaded set's: h_j), or a forward of stage j runs after B(L) starts, itself
-reading a_{j-1}: a forward of its own (f_j more: y_j), or x̄_j's refill run early (f_j - f'_j
-more), after which x̄_j is whole until B(j), so when B(j+1) starts (e_j), unless copied out
-and back after B(L) starts (g_j). A second model adds these 5(L - 2) binaries; a long chain's
-can be cut short by the time limit where the first closes, so the bound is the larger of the
-two. Each optimum (or, if cut short, its proven dual bound) is a lower bound on every plan's
-time, never below ``lower_bound_s``.
+is resident when B(L) starts, alone or inside an x̄_j recomputed later (its bytes then, at
+most x̄_j's: c_j), or is on the host (its bytes on both channels, as an offloaded set's:
+h_j), or a forward of stage j runs after B(L) starts, itself reading a_{j-1}: a forward of
+its own (f_j more: y_j; also an early refill freed and made again), or x̄_j's refill run
+early (f_j - f'_j more), after which x̄_j is whole until B(j), so when B(j+1) starts (e_j),
+unless copied out and back after B(L) starts (g_j). A second model adds these 5(L - 2)
+binaries (3(L - 2) without copying); a long chain's can be cut short by the time limit
+where the first closes, so the bound is the larger of the two and of ``lower_bound_s``. Each
+optimum (or, if cut short, its proven dual bound) is a lower bound on every plan's time.
 """
 
 from __future__ import annotations

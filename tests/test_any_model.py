@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -501,3 +502,15 @@ def test_an_optimized_model_pickles_and_trains_like_plain_autograd_after_loading
         for p, q in zip(loaded.parameters(), reference.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
     assert loaded.cache_info()["plans"] == 2
+
+
+def test_a_pickled_model_leaves_its_host_buffers_behind() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[zoo.Residual(64) for _ in range(6)])
+    x = torch.randn(256, 64)
+    om = offremat.optimize(model, x, budget=1.0, bandwidth="1GB/s", solver="offload-all")
+    assert any(d == "offload" for d in om.plan.decisions.values())
+    before = len(pickle.dumps(om))
+    om(x).square().mean().backward()
+    assert om._executor.host_buffer_bytes > 0
+    assert len(pickle.dumps(om)) < before + 64 * 1024

@@ -125,3 +125,29 @@ def test_a_discriminator_frozen_at_every_other_step_keeps_both_plans() -> None:
                 assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
     # One plan made after optimize's: the frozen state's (trained, the batch is the example's).
     assert om.cache_info()["misses"] == 1
+
+
+def test_the_plans_of_the_last_eight_other_states_stay() -> None:
+    from offremat._shapes import KEPT_STATES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1), torch.nn.Tanh())
+            for _ in range(10)
+        ]
+    )
+    x = torch.randn(64, 16)
+    om = offremat.optimize(model, x, budget=0.8)
+
+    def step_in_state(k: int) -> None:  # state 0: all in training; k: dropout k - 1 in eval
+        model.train()
+        if k:
+            model[k - 1][1].eval()
+        om(x).sum().backward()
+
+    for k in range(1, KEPT_STATES + 1):
+        step_in_state(k)
+    assert om.cache_info()["misses"] == KEPT_STATES
+    step_in_state(0)  # one of the 8 others: its plan stayed
+    assert om.cache_info()["misses"] == KEPT_STATES

@@ -714,6 +714,42 @@ def test_a_dataclass_of_tensors_between_stages_is_refused_with_what_to_pass() ->
         offremat.optimize(model, torch.randn(4, 8), budget=0.5)
 
 
+class WeightNormedHead(nn.Module):
+    """Blocks, then a parametrized head outside every stage, and a target in a dataclass."""
+
+    @dataclasses.dataclass
+    class Target:
+        values: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6))
+        self.head = nn.utils.parametrizations.weight_norm(nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, target: Target) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (self.head(x) - target.values).square().mean()
+
+
+def test_what_no_stage_sees_is_not_refused() -> None:
+    """A parametrized head outside the stages under parametrize.cached(), and a dataclass the
+    model's own forward reads: they run as the model runs them, bit-equal."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = WeightNormedHead()
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(512, 32), WeightNormedHead.Target(torch.randn(512, 1))
+    om = offremat.optimize(model, {"x": x, "target": target}, budget=0.8, blocks="blocks")
+    assert "recompute" in om.plan.decisions.values()
+    for network in (om, reference):
+        with parametrize.cached():
+            network(x, target).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_a_model_that_holds_an_optimized_model_is_refused() -> None:
     torch.manual_seed(0)
     inner = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
