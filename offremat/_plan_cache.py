@@ -167,7 +167,14 @@ def _plain_settings(value: Any) -> tuple[tuple[str, Any], ...]:
         attributes = vars(value)
     except TypeError:  # no __dict__
         return ()
-    return tuple(sorted((k, v) for k, v in attributes.items() if _is_simple(v)))
+    return tuple(
+        sorted((k, v) for k, v in attributes.items() if _is_simple(v) and k not in _PER_PROCESS)
+    )
+
+
+# A Hugging Face GenerationConfig keeps hash(self) to tell whether it was changed: Python's
+# hash of a string differs between processes, so the key would never match a later run's.
+_PER_PROCESS = frozenset({"_original_object_hash"})
 
 
 def _settings(module: nn.Module) -> str:

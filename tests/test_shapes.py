@@ -220,6 +220,26 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
     assert len(digests) == 1
 
 
+def test_a_hugging_face_model_s_key_is_the_same_in_every_process() -> None:
+    pytest.importorskip("transformers")
+    script = (
+        "from offremat._plan_cache import model_fingerprint\n"
+        "from tests import model_zoo\n"
+        "print(model_fingerprint(model_zoo.gpt2()))"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1
+
+
 def _helper(h: torch.Tensor) -> torch.Tensor:
     return torch.relu(h)
 
