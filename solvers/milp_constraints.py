@@ -196,7 +196,11 @@ class Constraints:
             self.late[tensor] = {}
             for s, var in steps.items():
                 late = self._binary(
-                    f"late_{tensor[0]}_{tensor[1]}_step{s}", tensor[1], s, decision=False
+                    f"late_{tensor[0]}_{tensor[1]}_step{s}",
+                    tensor[1],
+                    s,
+                    decision=False,
+                    copying=True,
                 )
                 self._add(late <= var, f"late_if_issued_{tensor[0]}_{tensor[1]}_step{s}")
                 self.late[tensor][s] = late

@@ -27,6 +27,9 @@ from solvers.milp_codec import (
 from solvers.milp_constraints import Constraints
 from solvers.plan import ACTIVATION, SAVED
 
+# The first-pass fates that copy to the host.
+COPY_FATES = (OFFLOAD_SAVED, OFFLOAD_ACTIVATION)
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -80,6 +83,7 @@ class JointModel(Constraints):
         self._structural: list[pulp.LpVariable] = []
         self._all_binaries: list[pulp.LpVariable] = []
         self._places: dict[str, tuple[int, int | None]] = {}
+        self._copy_binaries: set[str] = set()
         self.x = [chain.activation_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.grad = [chain.grad_bytes(j) / self.memory_unit for j in range(length + 1)]
         self.held = chain.held_bytes / self.memory_unit
@@ -137,7 +141,10 @@ class JointModel(Constraints):
                 names.append(DROP_ACTIVATION)
                 if i in self.offloadable:
                     names += [OFFLOAD_SAVED, OFFLOAD_ACTIVATION]
-            self.fate[i] = {name: self._binary(f"fate_{name}_{i}", i, None) for name in names}
+            self.fate[i] = {
+                name: self._binary(f"fate_{name}_{i}", i, None, copying=name in COPY_FATES)
+                for name in names
+            }
             self._add(pulp.lpSum(self.fate[i].values()) == 1, f"one_fate_{i}")
             if i >= 2 and DROP_ACTIVATION in self.fate[i - 1]:
                 # Rotor's persistence: the input of F_all(i) is not dropped while x̄_i is on the
@@ -222,11 +229,11 @@ class JointModel(Constraints):
                     continue
                 name = f"{tensor[0]}_{i}"
                 self.ready[tensor] = {
-                    c: self._binary(f"ready_{name}_step{c}", i, c)
+                    c: self._binary(f"ready_{name}_step{c}", i, c, copying=True)
                     for c in range(first_ready, length)
                 }
                 self.issue[tensor] = {
-                    s: self._binary(f"issue_{name}_step{s}", i, s)
+                    s: self._binary(f"issue_{name}_step{s}", i, s, copying=True)
                     for s in range(first_ready + 1, length + 1)
                 }
                 host = self._fate(i, OFFLOAD_SAVED if tensor[0] == SAVED else OFFLOAD_ACTIVATION)
@@ -265,12 +272,20 @@ class JointModel(Constraints):
         return self.saved[tensor[1]] if tensor[0] == SAVED else self.x[tensor[1]]
 
     def _binary(
-        self, name: str, stage: int, step: int | None, decision: bool = True
+        self,
+        name: str,
+        stage: int,
+        step: int | None,
+        decision: bool = True,
+        copying: bool = False,
     ) -> pulp.LpVariable:
         """A binary about ``stage`` in ``step`` (None: the first pass). A decision is one a
         :class:`Schedule` records; the others (releases, late prefetches) follow from the
-        times."""
+        times. ``copying``: the binary is about a copy, and is 0 in every plan that only
+        recomputes."""
         var = self.problem.add_variable(name, cat=pulp.LpBinary)
+        if copying:
+            self._copy_binaries.add(var.name)
         self._places[var.name] = (stage, step)
         self._all_binaries.append(var)
         if decision:
@@ -328,6 +343,10 @@ class JointModel(Constraints):
         """Every binary, decisions first."""
         decisions = set(v.name for v in self._structural)
         return list(self._structural) + [v for v in self._all_binaries if v.name not in decisions]
+
+    def copies(self, var: pulp.LpVariable) -> bool:
+        """Whether ``var`` is about a copy (an offloading fate, a prefetch, a late prefetch)."""
+        return var.name in self._copy_binaries
 
     def place(self, var: pulp.LpVariable) -> tuple[int, int | None]:
         """The stage a binary is about and the step (or first-pass forward) it belongs to,

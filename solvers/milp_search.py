@@ -44,6 +44,7 @@ _WHOLE_MODEL_BINARIES = 300
 _FIRST_WINDOW = 4
 _WINDOW_SECONDS = 2.0
 _POLISH_SECONDS = 5.0
+_RECOMPUTE_SHARE = 0.25
 
 
 class BackendUnavailableError(ImportError):
@@ -121,6 +122,7 @@ class _HighsSession:
         decisions = {v.name for v in model.structural_variables()}
         self.decisions = np.array([v.name in decisions for v in self.binaries], dtype=bool)
         self.places = [model.place(v) for v in self.binaries]
+        self.copying = np.array([model.copies(v) for v in self.binaries], dtype=bool)
         if report is not None and report.active:
             self.highs.cbMipInterrupt.subscribe(self._interrupted)
 
@@ -211,6 +213,16 @@ def search_highs(
     length = model.length
     decisions = int(session.decisions.sum())
     width = length if decisions <= _WHOLE_MODEL_BINARIES else _FIRST_WINDOW
+    if width < length and incumbent is not None and session.copying.any():
+        copies = np.round(incumbent[session.index])[session.copying]
+        if not copies.any():
+            # A start that only recomputes: first Checkmate's whole problem, the copies held
+            # at none, whose family the windows would otherwise search piecemeal.
+            _, objective, _, values = session.run(
+                incumbent, ~session.copying, _share(deadline, _RECOMPUTE_SHARE), presolve=True
+            )
+            if values is not None and objective < best - 1e-9:
+                incumbent, best = values, objective
     status, whole_bound, proven = "time limit", None, False
     floor = -math.inf if floor_s is None else floor_s / model.time_unit * (1 + 1e-9)
     while time.monotonic() < deadline:

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from offremat import examples
+from solvers import milp_search
 from solvers.bounds import necessary_budget_bytes
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
@@ -133,6 +134,35 @@ def test_recomputing_a_checkpoint_early_beats_rotors_family():
     plan = solve_milp(chain, 31, offload=False, slots=31, time_limit_s=20)
     assert exact_dp_time(chain, 31) == 77.0
     assert plan.predicted_time_s == 76.0
+    assert plan.predicted_peak_bytes <= 31
+
+
+def test_a_windowed_joint_search_first_solves_checkmates_problem(monkeypatch):
+    """Started from a plan that only recomputes, a joint model too large to search whole
+    first solves it with every copy held at none (Checkmate's problem, whose plans its family
+    contains), then its windows: on this chain that finds the early recomputation above,
+    which the DP's start lacks, and the joint plan is never slower than Checkmate's."""
+    shapes = [(3, 4, 2, 9, 2, 3), (3, 7, 3, 8, 0, 4), (4, 4, 5, 12, 1, 4), (5, 4, 4, 5, 3, 4)]
+    shapes += [(4, 7, 2, 4, 3, 2), (4, 7, 1, 5, 0, 2), (2, 5, 1, 5, 0, 0)]
+    stages = tuple(
+        Stage(f"s{n}", float(f), float(b), out, saved, ftmp, btmp)
+        for n, (f, b, out, saved, ftmp, btmp) in enumerate(shapes, start=1)
+    )
+    chain = Chain("early", 3, stages, Link(1.0, 1.0))
+    monkeypatch.setattr(milp_search, "_WHOLE_MODEL_BINARIES", 0)
+    runs = []
+    run = milp_search._HighsSession.run
+
+    def recorded(session, start, free, time_limit_s, presolve):
+        runs.append((session, free.copy()))
+        return run(session, start, free, time_limit_s, presolve)
+
+    monkeypatch.setattr(milp_search._HighsSession, "run", recorded)
+    plan = solve_milp(chain, 31, slots=31, time_limit_s=20)
+    joint = [(session, free) for session, free in runs if session.copying.any()]
+    session, free = joint[1]  # after the run that settles the warm start's times
+    assert (free == ~session.copying).all()
+    assert plan.predicted_time_s <= 76.0
     assert plan.predicted_peak_bytes <= 31
 
 
