@@ -30,7 +30,7 @@ from torch import nn
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
-from offremat._tensors import flatten, is_differentiable, storage_bytes
+from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules
 from solvers.chain import Chain
@@ -51,13 +51,21 @@ class ModelChain:
         with untouched([model], _device(model, batch)):
             run = find_block_run(model, partial(call_model, model, batch), blocks)
             example_input = chain_input(run, partial(call_model, model, batch))
-        return cls(run, tuple(run_blocks(run)), example_input)
+        return cls(run, tuple(run_blocks(run)), _leaves(example_input))
 
     def on(self, model: nn.Module, batch: Any) -> ModelChain:
         """The same chain, with its first input taken from ``batch`` (another input shape)."""
         with untouched([model], _device(model, batch)):
             example_input = chain_input(self.run, partial(call_model, model, batch))
-        return dataclasses.replace(self, example_input=example_input)
+        return dataclasses.replace(self, example_input=_leaves(example_input))
+
+
+def _leaves(example_input: Any) -> Any:
+    """``example_input`` cut from the graph that made it, each tensor a leaf that requires a
+    gradient where it did: only leaves can be deep-copied (an EMA copy of an optimized
+    model), and the profile reads nothing but values and flags."""
+    tensors, structure = flatten(example_input)
+    return unflatten([t.detach().requires_grad_(t.requires_grad) for t in tensors], structure)
 
 
 @dataclass(frozen=True)

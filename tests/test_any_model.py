@@ -475,8 +475,13 @@ def _loss(model: nn.Module, inputs: dict[str, torch.Tensor] | torch.Tensor) -> t
     return model(inputs).square().mean()
 
 
+@pytest.mark.parametrize("transfer", ["torch.save", "copy.deepcopy"])
 @pytest.mark.parametrize("kind", ["sequential", "own model", "hugging face"])
-def test_an_optimized_model_pickles_and_trains_like_plain_autograd_after_loading(kind) -> None:
+def test_an_optimized_model_pickles_and_trains_like_plain_autograd_after_loading(
+    kind, transfer
+) -> None:
+    """Saved and loaded, or copied (an EMA or target network made after wrapping), an
+    optimized model trains like plain autograd, with the plans it had and on a new shape."""
     torch.manual_seed(0)
     if kind == "hugging face":
         model, example = zoo.gpt2().train(), LM_BATCH
@@ -489,10 +494,13 @@ def test_an_optimized_model_pickles_and_trains_like_plain_autograd_after_loading
         example, other = FEATURES, FEATURES[:, :8]
     om = offremat.optimize(model, example, budget=0.5)
     _loss(om, example).backward()
-    buffer = io.BytesIO()
-    torch.save(om, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    if transfer == "copy.deepcopy":
+        loaded = copy.deepcopy(om)
+    else:
+        buffer = io.BytesIO()
+        torch.save(om, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
     reference = copy.deepcopy(loaded.model)
     for inputs in (example, other, example):  # the plan made before saving, and a new shape's
         for network in (loaded, reference):
