@@ -30,6 +30,7 @@ from torch import nn
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
+from offremat._shapes import chain_input_kind
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules
@@ -102,6 +103,26 @@ def profile_model_chain(
         **options,
     )
     outside = _measure_outside(model, batch, found)
+    return _with_outside(chain, outside, found.run.paths, found.example_input)
+
+
+def profile_blocks_on(
+    chain: Chain, blocks: Sequence[tuple[str, nn.Module]], value: Any, **options: Any
+) -> Chain:
+    """``chain``'s stages ``blocks`` profiled on another chain input ``value`` of the same
+    call (inside the model's step, where the code around the blocks cannot run again), with
+    the costs around them measured for ``chain``: only what the blocks' inputs hold
+    differs, which the input's bytes correct. ``options`` go to
+    :func:`offremat.profiler.profile_model`."""
+    outside = _Outside(**chain.metadata["outside"])
+    moved = storage_bytes(flatten(value)[0]) - chain.metadata["chain_input_bytes"]
+    outside = dataclasses.replace(outside, resident_bytes=outside.resident_bytes + moved)
+    profiled = profile_model(list(blocks), value, **options)
+    return _with_outside(profiled, outside, chain.metadata["blocks"], value)
+
+
+def _with_outside(chain: Chain, outside: _Outside, paths: Any, example_input: Any) -> Chain:
+    """``chain`` of the blocks with the costs of the code around them folded in."""
     folded = list(chain.stages)
     first = folded[0]
     folded[0] = dataclasses.replace(
@@ -116,7 +137,9 @@ def profile_model_chain(
     )
     metadata = dict(chain.metadata)
     metadata["outside"] = dataclasses.asdict(outside)
-    metadata["blocks"] = found.run.paths
+    metadata["blocks"] = paths
+    metadata["chain_input"] = chain_input_kind(example_input)
+    metadata["chain_input_bytes"] = storage_bytes(flatten(example_input)[0])
     return dataclasses.replace(
         chain,
         input_bytes=outside.resident_bytes + chain.metadata["kept_by_modules_bytes"],

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it;
 # 4: the code forward reaches and the library's versions in it
-FORMAT = "offremat.plan-cache/4"
+FORMAT = "offremat.plan-cache/5"
 
 
 def model_fingerprint(model: nn.Module) -> str:

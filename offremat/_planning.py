@@ -85,8 +85,10 @@ class Request:
         chain: Chain,
         plan: Plan,
         profile_shape: Callable[[Any], Chain],
+        profile_blocks: Callable[[Chain, Any], Chain] | None = None,
     ) -> ShapePlans:
-        """The plans by input shape, starting with the example's."""
+        """The plans by input shape, starting with the example's; ``profile_blocks`` profiles
+        the blocks of a model on another kind of chain input (ShapePlans.for_chain_input)."""
         solve_shape = _solver_for(plan, self.solver, self.solver_options)
         plans = ShapePlans(
             modules,
@@ -95,6 +97,7 @@ class Request:
             self.measure_memory,
             self.disk,
             _quick_for(plan, self.solver, self.solver_options),
+            profile_blocks,
         )
         plans.add(example, chain, plan)
         # Only the example's plan can have been read from disk by now.

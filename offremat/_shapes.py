@@ -20,6 +20,8 @@ alternate (a GAN's discriminator frozen for every generator step).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +46,14 @@ logger = logging.getLogger(__name__)
 
 Signature = tuple[Any, ...]
 StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
-StatePlans = tuple[dict[Signature, "PlanExecutor"], dict[Signature, Chain], set[Signature]]
+# A call's signature and the kind of its blocks' inputs (chain_input_kind).
+VariantKey = tuple[Signature, str]
+StatePlans = tuple[
+    dict[Signature, "PlanExecutor"],
+    dict[Signature, Chain],
+    set[Signature],
+    dict[VariantKey, "PlanExecutor"],
+]
 
 KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
@@ -59,17 +68,37 @@ def input_signature(batch: Any) -> Signature:
     )
 
 
-def _structure_key(structure: Structure) -> Any:
+# What a model chain's metadata says of the chain input it was profiled on.
+CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes")
+
+
+def chain_input_kind(value: Any) -> str:
+    """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
+    inputs are tensors and which None (Hugging Face passes no mask where the attention mask
+    is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
+    and which carry a gradient. Other values by type: one may be a fresh object every call."""
+    tensors, structure = flatten(value)
+    return repr(
+        (
+            tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
+            _structure_key(structure, by_type=True),
+        )
+    )
+
+
+def _structure_key(structure: Structure, by_type: bool = False) -> Any:
     if structure.kind == "tensor":
         return "tensor"
     if structure.kind == "value":
         value = structure.value
-        return repr(value) if not isinstance(value, (int, float, bool, str, type(None))) else value
+        if isinstance(value, (int, float, bool, str, type(None))):
+            return value
+        return type(value).__qualname__ if by_type else repr(value)
     container = structure.value if structure.kind == "sequence" else structure.value[1]
     return (
         structure.kind,
         repr(container),
-        tuple(_structure_key(child) for child in structure.children),
+        tuple(_structure_key(child, by_type) for child in structure.children),
     )
 
 
@@ -145,7 +174,8 @@ class ShapePlans:
 
     ``profile`` profiles a batch of a new shape into a chain of the same stages; ``solve``
     makes its plan. With ``quick``, a new shape's first plan is ``quick``'s where it fits, and
-    ``solve`` replaces it at the shape's next step.
+    ``solve`` replaces it at the shape's next step. ``profile_blocks`` profiles the blocks on
+    a chain input of another kind than a shape's plan was made on (:meth:`for_chain_input`).
     """
 
     def __init__(
@@ -156,8 +186,10 @@ class ShapePlans:
         measure_memory: bool,
         disk: PlanCache | None = None,
         quick: Callable[[Chain], Plan] | None = None,
+        profile_blocks: Callable[[Chain, Any], Chain] | None = None,
     ):
         self.stages = list(stages)
+        self.profile_blocks = profile_blocks
         self.profile = profile
         self.solve = solve
         self.quick = quick
@@ -166,6 +198,7 @@ class ShapePlans:
         self.executors: dict[Signature, PlanExecutor] = {}
         self.profiled: dict[Signature, Chain] = {}
         self.provisional: set[Signature] = set()
+        self.variants: dict[VariantKey, PlanExecutor] = {}
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
@@ -200,7 +233,11 @@ class ShapePlans:
                 predicted = predict_chain(same, size)
                 if predicted is not None:
                     self.cache.predicted += 1
-                    return predicted
+                    # Its blocks' inputs were never seen: no kind to hold a step to.
+                    metadata = {
+                        k: v for k, v in predicted.metadata.items() if k not in CHAIN_INPUT_KEYS
+                    }
+                    return dataclasses.replace(predicted, metadata=metadata)
         with _parametrize_cache_suspended():
             chain = self.profile(batch)
         self.profiled[signature] = chain
@@ -272,6 +309,56 @@ class ShapePlans:
         self.last = executor
         return executor
 
+    def for_chain_input(self, batch: Any, executor: PlanExecutor, value: Any) -> PlanExecutor:
+        """The executor for the blocks' input ``value`` in a step on ``batch`` that
+        :meth:`executor` gave ``executor``: itself, unless its chain was profiled on block
+        inputs of another kind (:func:`chain_input_kind`), which the same shapes can carry
+        when values differ (a padded batch where the example had none): they save other
+        tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
+        costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
+        planned = executor.chain.metadata.get("chain_input")
+        kind = chain_input_kind(value)
+        if planned is None or planned == kind or self.profile_blocks is None:
+            return executor
+        key = (input_signature(batch), kind)
+        variant = self.variants.get(key)
+        if variant is not None:
+            self.cache.hits += 1
+        else:
+            self.cache.misses += 1
+            began = time.perf_counter()
+            logger.warning(
+                "the blocks' inputs on this batch are not of the kind its shape's plan was "
+                "made for (a padding mask where the example batch had none?): planning them "
+                "too, for input %s",
+                describe(key[0]),
+            )
+            with _parametrize_cache_suspended():
+                chain = self.profile_blocks(executor.chain, value)
+            plan = self._variant_plan(key[0], chain)
+            variant = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
+            self.variants[key] = variant
+            self.cache.planning_s += time.perf_counter() - began
+        self.last = variant
+        return variant
+
+    def _variant_plan(self, signature: Signature, chain: Chain) -> Plan:
+        """``quick``'s plan where it fits, else ``solve``'s: a variant is planned in the step
+        that meets it, and not improved later."""
+        try:
+            if self.quick is not None:
+                with contextlib.suppress(InfeasibleBudgetError):
+                    return self.quick(chain)
+            return self.solve(chain)
+        except InfeasibleBudgetError as error:
+            raise InfeasibleBudgetError(
+                error.budget_bytes,
+                error.min_budget_bytes,
+                error.solver,
+                describe(signature) + " with blocks' inputs of another kind",
+                exact=error.exact,
+            ) from None
+
     def _switch(self, state: StageState) -> None:
         """Put the plans of the stages' state so far aside, and take up those of ``state``.
 
@@ -286,6 +373,7 @@ class ShapePlans:
             self.executors,
             self.profiled,
             self.provisional,
+            self.variants,
         )
         kept = self.by_state.pop(state, None)
         while len(self.by_state) > KEPT_STATES:
@@ -303,8 +391,8 @@ class ShapePlans:
                     "for this mode (a step with gradients enabled follows a plan in eval "
                     "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
                 )
-            kept = ({}, {}, set())
-        self.executors, self.profiled, self.provisional = kept
+            kept = ({}, {}, set(), {})
+        self.executors, self.profiled, self.provisional, self.variants = kept
         self.module_state, self.modes = state
 
     def runs_plainly(self, batch: Any) -> bool:
@@ -371,8 +459,12 @@ class ShapePlans:
 
     def all_executors(self) -> list[PlanExecutor]:
         """The executors of every state of the stages kept, the current one's first."""
-        kept = [executors for executors, _, _ in self.by_state.values()]
-        return [e for executors in (self.executors, *kept) for e in executors.values()]
+        kept = [
+            (*executors.values(), *variants.values())
+            for executors, _, _, variants in self.by_state.values()
+        ]
+        current = (*self.executors.values(), *self.variants.values())
+        return [e for executors in (current, *kept) for e in executors]
 
     def info(self) -> dict[str, Any]:
         """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read
@@ -382,7 +474,7 @@ class ShapePlans:
         return {
             "hits": self.cache.hits,
             "misses": self.cache.misses,
-            "plans": len(self.executors),
+            "plans": len(self.executors) + len(self.variants),
             "from_disk": self.cache.from_disk,
             "predicted": self.cache.predicted,
             "improved": self.cache.improved,

@@ -46,6 +46,7 @@ from offremat._model_chain import (
     ModelChain,
     check_model_chain_output,
     model_chain_stages,
+    profile_blocks_on,
     profile_model_chain,
 )
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
@@ -188,7 +189,8 @@ class OptimizedModule(nn.Module):
         call = Call(args, kwargs)
         self._refuse_plain_autograd_only(call)
         executor = self._plans.executor(call)
-        with RunInterception(self._run, executor) as interception:
+        chain_run = functools.partial(_run_chain, self._plans, call, executor)
+        with RunInterception(self._run, chain_run) as interception:
             output = self._model(*args, **kwargs)
         if not interception.ran:
             raise NotAChainError(
@@ -391,8 +393,14 @@ def _optimize(
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)
-    plans = request.plans(modules, call, chain, plan, profile_shape)
+    profile_blocks = functools.partial(_profile_blocks, stage_blocks)
+    plans = request.plans(modules, call, chain, plan, profile_shape, profile_blocks)
     return OptimizedModule(model, plans, run=found.run)
+
+
+def _run_chain(plans: ShapePlans, call: Call, executor: PlanExecutor, value: Any) -> Any:
+    """Run the blocks on ``value`` with the plan for its kind (ShapePlans.for_chain_input)."""
+    return plans.for_chain_input(call, executor, value)(value)
 
 
 # Module-level functions rather than closures, so that an optimized model pickles.
@@ -410,6 +418,13 @@ def _profile_model_shape(
         profile_model_chain(
             model, new, again, bandwidth=link_of(chain), blocks=stage_blocks, **QUICK
         ),
+    )
+
+
+def _profile_blocks(stage_blocks: list[tuple[str, nn.Module]], chain: Chain, value: Any) -> Chain:
+    """The stages profiled quickly on another kind of chain input of ``chain``'s call."""
+    return same_stages(
+        chain, profile_blocks_on(chain, stage_blocks, value, bandwidth=link_of(chain), **QUICK)
     )
 
 
