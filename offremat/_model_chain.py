@@ -30,7 +30,7 @@ from torch import nn
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
-from offremat._shapes import chain_input_kind
+from offremat._signatures import chain_input_kind
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules

@@ -15,7 +15,8 @@ from typing import Any
 from torch import nn
 
 from offremat._plan_cache import PlanCache
-from offremat._shapes import ShapePlans, input_signature
+from offremat._shapes import ShapePlans
+from offremat._signatures import input_signature
 from offremat.profiler import parse_bandwidth
 from solvers.budget import format_bytes, parse_budget
 from solvers.chain import Chain

@@ -52,7 +52,8 @@ from offremat._model_chain import (
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import QUICK, Request, in_training_mode, link_of, same_stages
 from offremat._run import RunInterception
-from offremat._shapes import ShapePlans, input_signature
+from offremat._shapes import ShapePlans
+from offremat._signatures import input_signature
 from offremat._stage import AutocastState
 from offremat._tensors import flatten, storage_bytes
 from offremat.executor import PlanExecutor, StepStats

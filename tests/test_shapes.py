@@ -360,7 +360,7 @@ def test_a_buffer_that_follows_the_input_shape_keeps_each_shape_s_plan() -> None
 def test_a_shape_is_predicted_along_one_dimension_of_each_tensor_only() -> None:
     # An image's height and width growing together grow its patch attention as their product
     # squared, beyond the quadratic the predictor fits: such a shape is profiled for real.
-    from offremat._shapes import _varying, input_signature
+    from offremat._signatures import differing_size, input_signature
 
     def images(side: int) -> tuple:
         return input_signature(torch.zeros(2, 3, side, side))
@@ -368,8 +368,8 @@ def test_a_shape_is_predicted_along_one_dimension_of_each_tensor_only() -> None:
     def tokens(length: int) -> tuple:
         return input_signature((torch.zeros(2, length), torch.ones(2, length)))
 
-    assert _varying(images(32), images(48)) is None
-    assert _varying(tokens(32), tokens(48)) is not None  # ids and mask: one size
+    assert differing_size(images(32), images(48)) is None
+    assert differing_size(tokens(32), tokens(48)) is not None  # ids and mask: one size
 
 
 def _growing(power: int, sizes: tuple[int, ...]) -> list[tuple[int, Chain]]:

@@ -1,0 +1,93 @@
+"""What a plan depends on in a call's inputs, and how two calls' inputs differ.
+
+A call's signature (its tensors' shapes, dtypes, devices and gradient flags, and its other
+arguments) keys its plan; the kind of the blocks' own inputs (:func:`chain_input_kind`) keys
+a plan of its own where the same shapes carry other side inputs (a padding mask).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offremat._tensors import Structure, flatten
+
+Signature = tuple[Any, ...]
+
+
+def input_signature(batch: Any) -> Signature:
+    """What a plan depends on in a call's inputs: tensor shapes, dtypes, devices, the rest."""
+    tensors, structure = flatten(batch)
+    return (
+        tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in tensors),
+        _structure_key(structure),
+    )
+
+
+# What a model chain's metadata says of the chain input it was profiled on.
+CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes")
+
+
+def chain_input_kind(value: Any) -> str:
+    """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
+    inputs are tensors and which None (Hugging Face passes no mask where the attention mask
+    is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
+    and which carry a gradient. Other values by type: one may be a fresh object every call."""
+    tensors, structure = flatten(value)
+    return repr(
+        (
+            tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
+            _structure_key(structure, by_type=True),
+        )
+    )
+
+
+def _structure_key(structure: Structure, by_type: bool = False) -> Any:
+    if structure.kind == "tensor":
+        return "tensor"
+    if structure.kind == "value":
+        value = structure.value
+        if isinstance(value, (int, float, bool, str, type(None))):
+            return value
+        return type(value).__qualname__ if by_type else repr(value)
+    container = structure.value if structure.kind == "sequence" else structure.value[1]
+    return (
+        structure.kind,
+        repr(container),
+        tuple(_structure_key(child, by_type) for child in structure.children),
+    )
+
+
+def differing_size(
+    known: Signature, new: Signature
+) -> tuple[frozenset[tuple[int, int]], int, int] | None:
+    """Where ``new`` differs from ``known`` if it differs in one size only, and that size.
+
+    The positions (tensor, dimension) that differ, at most one per tensor (a sequence length
+    shared by the ids and the mask), the size ``new`` has at all of them and the size
+    ``known`` has at all of them; None if anything else differs.
+    """
+    if known[1] != new[1] or len(known[0]) != len(new[0]):
+        return None
+    positions = []
+    for index, (a, b) in enumerate(zip(known[0], new[0], strict=True)):
+        if a[1:] != b[1:] or len(a[0]) != len(b[0]):
+            return None
+        positions += [(index, d) for d, (x, y) in enumerate(zip(a[0], b[0], strict=True)) if x != y]
+    if not positions:
+        return None
+    if len({t for t, _ in positions}) != len(positions):
+        # Two dimensions of one tensor (an image's height and width): sizes grow as their
+        # product, a polynomial of twice the degree solvers.predict fits. Profile it.
+        return None
+    new_sizes = {new[0][t][0][d] for t, d in positions}
+    known_sizes = {known[0][t][0][d] for t, d in positions}
+    if len(new_sizes) != 1 or len(known_sizes) != 1:
+        return None
+    return frozenset(positions), new_sizes.pop(), known_sizes.pop()
+
+
+def describe(signature: Signature) -> str:
+    """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``."""
+    return ", ".join(
+        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, *_ in signature[0]
+    )
