@@ -27,12 +27,11 @@ from torch.nn.parameter import is_lazy
 from offremat._blocks import (
     NotAChainError,
     block_places,
-    chain_blocks,
-    check_chain_output,
     check_device,
     refuse_own_hooks,
     refuse_replaced_blocks,
 )
+from offremat._building import build
 from offremat._call_checks import (
     plain_autograd_only,
     recorded_output_flags,
@@ -41,24 +40,16 @@ from offremat._call_checks import (
     refuse_kv_cache,
     refuse_recorded_outputs,
 )
-from offremat._discover import BlockRun, Call, call_of
-from offremat._model_chain import (
-    ModelChain,
-    check_model_chain_output,
-    model_chain_stages,
-    profile_blocks_on,
-    profile_model_chain,
-)
+from offremat._discover import BlockRun, Call
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
-from offremat._planning import QUICK, Request, in_training_mode, link_of, same_stages
+from offremat._planning import Request, in_training_mode
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
-from offremat._tensors import flatten, storage_bytes
+from offremat._tensors import flatten
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
-from offremat.profiler import profile_model, stage_modules
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
@@ -272,35 +263,37 @@ def optimize(
     with ExitStack() as stack:
         planned.enter(stack)  # weight cache off, as the executor runs its stages
         stack.enter_context(in_training_mode(model))
-        optimized = _optimize(
-            model,
-            example_batch,
-            Request(
-                budget,
-                solver,
-                bandwidth,
-                stages,
-                chain if not isinstance(chain, (str, Path)) else Chain.load(chain),
-                plan,
-                measure_memory,
-                solver_options,
-                _disk(
-                    cache_dir,
-                    model,
-                    chain is not None or plan is not None,
-                    {
-                        "example": repr(input_signature(example_batch)),
-                        "budget": repr(budget),
-                        "solver": solver,
-                        "options": repr(sorted(solver_options.items())),
-                        "bandwidth": repr(bandwidth),
-                        "stages": stages,
-                        "blocks": blocks,
-                        "autocast": repr(planned) if planned.enabled else None,
-                    },
+        optimized = OptimizedModule(
+            *build(
+                model,
+                example_batch,
+                Request(
+                    budget,
+                    solver,
+                    bandwidth,
+                    stages,
+                    chain if not isinstance(chain, (str, Path)) else Chain.load(chain),
+                    plan,
+                    measure_memory,
+                    solver_options,
+                    _disk(
+                        cache_dir,
+                        model,
+                        chain is not None or plan is not None,
+                        {
+                            "example": repr(input_signature(example_batch)),
+                            "budget": repr(budget),
+                            "solver": solver,
+                            "options": repr(sorted(solver_options.items())),
+                            "bandwidth": repr(bandwidth),
+                            "stages": stages,
+                            "blocks": blocks,
+                            "autocast": repr(planned) if planned.enabled else None,
+                        },
+                    ),
                 ),
-            ),
-            blocks,
+                blocks,
+            )
         )
     object.__setattr__(optimized, "_autocast", planned)
     object.__setattr__(optimized, "_forced_autocast", autocast is not None)
@@ -371,112 +364,6 @@ def _refuse_optimized(model: nn.Module | Sequence[nn.Module]) -> None:
                 )
 
 
-def _optimize(
-    model: nn.Module | Sequence[nn.Module], example_batch: Any, request: Request, blocks: str | None
-) -> OptimizedModule:
-    tensors, _ = flatten(example_batch)
-    stages, bandwidth = request.stages, request.bandwidth
-    if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
-        return _optimize_sequential(model, example_batch, request)
-    if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
-        raise TypeError(
-            f"blocks= names blocks inside a model, and a {type(model).__name__} is not one: "
-            "pass the model, or the list without blocks="
-        )
-    check_device([model], tensors[0].device)
-    call = call_of(model, example_batch)
-    found = ModelChain.find(model, call, blocks)
-    chain, plan = request.example_plan(
-        call, lambda: profile_model_chain(model, call, found, stages, bandwidth)
-    )
-    modules = model_chain_stages(found, chain)
-    check_model_chain_output(model, call, found, modules)
-    stage_blocks = list(zip(chain.stage_names, modules, strict=True))
-
-    profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)
-    profile_blocks = functools.partial(_profile_blocks, stage_blocks)
-    plans = request.plans(modules, call, chain, plan, profile_shape, profile_blocks)
-    return OptimizedModule(model, plans, run=found.run)
-
-
 def _run_chain(plans: ShapePlans, call: Call, executor: PlanExecutor, value: Any) -> Any:
     """Run the blocks on ``value`` with the plan for its kind (ShapePlans.for_chain_input)."""
     return plans.for_chain_input(call, executor, value)(value)
-
-
-# Module-level functions rather than closures, so that an optimized model pickles.
-def _profile_model_shape(
-    model: nn.Module,
-    found: ModelChain,
-    chain: Chain,
-    stage_blocks: list[tuple[str, nn.Module]],
-    new: Call,
-) -> Chain:
-    """A new input shape's chain, profiled quickly over the stages of the first."""
-    again = found.on(model, new)
-    return same_stages(
-        chain,
-        profile_model_chain(
-            model, new, again, bandwidth=link_of(chain), blocks=stage_blocks, **QUICK
-        ),
-    )
-
-
-def _profile_blocks(stage_blocks: list[tuple[str, nn.Module]], chain: Chain, value: Any) -> Chain:
-    """The stages profiled quickly on another kind of chain input of ``chain``'s call."""
-    return same_stages(
-        chain, profile_blocks_on(chain, stage_blocks, value, bandwidth=link_of(chain), **QUICK)
-    )
-
-
-def _profile_sequential_shape(
-    chain: Chain, stage_blocks: list[tuple[str, nn.Module]], value: Any
-) -> Chain:
-    """A new input shape's chain, profiled quickly over the stages of the first."""
-    return same_stages(chain, profile_model(stage_blocks, value, bandwidth=link_of(chain), **QUICK))
-
-
-def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
-    """Refuse a chain profiled on an input of another size: its sizes are another input's.
-
-    The profile counts the storages behind the input; a view of a larger tensor (``x[:, :-1]``)
-    is compared by its own bytes too.
-    """
-    sizes = {storage_bytes(tensors), sum(t.numel() * t.element_size() for t in tensors)}
-    profiled = chain.input_bytes - chain.metadata.get("kept_by_modules_bytes", 0)
-    if profiled not in sizes:
-        raise ValueError(
-            f"the given chain was profiled with an input of {profiled} bytes, but the "
-            f"example input has {min(sizes)}: its sizes are another input's. Omit chain= to "
-            "profile this input, or give the input the chain was profiled with"
-        )
-
-
-def _optimize_sequential(
-    model: nn.Sequential | Sequence[nn.Module], example_input: Any, request: Request
-) -> OptimizedModule:
-    blocks = chain_blocks(model)
-    sequential = (
-        model if isinstance(model, nn.Sequential) else nn.Sequential(*[m for _, m in blocks])
-    )
-    refuse_own_hooks(model if isinstance(model, nn.Module) else sequential)
-    tensors, _ = flatten(example_input)
-    check_device([module for _, module in blocks], tensors[0].device)
-    if request.chain is not None:
-        _check_chain_input(request.chain, tensors)
-    chain, plan = request.example_plan(
-        example_input,
-        lambda: profile_model(
-            sequential, example_input, stages=request.stages, bandwidth=request.bandwidth
-        ),
-    )
-    modules = stage_modules(sequential, chain)
-    check_chain_output(
-        model if isinstance(model, nn.Module) else sequential, modules, example_input
-    )
-    stage_blocks = list(zip(chain.stage_names, modules, strict=True))
-
-    profile_shape = functools.partial(_profile_sequential_shape, chain, stage_blocks)
-    return OptimizedModule(
-        sequential, request.plans(modules, example_input, chain, plan, profile_shape)
-    )

@@ -133,7 +133,7 @@ def test_padding_of_the_same_shape_gets_a_plan_for_the_blocks_inputs_it_makes(
 
 
 def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog, monkeypatch):
-    import offremat.wrapper
+    import offremat._building
 
     model = mlp()
     x64, x128 = torch.randn(64, 64), torch.randn(128, 64)
@@ -146,7 +146,7 @@ def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog
     def no_profiling(*args, **kwargs):
         raise AssertionError("profiled although the plan was on disk")
 
-    monkeypatch.setattr(offremat.wrapper, "profile_model", no_profiling)
+    monkeypatch.setattr(offremat._building, "profile_model", no_profiling)
     again = offremat.optimize(mlp(), x64, budget=2_000_000, cache_dir=tmp_path)
     assert again.cache_info()["from_disk"] == 1  # the example's plan
     again(x128)
