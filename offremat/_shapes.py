@@ -95,6 +95,7 @@ class ShapeCache:
     from_disk: int = 0
     predicted: int = 0
     improved: int = 0
+    variants: int = 0
     planning_s: float = 0.0
 
 
@@ -251,10 +252,8 @@ class ShapePlans:
             return executor
         key = (input_signature(batch), kind)
         variant = self.variants.get(key)
-        if variant is not None:
-            self.cache.hits += 1
-        else:
-            self.cache.misses += 1
+        if variant is None:
+            self.cache.variants += 1
             began = time.perf_counter()
             logger.warning(
                 "the blocks' inputs on this batch are not of the kind its shape's plan was "
@@ -396,10 +395,12 @@ class ShapePlans:
         return [e for executors in (current, *kept) for e in executors]
 
     def info(self) -> dict[str, Any]:
-        """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``), misses read
-        from the disk cache (``from_disk``) or planned on a predicted chain (``predicted``),
-        provisional plans replaced by the final solver's (``improved``), and seconds spent
-        planning."""
+        """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``; hits and misses
+        count steps by their call's signature), misses read from the disk cache
+        (``from_disk``) or planned on a predicted chain (``predicted``), provisional plans
+        replaced by the final solver's (``improved``), plans made for blocks' inputs of
+        another kind than their shape's (``variants``, counted in ``plans`` too), and seconds
+        spent planning."""
         return {
             "hits": self.cache.hits,
             "misses": self.cache.misses,
@@ -407,5 +408,6 @@ class ShapePlans:
             "from_disk": self.cache.from_disk,
             "predicted": self.cache.predicted,
             "improved": self.cache.improved,
+            "variants": self.cache.variants,
             "planning_s": self.cache.planning_s,
         }
