@@ -153,6 +153,11 @@ def format_bytes(count: float) -> str:
     return f"{int(count)} B" if scale == 1 else f"{count / scale:.2f} {unit}"
 
 
+# A number without a unit below this many bytes per second is a unit left out (25 for
+# 25GB/s); with a unit written, any rate a solver can count is taken as meant.
+SLOWEST_BARE_RATE = 1e6
+
+
 def parse_bandwidth(value: Any) -> Link:
     """A link from bytes per second: a number, ``"25GB/s"``, a (d2h, h2d) pair or a Link."""
     if isinstance(value, Link):
@@ -166,11 +171,13 @@ def parse_bandwidth(value: Any) -> Link:
 
 
 def _bytes_per_second(value: Any) -> float:
+    unit_written = False
     if isinstance(value, str):
         text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip())
         try:
             rate = float(text)
         except ValueError:
+            unit_written = True
             try:
                 rate = float(parse_budget(text))
             except BitsUnitError as error:
@@ -188,5 +195,11 @@ def _bytes_per_second(value: Any) -> float:
         raise ValueError(
             f"bandwidth {value!r} is not a usable rate: give a finite number of bytes per "
             f"second of at least {SLOWEST_LINK_BYTES_PER_S:g} (25GB/s, 2.5e10)"
+        )
+    if not unit_written and rate < SLOWEST_BARE_RATE:
+        raise ValueError(
+            f"bandwidth {value!r} reads as {rate:g} bytes per second, slower than any link "
+            f"between a device and its host: write the unit ({rate:g}GB/s) or the bytes "
+            "per second (2.5e10)"
         )
     return rate

@@ -135,13 +135,32 @@ def test_every_command_reads_a_bandwidth_the_same_way(command, tmp_path, capsys)
     assert main(argv) == 0, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("rate", ["1e-300", "inf", "fast", "0"])
+@pytest.mark.parametrize("rate", ["1e-300", "inf", "fast", "0", "25", "1.5"])
 def test_a_rate_that_cannot_be_a_link_is_a_usage_error(rate, capsys) -> None:
     from offremat.cli import main
 
     argv = ["solve", "transformer", "--budget", "0.5", "--bandwidth", rate]
     assert main(argv) == 2
     assert "--bandwidth" in capsys.readouterr().err
+
+
+def test_a_bare_rate_too_slow_for_any_link_asks_for_its_unit() -> None:
+    """``--bandwidth 25`` meant 25GB/s: read as 25 bytes per second, it made a plan predicted
+    to take 20 years, and the command succeeded. A unit written says what is meant."""
+    import torch
+    from torch import nn
+
+    import offremat
+    from solvers.budget import parse_bandwidth
+    from solvers.chain import Link
+
+    for bare in (25, "25", 1.5, (1e10, 25)):
+        with pytest.raises(ValueError, match=r"write the unit \((25|1\.5)GB/s\)"):
+            parse_bandwidth(bare)
+    assert parse_bandwidth("1KB/s") == Link(1e3, 1e3)  # a unit written is taken as meant
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with pytest.raises(ValueError, match="write the unit"):
+        offremat.optimize(model, torch.randn(64, 8), budget=1.0, bandwidth=25)
 
 
 def test_a_plan_for_another_chain_of_the_same_length_is_refused_everywhere(tmp_path, capsys):

@@ -48,7 +48,10 @@ def _finite(value: Any) -> Any:
     return value
 
 
-BANDWIDTH_HELP = "host link for both directions: 25GB/s, 12GiB/s or bytes per second (2.5e10)"
+BANDWIDTH_HELP = (
+    "host link for both directions: 25GB/s, 12GiB/s or bytes per second (2.5e10; a bare "
+    "number below 1e6 is refused as a unit left out)"
+)
 
 
 def add_bandwidth_option(parser: argparse.ArgumentParser, purpose: str) -> None:
