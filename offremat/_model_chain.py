@@ -112,11 +112,27 @@ def profile_blocks_on(
     """``chain``'s stages ``blocks`` profiled on another chain input ``value`` of the same
     call (inside the model's step, where the code around the blocks cannot run again), with
     the costs around them measured for ``chain``: only what the blocks' inputs hold
-    differs, which the input's bytes correct. ``options`` go to
+    differs, which the input's bytes correct. A tensor the code before the blocks keeps
+    only for such inputs, without passing it on, is not seen. For a chain predicted from
+    other sizes the costs around the blocks are its own figures, which bound them from above,
+    and the whole input is counted on top. ``options`` go to
     :func:`offremat.profiler.profile_model`."""
-    outside = _Outside(**chain.metadata["outside"])
-    moved = storage_bytes(flatten(value)[0]) - chain.metadata["chain_input_bytes"]
-    outside = dataclasses.replace(outside, resident_bytes=outside.resident_bytes + moved)
+    value_bytes = storage_bytes(flatten(value)[0])
+    if "chain_input_bytes" in chain.metadata:
+        outside = _Outside(**chain.metadata["outside"])
+        moved = value_bytes - chain.metadata["chain_input_bytes"]
+        outside = dataclasses.replace(outside, resident_bytes=outside.resident_bytes + moved)
+    else:
+        first, last = chain.stages[0], chain.stages[-1]
+        outside = _Outside(
+            resident_bytes=chain.input_bytes
+            - chain.metadata.get("kept_by_modules_bytes", 0)
+            + value_bytes,
+            setup_transient_bytes=max(first.fwd_tmp_bytes, first.nograd_fwd_tmp_bytes),
+            end_peak_bytes=last.bwd_tmp_bytes,
+            held_bytes=chain.held_bytes - chain.metadata.get("shared_gradient_bytes", 0),
+            setup_backward_bytes=first.bwd_tmp_bytes,
+        )
     profiled = profile_model(list(blocks), value, **options)
     return _with_outside(profiled, outside, chain.metadata["blocks"], value)
 

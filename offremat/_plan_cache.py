@@ -37,7 +37,8 @@ from solvers.simulator import simulate
 logger = logging.getLogger(__name__)
 
 # 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it;
-# 4: the code forward reaches and the library's versions in it
+# 4: the code forward reaches and the library's versions in it; 5: the kind and bytes of the
+# chain input a model's chain was profiled on, in its metadata
 FORMAT = "offremat.plan-cache/5"
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from offremat._blocks import output_capture_hooks
+from offremat._call_checks import plain_autograd_only
 from offremat._plan_cache import PlanCache
 from offremat._signatures import (
     CHAIN_INPUT_KEYS,
@@ -65,6 +66,8 @@ StatePlans = tuple[
 
 KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
+KEPT_VARIANTS = 8
+"""How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
 
 
 @contextmanager
@@ -84,6 +87,17 @@ def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
     not its other settings, one of which may count steps."""
     attributes = getattr(config, "__dict__", {})
     return tuple(sorted((k, v) for k, v in attributes.items() if "implementation" in k))
+
+
+def _predicted_input(metadata: dict[str, Any], same: Sequence[tuple[int, Chain]]) -> dict[str, Any]:
+    """A predicted chain's metadata: the kind of chain input its sources were profiled on
+    where they agree, not its bytes, which are another size's (offremat._model_chain then
+    takes the costs around the blocks from the chain's figures, as upper bounds)."""
+    metadata = {k: v for k, v in metadata.items() if k not in CHAIN_INPUT_KEYS}
+    kinds = {chain.metadata.get("chain_input") for _, chain in same}
+    if len(kinds) == 1:
+        metadata["chain_input"] = kinds.pop()
+    return metadata
 
 
 @dataclass
@@ -129,6 +143,7 @@ class ShapePlans:
         self.profiled: dict[Signature, Chain] = {}
         self.provisional: set[Signature] = set()
         self.variants: dict[VariantKey, PlanExecutor] = {}
+        self.refused: dict[VariantKey, InfeasibleBudgetError] = {}
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
@@ -163,10 +178,7 @@ class ShapePlans:
                 predicted = predict_chain(same, size)
                 if predicted is not None:
                     self.cache.predicted += 1
-                    # Its blocks' inputs were never seen: no kind to hold a step to.
-                    metadata = {
-                        k: v for k, v in predicted.metadata.items() if k not in CHAIN_INPUT_KEYS
-                    }
+                    metadata = _predicted_input(predicted.metadata, same)
                     return dataclasses.replace(predicted, metadata=metadata)
         with _parametrize_cache_suspended():
             chain = self.profile(batch)
@@ -251,23 +263,44 @@ class ShapePlans:
         if planned is None or planned == kind or self.profile_blocks is None:
             return executor
         key = (input_signature(batch), kind)
+        if key in self.refused:
+            raise self.refused[key]
         variant = self.variants.get(key)
         if variant is None:
-            self.cache.variants += 1
-            began = time.perf_counter()
-            logger.warning(
-                "the blocks' inputs on this batch are not of the kind its shape's plan was "
-                "made for (a padding mask where the example batch had none?): planning them "
-                "too, for input %s",
-                describe(key[0]),
-            )
-            with _parametrize_cache_suspended():
-                chain = self.profile_blocks(executor.chain, value)
-            plan = self._variant_plan(key[0], chain)
-            variant = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
-            self.variants[key] = variant
-            self.cache.planning_s += time.perf_counter() - began
+            variant = self._plan_variant(key, executor.chain, value)
+        if not variant.plain:
+            # The call's own plan may have run plainly where this one does not.
+            reason = plain_autograd_only(self.stages, batch)
+            if reason is not None:
+                raise RuntimeError(reason)
         self.last = variant
+        return variant
+
+    def _plan_variant(self, key: VariantKey, chain: Chain, value: Any) -> PlanExecutor:
+        """Profile the blocks on ``value`` and plan them; the last few variants are kept, and
+        a refusal is remembered (it comes after the code before the blocks has run)."""
+        self.cache.variants += 1
+        began = time.perf_counter()
+        logger.warning(
+            "the blocks' inputs on this batch are not of the kind its shape's plan was made "
+            "for (a padding mask where the example batch had none?): planning them too, for "
+            "input %s",
+            describe(key[0]),
+        )
+        with _parametrize_cache_suspended():
+            variant_chain = self.profile_blocks(chain, value)
+        try:
+            plan = self._variant_plan(key[0], variant_chain)
+        except InfeasibleBudgetError as error:
+            self.refused[key] = error
+            raise
+        variant = PlanExecutor(
+            self.stages, plan, variant_chain, self.measure_memory, self.in_flight
+        )
+        self.variants[key] = variant
+        while len(self.variants) > KEPT_VARIANTS:
+            self.variants.pop(next(iter(self.variants)))
+        self.cache.planning_s += time.perf_counter() - began
         return variant
 
     def _variant_plan(self, signature: Signature, chain: Chain) -> Plan:
@@ -283,7 +316,9 @@ class ShapePlans:
                 error.budget_bytes,
                 error.min_budget_bytes,
                 error.solver,
-                describe(signature) + " with blocks' inputs of another kind",
+                describe(signature)
+                + " with blocks' inputs of another kind (refused once the code before the "
+                "blocks had run)",
                 exact=error.exact,
             ) from None
 
@@ -321,6 +356,7 @@ class ShapePlans:
                 )
             kept = ({}, {}, set(), {})
         self.executors, self.profiled, self.provisional, self.variants = kept
+        self.refused = {}
         self.module_state, self.modes = state
 
     def runs_plainly(self, batch: Any) -> bool:

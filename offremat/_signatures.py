@@ -31,7 +31,9 @@ def chain_input_kind(value: Any) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
-    and which carry a gradient. Other values by type: one may be a fresh object every call."""
+    and which carry a gradient. Other values by type, numbers included: an object may be a
+    fresh one every call, and a number computed from the batch (a scale, a count) another
+    every step; neither decides what the blocks save."""
     tensors, structure = flatten(value)
     return repr(
         (
@@ -46,9 +48,11 @@ def _structure_key(structure: Structure, by_type: bool = False) -> Any:
         return "tensor"
     if structure.kind == "value":
         value = structure.value
+        if by_type and not isinstance(value, (bool, str, type(None))):
+            return type(value).__qualname__
         if isinstance(value, (int, float, bool, str, type(None))):
             return value
-        return type(value).__qualname__ if by_type else repr(value)
+        return repr(value)
     container = structure.value if structure.kind == "sequence" else structure.value[1]
     return (
         structure.kind,

@@ -133,6 +133,130 @@ def test_padding_of_the_same_shape_gets_a_plan_for_the_blocks_inputs_it_makes(
     assert (info["plans"], info["variants"], info["misses"], info["hits"]) == (2, 1, 0, 3)
 
 
+def test_padding_on_a_predicted_length_gets_a_plan_within_the_budget() -> None:
+    """Lengths between profiled ones are predicted, and their blocks never ran: a padded
+    batch there gets a plan of its own too, with the costs around the blocks bounded by the
+    predicted chain's figures (1.06x the budget at 96 on the predicted plan before)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = zoo.llama(attn_implementation="sdpa").train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 96, (4, 128), generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(
+        model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, 0.7
+    )
+    budget = om.plan.budget_bytes
+    for length, padded in ((64, False), (96, False), (96, True)):
+        mask = torch.ones(4, length, dtype=torch.long)
+        if padded:
+            mask[1, length * 3 // 4 :] = 0
+            mask[3, length // 2 :] = 0
+        batch = {"input_ids": ids[:, :length], "attention_mask": mask, "labels": ids[:, :length]}
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        with StepMemory("cpu", inputs=batch) as memory:
+            om(**batch).loss.backward()
+        reference(**batch).loss.backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        assert memory.peak_bytes <= budget, (length, padded, memory.peak_bytes, budget)
+    info = om.cache_info()
+    assert (info["predicted"], info["variants"]) == (1, 1)
+
+
+class MaskedBlock(nn.Module):
+    """Attends over the rows where a mask is given (it saves an (n, n) product then)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        h = self.up(x)
+        if mask is not None:
+            h = torch.softmax((h @ h.transpose(-1, -2)).masked_fill(~mask, -1e4), -1) @ h
+        return x + self.down(torch.relu(h)) * scale
+
+
+class MaskedNet(nn.Module):
+    """Gives its blocks no mask where nothing is padded, and a number from the batch."""
+
+    def __init__(self, width: int = 32, depth: int = 6):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(MaskedBlock(width) for _ in range(depth))
+
+    def forward(self, x, mask):
+        h = self.embed(x)
+        pairs = None if bool(mask.all()) else mask[:, :, None] & mask[:, None, :]
+        scale = 1.0 / float(mask.sum())
+        for block in self.blocks:
+            h = block(h, mask=pairs, scale=scale)
+        return h.square().mean()
+
+
+def masked_batches() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(8, 64, 8, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(8, 64, dtype=torch.bool)
+    padded = ones.clone()
+    padded[2, 40:] = False
+    return x, ones, padded
+
+
+def test_a_number_the_model_hands_its_blocks_is_not_a_new_kind_of_input() -> None:
+    """A scale computed from the batch differs at every step; only the blocks' tensors (and
+    which are None) decide what they save, so the padded steps share one plan (each had
+    planned again, every step)."""
+    torch.manual_seed(0)
+    x, ones, _ = masked_batches()
+    om = offremat.optimize(MaskedNet(), (x, ones), budget=0.7)
+    for k in range(3):
+        mask = ones.clone()
+        mask[0, 60 - k :] = False  # another count, so another scale, at each step
+        om(x, mask).backward()
+    info = om.cache_info()
+    assert (info["plans"], info["variants"], info["misses"]) == (2, 1, 0)
+
+
+def test_a_recomputing_plan_for_padded_blocks_is_refused_inside_parametrize_cached() -> None:
+    """The example's plan runs plainly, which parametrize.cached() allows; the padded
+    inputs' plan recomputes, so it is refused as any recomputing plan is there (it had
+    failed in its refill), and runs bit-equal outside cached()."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = MaskedNet()
+    for block in model.blocks:
+        weight_norm(block.up)
+    reference = copy.deepcopy(model)
+    x, ones, padded = masked_batches()
+    om = offremat.optimize(model, (x, ones), budget=1.0)
+    with parametrize.cached():
+        om(x, ones).backward()
+    with parametrize.cached(), pytest.raises(RuntimeError, match=r"parametrize\.cached"):
+        om(x, padded)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = None
+    om(x, padded).backward()
+    reference(x, padded).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_kind_of_blocks_inputs_no_plan_fits_is_refused_again_without_planning() -> None:
+    """The refusal comes once the code before the blocks has run (inside the model's
+    forward), and is remembered: a later such step is refused at once."""
+    torch.manual_seed(0)
+    x, ones, padded = masked_batches()
+    om = offremat.optimize(MaskedNet(), (x, ones), budget=0.45)
+    for _ in range(2):
+        with pytest.raises(offremat.InfeasibleBudgetError, match="another kind"):
+            om(x, padded)
+    assert om.cache_info()["variants"] == 1
+    om(x, ones).backward()  # the example's kind still runs
+
+
 def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog, monkeypatch):
     import offremat._building
 
