@@ -29,7 +29,7 @@ class InfeasibleBudgetError(ValueError):
         self.shape = shape
         self.exact = exact
         where = "" if shape is None else f" for input {shape}"
-        named = f"{format_bytes(min_budget_bytes)} ({min_budget_bytes} B)"
+        named = f"{format_bytes(min_budget_bytes, round_up=True)} ({min_budget_bytes} B)"
         advice = (
             f"the least feasible budget is {named}: raise the budget to at least that"
             if exact
@@ -147,10 +147,14 @@ def byte_unit(count: float) -> tuple[int, str]:
     return 1, "B"
 
 
-def format_bytes(count: float) -> str:
-    """A size in binary units, for people: 1.50 GiB."""
+def format_bytes(count: float, round_up: bool = False) -> str:
+    """A size in binary units, for people: 1.50 GiB; ``round_up`` for a least size, so that the
+    figure shown, typed back, is at least it."""
     scale, unit = byte_unit(count)
-    return f"{int(count)} B" if scale == 1 else f"{count / scale:.2f} {unit}"
+    if scale == 1:
+        return f"{math.ceil(count) if round_up else int(count)} B"
+    shown = math.ceil(count / scale * 100) / 100 if round_up else count / scale
+    return f"{shown:.2f} {unit}"
 
 
 # A number without a unit below this many bytes per second is a unit left out (25 for

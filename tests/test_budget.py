@@ -76,6 +76,14 @@ def test_infeasible_budget_error_says_what_to_raise_it_to() -> None:
     assert "2.00 KiB (2048 B)" in str(error) and "raise the budget" in str(error)
 
 
+def test_the_least_budget_named_typed_back_fits() -> None:
+    """3331457032 B is 3.1026 GiB: shown as 3.10 GiB, typed back it was refused again."""
+    error = InfeasibleBudgetError(3331457031, 3331457032, "dp")
+    assert "the least feasible budget is 3.11 GiB (3331457032 B)" in str(error)
+    assert parse_budget("3.11GiB") >= 3331457032
+    assert format_bytes(3331457031) == "3.10 GiB"
+
+
 def test_a_link_in_bits_is_refused_not_read_as_bytes() -> None:
     """PCIe and networks are quoted in bits: 25Gb/s read as 25 GB/s was 8x too fast."""
     with pytest.raises(ValueError, match=re.escape("reads as bits")):
