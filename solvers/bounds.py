@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from solvers.chain import Chain
 from solvers.frozen import least_budget, trained_part
 
+MEETS_BOUND = "optimal (meets the lower bound)"
+"""A solver's status for a plan whose time meets a bound that holds for every plan."""
+
 
 def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):
     """The bytes (or units) B(k) itself holds: δ_k and x̄_k in, δ_{k-1} and its temporary out.

@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from solvers.bounds import lower_bound_s
+from solvers.bounds import MEETS_BOUND, lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.coarsen import balanced_groups, coarsen, expand
@@ -137,7 +137,7 @@ def solve_milp(
     if _meets(candidates, floor):
         # No plan is faster than the bound: searching on would only spend the time limit.
         best = candidates[0]
-        met = "optimal (meets the lower bound)"
+        met = MEETS_BOUND
         return _unsearched(chain, budget_bytes, best, met, started, backend, offload, floor)
     if candidates and time.monotonic() + estimated_build_s(chain.length) > deadline:
         # Building the model alone would overrun the limit: the best warm start is the answer.

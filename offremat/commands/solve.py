@@ -33,7 +33,7 @@ from offremat.commands import (
     resolve_budget,
     with_bandwidth,
 )
-from solvers.bounds import lower_bound_s
+from solvers.bounds import MEETS_BOUND, lower_bound_s
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
 from solvers.milp_progress import ProgressCallback, SearchProgress
@@ -268,6 +268,8 @@ def _print_table(chain: Chain, plan: Plan) -> None:
     console.print(table)
     counts = {kind: list(decisions.values()).count(kind) for kind in _DECISION_STYLE}
     bound = lower_bound_s(chain, plan.budget_bytes)
+    if plan.info.get("solver_status") == MEETS_BOUND:
+        bound = max(bound, plan.info["best_bound"])  # the tighter bound the plan met
     console.print(
         f"decisions        {counts['keep']} keep, {counts['recompute']} recompute, "
         f"{counts['offload']} offload"
