@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,25 @@ def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
     assert main(["profile", f"{source}:missing", *common]) == 2
     assert main(["profile", "no-such-model", *common]) == 2
     assert main(["profile", "gpt-tiny", "--stages", "0", *common]) == 2
+
+
+def test_cli_imports_a_module_from_the_working_directory(tmp_path, monkeypatch) -> None:
+    """``offremat profile my_models:mlp`` run beside my_models.py, as ``python -m`` would
+    find it (a console script does not put the working directory on its path); with
+    ``--threads``, the profile runs on that many threads."""
+    (tmp_path / "beside.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def mlp():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    threads = torch.get_num_threads()
+    try:
+        assert main(["profile", "beside:mlp", "--out", "c.json", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert Chain.load(tmp_path / "c.json").length == 2
 
 
 def test_a_doubling_stage_has_no_backward_temporary() -> None:

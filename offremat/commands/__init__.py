@@ -78,6 +78,23 @@ class UsageError(Exception):
     """A mistake in what the user asked for; the CLI prints the message and exits 2."""
 
 
+PROFILE_THREADS = (
+    "default: torch's own; a profile's times are those of this many threads, so give the "
+    "count you train with, and 1 on a machine shared with other work for steadier times"
+)
+
+
+def add_threads_option(parser: argparse.ArgumentParser, default: int | None, why: str) -> None:
+    """``--threads N``: torch's CPU threads while the command profiles or runs a model."""
+    parser.add_argument(
+        "--threads",
+        type=integer_at_least(1),
+        default=default,
+        metavar="N",
+        help=f"torch CPU threads ({why})",
+    )
+
+
 def integer_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse ``type``: a whole number no smaller than ``minimum``."""
 

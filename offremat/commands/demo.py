@@ -14,6 +14,7 @@ from offremat.commands import (
     BANDWIDTH_HELP,
     EXIT_OK,
     UsageError,
+    add_threads_option,
     bandwidth_rate,
     integer_at_least,
     positive_number,
@@ -67,13 +68,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="torch.use_deterministic_algorithms(True) (with CUBLAS_WORKSPACE_CONFIG=:4096:8), "
         "so that losses compare bit for bit on CUDA too",
     )
-    parser.add_argument(
-        "--threads",
-        type=integer_at_least(1),
-        default=1,
-        metavar="N",
-        help="torch CPU threads (default 1: the demo model is small, and one thread keeps "
-        "the profile and the measured steps comparable when other work shares the cores)",
+    add_threads_option(
+        parser,
+        1,
+        "default 1: the demo model is small, and one thread keeps the profile and the measured "
+        "steps comparable when other work shares the cores",
     )
     size = parser.add_argument_group("model size (default: the demo GPT)")
     size.add_argument("--layers", type=int)

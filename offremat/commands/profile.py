@@ -15,7 +15,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offremat.commands import EXIT_OK, UsageError, add_bandwidth_option, integer_at_least
+from offremat.commands import (
+    EXIT_OK,
+    PROFILE_THREADS,
+    UsageError,
+    add_bandwidth_option,
+    add_threads_option,
+    integer_at_least,
+)
 from solvers.budget import format_bytes
 from solvers.chain import Chain
 
@@ -80,12 +87,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "longest run of repeated blocks)",
     )
     parser.add_argument("--name", metavar="NAME", help="the chain's name (default: MODEL)")
+    add_threads_option(parser, None, PROFILE_THREADS)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the model, profile it, write the chain and print its stages."""
     import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from offremat._blocks import NotAChainError
     from offremat._discover import call_of
@@ -174,9 +185,11 @@ def _build(spec: str, batch: int | None, verbose: bool = False) -> tuple[Any, An
             raise UsageError(f"{error}, or give MODULE:CALLABLE") from None
         return named.build(0), named.batch(batch or named.default_batch_size, 0, "cpu")
     module_name, _, attribute = spec.rpartition(":")
+    # A file's folder, as ``python FILE`` would; for a module, the working directory, as
+    # ``python -m`` would (a console script has neither on its path).
     folder = str(Path(module_name).resolve().parent) if module_name.endswith(".py") else None
-    if folder is not None:
-        sys.path.insert(0, folder)
+    folder = folder or str(Path.cwd())
+    sys.path.insert(0, folder)
     try:
         module = _run_user_code(lambda: _import(module_name), module_name, verbose)
         factory = getattr(module, attribute, None)
@@ -187,8 +200,7 @@ def _build(spec: str, batch: int | None, verbose: bool = False) -> tuple[Any, An
             raise UsageError(f"--batch given but {attribute}() takes no batch_size argument")
         built = _run_user_code(lambda: factory(**kwargs), spec, verbose)
     finally:
-        if folder is not None:
-            sys.path.remove(folder)
+        sys.path.remove(folder)
     if not isinstance(built, tuple) or len(built) != 2:
         raise UsageError(
             f"{spec} returned {type(built).__name__}; it must return (model, example_input)"
@@ -226,7 +238,10 @@ def _import(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        raise UsageError(f"cannot import {name!r}: {error}") from None
+        raise UsageError(
+            f"cannot import {name!r}: {error} (give a file's path, such as {name}.py:NAME, "
+            "or run from the folder that holds it)"
+        ) from None
 
 
 def _print_chain(chain: Chain, path: str) -> None:

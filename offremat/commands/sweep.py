@@ -14,8 +14,10 @@ from rich.text import Text
 
 from offremat.commands import (
     EXIT_OK,
+    PROFILE_THREADS,
     UsageError,
     add_bandwidth_option,
+    add_threads_option,
     chain_help,
     integer_at_least,
     load_chain,
@@ -91,6 +93,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="batch size for --model (default: the model's)",
     )
+    add_threads_option(parser, None, "while --model is profiled; " + PROFILE_THREADS)
     return parser
 
 
@@ -169,6 +172,8 @@ def _chain(args: argparse.Namespace) -> Chain:
         return load_chain(args.chain)
     import torch
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         return profile_named_model(args.model, batch_size=args.batch, device=device)
