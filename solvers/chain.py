@@ -6,6 +6,7 @@ Indices follow Herrmann, Beaumont et al., "Optimal checkpointing for heterogeneo
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -268,11 +269,10 @@ class Chain:
             raise ChainFormatError("chain: the top level must be a JSON object")
         fmt = data.get("format")
         if fmt != CHAIN_FORMAT:
-            raise ChainFormatError(f"chain: field 'format' is {fmt!r}; expected {CHAIN_FORMAT!r}")
-        _require(data, ("name", "input_bytes", "stages"), "chain")
-        unknown = set(data) - {"format", *(f.name for f in fields(cls))}
-        if unknown:
-            raise ChainFormatError(f"chain: unknown field(s) {sorted(unknown)}")
+            said = "missing" if "format" not in data else f"{fmt!r}"
+            raise ChainFormatError(f"chain: field 'format' is {said}; expected {CHAIN_FORMAT!r}")
+        known = {"format", *(f.name for f in fields(cls))}
+        _check_fields(data, ("name", "input_bytes", "stages"), known, "chain")
         if not isinstance(data["name"], str):
             raise ChainFormatError(f"chain: field 'name' must be a string, got {data['name']!r}")
         if not isinstance(data["stages"], list):
@@ -284,10 +284,8 @@ class Chain:
                 raise ChainFormatError(f"{where}: must be a JSON object")
             if "name" in raw:
                 where = f"stage {index} ({raw['name']!r})"
-            _require(raw, ("name", "fwd_s", "bwd_s", "out_bytes", "saved_bytes"), where)
-            unknown = set(raw) - _STAGE_FIELDS
-            if unknown:
-                raise ChainFormatError(f"{where}: unknown field(s) {sorted(unknown)}")
+            required = ("name", "fwd_s", "bwd_s", "out_bytes", "saved_bytes")
+            _check_fields(raw, required, _STAGE_FIELDS, where)
             try:
                 stages.append(Stage(**raw))
             except ChainFormatError as error:
@@ -299,10 +297,8 @@ class Chain:
             raw_link = data["link"]
             if not isinstance(raw_link, dict):
                 raise ChainFormatError("link: must be a JSON object")
-            _require(raw_link, ("d2h_bytes_per_s", "h2d_bytes_per_s"), "link")
-            unknown = set(raw_link) - {"d2h_bytes_per_s", "h2d_bytes_per_s"}
-            if unknown:
-                raise ChainFormatError(f"link: unknown field(s) {sorted(unknown)}")
+            rates = ("d2h_bytes_per_s", "h2d_bytes_per_s")
+            _check_fields(raw_link, rates, set(rates), "link")
             link = Link(raw_link["d2h_bytes_per_s"], raw_link["h2d_bytes_per_s"])
         metadata = {} if data.get("metadata") is None else data["metadata"]
         if not isinstance(metadata, dict):
@@ -362,8 +358,20 @@ STAGE_BYTE_FIELDS = (
 _STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
 
 
-def _require(data: dict[str, Any], names: tuple[str, ...], where: str) -> None:
-    for name in names:
+def _check_fields(
+    data: dict[str, Any], required: tuple[str, ...], known: set[str], where: str
+) -> None:
+    """Refuse unknown fields first, each with the known one it is likely a misspelling of
+    (a missing field is often a misspelled one), then missing fields."""
+    unknown = sorted(set(data) - known)
+    if unknown:
+        guesses = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in unknown
+            for close in [difflib.get_close_matches(name, sorted(known), n=1)]
+        ]
+        raise ChainFormatError(f"{where}: unknown field(s) {', '.join(guesses)}")
+    for name in required:
         if name not in data:
             raise ChainFormatError(f"{where}: missing field {name!r}")
 

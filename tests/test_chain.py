@@ -101,6 +101,45 @@ def _drop(path: tuple[Any, ...]) -> dict[str, Any]:
     return data
 
 
+def _renamed(path: tuple[Any, ...], new_name: str) -> dict[str, Any]:
+    data = _drop(path)
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[new_name] = _value_at(sample_dict(), path)
+    return data
+
+
+def _value_at(data: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("data", "must_name"),
+    [
+        (
+            _renamed(("stages", 0, "saved_bytes"), "saved_byte"),
+            ["stage 1", "'saved_byte' (did you mean 'saved_bytes'?)"],
+        ),
+        (
+            _renamed(("link", "h2d_bytes_per_s"), "h2d_byte_per_s"),
+            ["link", "did you mean 'h2d_bytes_per_s'"],
+        ),
+        (_drop(("format",)), ["'format' is missing"]),
+    ],
+)
+def test_a_misspelled_required_field_is_named_with_the_field_it_misspells(
+    data: dict[str, Any], must_name: list[str]
+) -> None:
+    """A required field misspelled was reported as missing, without the misspelling."""
+    with pytest.raises(ChainFormatError) as caught:
+        Chain.from_dict(data)
+    for part in must_name:
+        assert part in str(caught.value), f"{part!r} missing from: {caught.value}"
+
+
 @pytest.mark.parametrize(
     ("data", "must_name"),
     [
