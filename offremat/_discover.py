@@ -372,7 +372,7 @@ def _containers(model: nn.Module) -> list[str]:
     return [
         path
         for path, module in model.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
+        if path and isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
     ]
 
 
@@ -387,5 +387,6 @@ def _no_run_message(model: nn.Module) -> str:
     return (
         f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
         f"type take each other's output and the same other arguments. If some do, name them "
-        f"with {hint}; the error then says what breaks the chain"
+        f"with {hint} (offremat profile: --blocks PATH); the error then says what breaks the "
+        "chain"
     )
