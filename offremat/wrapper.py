@@ -47,7 +47,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
-from offremat._tensors import flatten
+from offremat._tensors import flatten, refuse_hidden_tensors
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
 from solvers.budget import format_bytes
@@ -248,8 +248,9 @@ def optimize(
         check_count("stages", stages)
     _refuse_lazy(model)
     _refuse_optimized(model)
-    tensors, _ = flatten(example_batch)
+    tensors, structure = flatten(example_batch)
     if not tensors:
+        refuse_hidden_tensors(structure)  # tensors inside a dataclass: say so
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
     device_type = tensors[0].device.type
     if device_type == "cuda" and not cuda_blocks_split_exactly():

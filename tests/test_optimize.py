@@ -712,6 +712,9 @@ def test_a_dataclass_of_tensors_between_stages_is_refused_with_what_to_pass() ->
     model = nn.Sequential(nn.Linear(8, 8), Wrap(), Unwrap(8, 8), nn.Linear(8, 8))
     with pytest.raises(TypeError, match=r"a State holding tensors .* namedtuple"):
         offremat.optimize(model, torch.randn(4, 8), budget=0.5)
+    # Given as the whole input, it was "the example batch holds no tensor".
+    with pytest.raises(TypeError, match=r"a State holding tensors .* namedtuple"):
+        offremat.optimize(nn.Sequential(Unwrap(8, 8), nn.Linear(8, 8)), State(torch.randn(4, 8)))
 
 
 class WeightNormedHead(nn.Module):
