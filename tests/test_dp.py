@@ -54,13 +54,17 @@ def random_chain(rng: random.Random, length: int, uniform: bool = False, tmp: bo
     return Chain("random", size if uniform else rng.randint(1, 6), tuple(stages), held_bytes=held)
 
 
-def exhaustive_optimum(chain: Chain, budget: int) -> float:
-    """Dijkstra over every valid sequence of F_all, F_ck, F_none and B (design.md's model).
+def exhaustive_optimum(chain: Chain, budget: int, frees: bool = False) -> float:
+    """Dijkstra over every valid sequence of F_all, F_ck, F_none and B (design.md's model);
+    with ``frees``, also of ``free`` of any activation or saved set at any point (plans outside
+    rotor's persistent family, which no bound may exceed).
 
     A state is the set of tensors resident on the GPU; each op is allowed when its transient
     peak fits. This is written from design.md alone, independently of the simulator. An F_all(i)
     right before B(i) takes ``refill_s`` when stage i ran forward before without keeping x̄_i
-    (for i < L always, when x̄_i is absent at B(i)'s turn): that pair is one move here.
+    (for i < L always, when x̄_i is absent at B(i)'s turn): that pair is one move here, and
+    with ``frees`` it is taken at ``refill_s`` also where the executor would run the whole
+    forward (x̄_i kept, then freed), which can only lower the optimum.
     """
     x = [chain.activation_bytes(i) for i in range(chain.length + 1)]
     g = [chain.grad_bytes(i) for i in range(chain.length + 1)]  # δ_i
@@ -119,6 +123,8 @@ def exhaustive_optimum(chain: Chain, budget: int) -> float:
         ):
             after = state - {("grad", grad), ("a", grad - 1)}
             moves.append((stage.refill_s + stage.bwd_s, after | {("grad", grad - 1)}))
+        if frees:
+            moves += [(0.0, state - {t}) for t in state if t[0] != "grad" and t != ("a", 0)]
         for cost, successor in moves:
             if time + cost < best.get(successor, INF):
                 best[successor] = time + cost
