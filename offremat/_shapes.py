@@ -22,7 +22,6 @@ get a plan of their own in the step that meets them (:meth:`ShapePlans.for_chain
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -290,7 +289,7 @@ class ShapePlans:
         with _parametrize_cache_suspended():
             variant_chain = self.profile_blocks(chain, value)
         try:
-            plan = self._variant_plan(key[0], variant_chain)
+            plan = self._plan(key[0], variant_chain, variant=True)
         except InfeasibleBudgetError as error:
             self.refused[key] = error
             raise
@@ -302,25 +301,6 @@ class ShapePlans:
             self.variants.pop(next(iter(self.variants)))
         self.cache.planning_s += time.perf_counter() - began
         return variant
-
-    def _variant_plan(self, signature: Signature, chain: Chain) -> Plan:
-        """``quick``'s plan where it fits, else ``solve``'s: a variant is planned in the step
-        that meets it, and not improved later."""
-        try:
-            if self.quick is not None:
-                with contextlib.suppress(InfeasibleBudgetError):
-                    return self.quick(chain)
-            return self.solve(chain)
-        except InfeasibleBudgetError as error:
-            raise InfeasibleBudgetError(
-                error.budget_bytes,
-                error.min_budget_bytes,
-                error.solver,
-                describe(signature)
-                + " with blocks' inputs of another kind (refused once the code before the "
-                "blocks had run)",
-                exact=error.exact,
-            ) from None
 
     def _switch(self, state: StageState) -> None:
         """Put the plans of the stages' state so far aside, and take up those of ``state``.
@@ -371,9 +351,10 @@ class ShapePlans:
         """The disk cache, where it holds plans for the state the stages are in now."""
         return self.disk if (self.module_state, self.modes) == self.disk_state else None
 
-    def _plan(self, signature: Signature, chain: Chain) -> Plan:
-        """``quick``'s plan (then provisional) where it fits, else ``solve``'s; the error of a
-        budget too small names the shape."""
+    def _plan(self, signature: Signature, chain: Chain, variant: bool = False) -> Plan:
+        """``quick``'s plan where it fits (then provisional; a ``variant`` is planned in the
+        step that meets it and not improved later), else ``solve``'s; the error of a budget
+        too small names the shape."""
         try:
             if self.quick is not None:
                 try:
@@ -381,15 +362,22 @@ class ShapePlans:
                 except InfeasibleBudgetError:
                     pass  # the final solver may fit where the quick one does not (offloading)
                 else:
-                    self.provisional.add(signature)
+                    if not variant:
+                        self.provisional.add(signature)
                     return plan
             return self.solve(chain)
         except InfeasibleBudgetError as error:
+            shape = describe(signature)
+            if variant:
+                shape += (
+                    " with blocks' inputs of another kind (refused once the code before the "
+                    "blocks had run)"
+                )
             raise InfeasibleBudgetError(
                 error.budget_bytes,
                 error.min_budget_bytes,
                 error.solver,
-                describe(signature),
+                shape,
                 exact=error.exact,
             ) from None
 
