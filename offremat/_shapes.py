@@ -33,16 +33,17 @@ from typing import Any
 from torch import nn
 from torch.nn.utils import parametrize
 
-from offremat._blocks import output_capture_hooks
 from offremat._call_checks import plain_autograd_only
 from offremat._plan_cache import PlanCache
 from offremat._signatures import (
     CHAIN_INPUT_KEYS,
     Signature,
+    StageState,
     chain_input_kind,
     describe,
     differing_size,
     input_signature,
+    stage_state,
 )
 from offremat._step import StepsInFlight
 from offremat.executor import PlanExecutor
@@ -53,7 +54,6 @@ from solvers.predict import predict_chain
 
 logger = logging.getLogger(__name__)
 
-StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
 # A call's signature and the kind of its blocks' inputs (chain_input_kind).
 VariantKey = tuple[Signature, str]
 StatePlans = tuple[
@@ -79,13 +79,6 @@ def _parametrize_cache_suspended() -> Iterator[None]:
         yield
     finally:
         parametrize._cache_enabled, parametrize._cache = enabled, cache
-
-
-def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
-    """The implementations a model's config picks by name (``_attn_implementation_internal``):
-    not its other settings, one of which may count steps."""
-    attributes = getattr(config, "__dict__", {})
-    return tuple(sorted((k, v) for k, v in attributes.items() if "implementation" in k))
 
 
 def _predicted_input(metadata: dict[str, Any], same: Sequence[tuple[int, Chain]]) -> dict[str, Any]:
@@ -146,7 +139,7 @@ class ShapePlans:
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
-        self.module_state, self.modes = self._planned_state()
+        self.module_state, self.modes = stage_state(self.stages)
         # The plans of the other states of the stages seen lately (see executor).
         self.by_state: dict[StageState, StatePlans] = {}
         # The disk cache holds plans for the stages as optimize saw them only.
@@ -184,46 +177,9 @@ class ShapePlans:
         self.profiled[signature] = chain
         return chain
 
-    def _planned_state(self) -> StageState:
-        """What the stages' plans were made for, in one walk (it runs at every step): each
-        module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
-        hooks (one that logs activations keeps them, which the profile measures) and the
-        implementations its ``config`` picks (a Hugging Face model's attention
-        implementation, which decides what attention saves); and each module's training
-        flag. Not buffers: one may follow the input's shape (a mask cached for the last
-        length), which each shape's own plan covers."""
-        modules, modes = [], []
-        configs: set[int] = set()
-        for stage in self.stages:
-            for module in stage.modules():
-                modes.append(module.training)
-                modules.append(type(module))
-                modules.extend(
-                    (p.shape, p.dtype, p.device, p.requires_grad)
-                    for p in module._parameters.values()
-                    if p is not None
-                )
-                hooks = (
-                    module._forward_pre_hooks,
-                    module._forward_hooks,
-                    module._backward_pre_hooks,
-                    module._backward_hooks,
-                )
-                if any(hooks):  # by handle id: a removed hook's id is never given again
-                    # Hugging Face's recording hooks record nothing in a training step.
-                    inert = output_capture_hooks(module)
-                    keys = tuple(tuple(k for k in h if k not in inert) for h in hooks)
-                    if any(keys):
-                        modules.append(("hooks", *keys))
-                config = module.__dict__.get("config")
-                if config is not None and id(config) not in configs:
-                    configs.add(id(config))
-                    modules.append(("config", implementations(config)))
-        return tuple(modules), tuple(modes)
-
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        state = self._planned_state()
+        state = stage_state(self.stages)
         if state != (self.module_state, self.modes):
             self._switch(state)
         signature = input_signature(batch)
@@ -342,7 +298,7 @@ class ShapePlans:
     def runs_plainly(self, batch: Any) -> bool:
         """Whether ``batch``'s plan is made already, for the stages as they are now, and is
         plain autograd's schedule: nothing to plan, hold or recompute."""
-        if self._planned_state() != (self.module_state, self.modes):
+        if stage_state(self.stages) != (self.module_state, self.modes):
             return False
         executor = self.executors.get(input_signature(batch))
         return executor is not None and executor.plain and not executor.measure_memory

@@ -1,17 +1,23 @@
-"""What a plan depends on in a call's inputs, and how two calls' inputs differ.
+"""What a plan depends on: a call's inputs, the blocks' own inputs, the stages' state.
 
 A call's signature (its tensors' shapes, dtypes, devices and gradient flags, and its other
 arguments) keys its plan; the kind of the blocks' own inputs (:func:`chain_input_kind`) keys
-a plan of its own where the same shapes carry other side inputs (a padding mask).
+a plan of its own where the same shapes carry other side inputs (a padding mask); and the
+stages' state (:func:`stage_state`) the plans made for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from torch import nn
+
+from offremat._blocks import output_capture_hooks
 from offremat._tensors import Structure, flatten
 
 Signature = tuple[Any, ...]
+StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
 
 
 def input_signature(batch: Any) -> Signature:
@@ -95,3 +101,48 @@ def describe(signature: Signature) -> str:
     return ", ".join(
         f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, *_ in signature[0]
     )
+
+
+def stage_state(stages: Sequence[nn.Module]) -> StageState:
+    """What the stages' plans are made for, in one walk (it runs at every step): each
+    module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
+    hooks (one that logs activations keeps them, which the profile measures) and the
+    implementations its ``config`` picks (a Hugging Face model's attention
+    implementation, which decides what attention saves); and each module's training
+    flag. Not buffers: one may follow the input's shape (a mask cached for the last
+    length), which each shape's own plan covers."""
+    modules, modes = [], []
+    configs: set[int] = set()
+    for stage in stages:
+        for module in stage.modules():
+            modes.append(module.training)
+            modules.append(type(module))
+            modules.extend(
+                (p.shape, p.dtype, p.device, p.requires_grad)
+                for p in module._parameters.values()
+                if p is not None
+            )
+            hooks = (
+                module._forward_pre_hooks,
+                module._forward_hooks,
+                module._backward_pre_hooks,
+                module._backward_hooks,
+            )
+            if any(hooks):  # by handle id: a removed hook's id is never given again
+                # Hugging Face's recording hooks record nothing in a training step.
+                inert = output_capture_hooks(module)
+                keys = tuple(tuple(k for k in h if k not in inert) for h in hooks)
+                if any(keys):
+                    modules.append(("hooks", *keys))
+            config = module.__dict__.get("config")
+            if config is not None and id(config) not in configs:
+                configs.add(id(config))
+                modules.append(("config", implementations(config)))
+    return tuple(modules), tuple(modes)
+
+
+def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
+    """The implementations a model's config picks by name (``_attn_implementation_internal``):
+    not its other settings, one of which may count steps."""
+    attributes = getattr(config, "__dict__", {})
+    return tuple(sorted((k, v) for k, v in attributes.items() if "implementation" in k))
