@@ -6,14 +6,13 @@ Indices follow Herrmann, Beaumont et al., "Optimal checkpointing for heterogeneo
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from solvers.json_text import non_finite_at, parse_json
+from solvers.json_text import check_fields, non_finite_at, parse_json
 
 CHAIN_FORMAT = "offremat.chain/1"
 
@@ -267,12 +266,13 @@ class Chain:
         """Parse and validate an ``offremat.chain/1`` object; errors name the field."""
         if not isinstance(data, dict):
             raise ChainFormatError("chain: the top level must be a JSON object")
-        fmt = data.get("format")
-        if fmt != CHAIN_FORMAT:
-            said = "missing" if "format" not in data else f"{fmt!r}"
-            raise ChainFormatError(f"chain: field 'format' is {said}; expected {CHAIN_FORMAT!r}")
         known = {"format", *(f.name for f in fields(cls))}
-        _check_fields(data, ("name", "input_bytes", "stages"), known, "chain")
+        required = ("format", "name", "input_bytes", "stages")
+        check_fields(data, required, known, "chain", ChainFormatError)
+        if data["format"] != CHAIN_FORMAT:
+            raise ChainFormatError(
+                f"chain: field 'format' is {data['format']!r}; expected {CHAIN_FORMAT!r}"
+            )
         if not isinstance(data["name"], str):
             raise ChainFormatError(f"chain: field 'name' must be a string, got {data['name']!r}")
         if not isinstance(data["stages"], list):
@@ -285,7 +285,7 @@ class Chain:
             if "name" in raw:
                 where = f"stage {index} ({raw['name']!r})"
             required = ("name", "fwd_s", "bwd_s", "out_bytes", "saved_bytes")
-            _check_fields(raw, required, _STAGE_FIELDS, where)
+            check_fields(raw, required, _STAGE_FIELDS, where, ChainFormatError)
             try:
                 stages.append(Stage(**raw))
             except ChainFormatError as error:
@@ -298,7 +298,7 @@ class Chain:
             if not isinstance(raw_link, dict):
                 raise ChainFormatError("link: must be a JSON object")
             rates = ("d2h_bytes_per_s", "h2d_bytes_per_s")
-            _check_fields(raw_link, rates, set(rates), "link")
+            check_fields(raw_link, rates, rates, "link", ChainFormatError)
             link = Link(raw_link["d2h_bytes_per_s"], raw_link["h2d_bytes_per_s"])
         metadata = {} if data.get("metadata") is None else data["metadata"]
         if not isinstance(metadata, dict):
@@ -356,24 +356,6 @@ STAGE_BYTE_FIELDS = (
 """The sizes a stage gives, in bytes."""
 
 _STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
-
-
-def _check_fields(
-    data: dict[str, Any], required: tuple[str, ...], known: set[str], where: str
-) -> None:
-    """Refuse unknown fields first, each with the known one it is likely a misspelling of
-    (a missing field is often a misspelled one), then missing fields."""
-    unknown = sorted(set(data) - known)
-    if unknown:
-        guesses = [
-            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
-            for name in unknown
-            for close in [difflib.get_close_matches(name, sorted(known), n=1)]
-        ]
-        raise ChainFormatError(f"{where}: unknown field(s) {', '.join(guesses)}")
-    for name in required:
-        if name not in data:
-            raise ChainFormatError(f"{where}: missing field {name!r}")
 
 
 def _check_number(value: Any, where: str) -> None:

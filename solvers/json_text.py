@@ -3,8 +3,10 @@ read or nesting too deep is an error naming the file's kind, never a silent choi
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 
@@ -51,3 +53,25 @@ def non_finite_at(value: Any, path: str) -> str | None:
     else:
         return None
     return next((found for at, item in items if (found := non_finite_at(item, at))), None)
+
+
+def check_fields(
+    data: dict[str, Any],
+    required: Collection[str],
+    known: Collection[str],
+    where: str,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Refuse unknown fields first, each with the known one it likely misspells (a missing
+    field is often a misspelled one), then missing fields; ``error`` names ``where``."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        guesses = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in unknown
+            for close in [difflib.get_close_matches(name, sorted(known), n=1)]
+        ]
+        raise error(f"{where}: unknown field(s) {', '.join(guesses)}")
+    for name in required:
+        if name not in data:
+            raise error(f"{where}: missing field {name!r}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from solvers import semantics
 from solvers.chain import Chain
-from solvers.json_text import non_finite_at, parse_json
+from solvers.json_text import check_fields, non_finite_at, parse_json
 from solvers.ops import (
     ACTIVATION,
     BACKWARD,
@@ -180,14 +180,11 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """Parse an ``offremat.plan/1`` object (the derived ``decisions`` are ignored)."""
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        if not isinstance(data, dict):
+            raise ValueError("plan: the top level must be a JSON object")
+        check_fields(data, ("format", "stages", "solver", "ops"), _PLAN_FIELDS, "plan")
+        if data["format"] != PLAN_FORMAT:
             raise ValueError(f"plan: field 'format' must be {PLAN_FORMAT!r}")
-        for name in ("stages", "solver", "ops"):
-            if name not in data:
-                raise ValueError(f"plan: missing field {name!r}")
-        unknown = set(data) - _PLAN_FIELDS
-        if unknown:
-            raise ValueError(f"plan: unknown field(s) {sorted(unknown)}")
         if not isinstance(data["ops"], list):
             raise ValueError("plan: field 'ops' must be a list")
         try:

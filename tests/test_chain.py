@@ -127,7 +127,8 @@ def _value_at(data: Any, path: tuple[Any, ...]) -> Any:
             _renamed(("link", "h2d_bytes_per_s"), "h2d_byte_per_s"),
             ["link", "did you mean 'h2d_bytes_per_s'"],
         ),
-        (_drop(("format",)), ["'format' is missing"]),
+        (_drop(("format",)), ["missing field 'format'"]),
+        (_renamed(("format",), "fromat"), ["'fromat' (did you mean 'format'?)"]),
     ],
 )
 def test_a_misspelled_required_field_is_named_with_the_field_it_misspells(

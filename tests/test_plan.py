@@ -106,6 +106,10 @@ def test_op_text_names_the_tensor() -> None:
             {"format": "offremat.plan/1", "stages": [], "solver": "x", "ops": [], "budget_byte": 9},
             "unknown field.*budget_byte",
         ),
+        (  # a misspelled required field: named with the one it misspells, not as missing
+            {"format": "offremat.plan/1", "stages": [], "solvr": "x", "ops": []},
+            r"'solvr' \(did you mean 'solver'\?\)",
+        ),
         (
             {
                 "format": "offremat.plan/1",
