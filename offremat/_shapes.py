@@ -65,6 +65,8 @@ StatePlans = tuple[
 
 KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
+MIXED_KINDS = "predicted from chains of several kinds of blocks' inputs"
+"""The kind of a chain predicted from such chains: no input is of it."""
 KEPT_VARIANTS = 8
 """How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
 
@@ -83,12 +85,14 @@ def _parametrize_cache_suspended() -> Iterator[None]:
 
 def _predicted_input(metadata: dict[str, Any], same: Sequence[tuple[int, Chain]]) -> dict[str, Any]:
     """A predicted chain's metadata: the kind of chain input its sources were profiled on
-    where they agree, not its bytes, which are another size's (offremat._model_chain then
-    takes the costs around the blocks from the chain's figures, as upper bounds)."""
+    where they agree (else one no input has), not its bytes, which are another size's
+    (offremat._model_chain then takes the costs around the blocks from the chain's figures,
+    as upper bounds)."""
     metadata = {k: v for k, v in metadata.items() if k not in CHAIN_INPUT_KEYS}
     kinds = {chain.metadata.get("chain_input") for _, chain in same}
-    if len(kinds) == 1:
-        metadata["chain_input"] = kinds.pop()
+    if kinds != {None}:
+        # Sources of several kinds predict no kind's bytes: every input gets its own plan.
+        metadata["chain_input"] = kinds.pop() if len(kinds) == 1 else MIXED_KINDS
     return metadata
 
 
@@ -135,7 +139,8 @@ class ShapePlans:
         self.profiled: dict[Signature, Chain] = {}
         self.provisional: set[Signature] = set()
         self.variants: dict[VariantKey, PlanExecutor] = {}
-        self.refused: dict[VariantKey, InfeasibleBudgetError] = {}
+        # The fields of the error each refused kind raises (see for_chain_input).
+        self.refused: dict[VariantKey, tuple[Any, ...]] = {}
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
@@ -219,7 +224,8 @@ class ShapePlans:
             return executor
         key = (input_signature(batch), kind)
         if key in self.refused:
-            raise self.refused[key]
+            # A fresh error: a stored one would keep each refused step's frames alive.
+            raise InfeasibleBudgetError(*self.refused[key])
         variant = self.variants.get(key)
         if variant is None:
             variant = self._plan_variant(key, executor.chain, value)
@@ -247,7 +253,15 @@ class ShapePlans:
         try:
             plan = self._plan(key[0], variant_chain, variant=True)
         except InfeasibleBudgetError as error:
-            self.refused[key] = error
+            self.refused[key] = (
+                error.budget_bytes,
+                error.min_budget_bytes,
+                error.solver,
+                error.shape,
+                error.exact,
+            )
+            while len(self.refused) > KEPT_VARIANTS:
+                self.refused.pop(next(iter(self.refused)))
             raise
         variant = PlanExecutor(
             self.stages, plan, variant_chain, self.measure_memory, self.in_flight

@@ -41,6 +41,11 @@ class InfeasibleBudgetError(ValueError):
             + advice
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields, which args (the message alone) does not hold.
+        fields = (self.budget_bytes, self.min_budget_bytes, self.solver, self.shape, self.exact)
+        return type(self), fields
+
 
 class BitsUnitError(ValueError):
     """A size or rate written in bits (``25Gb/s``), where offremat counts bytes."""
