@@ -37,9 +37,9 @@ def chain_input_kind(value: Any) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
-    and which carry a gradient. Other values by type, numbers included: an object may be a
-    fresh one every call, and a number computed from the batch (a scale, a count) another
-    every step; neither decides what the blocks save."""
+    and which carry a gradient. Numbers and objects by type: an object may be a fresh one
+    every call, and a number computed from the batch (a scale, a count) another every step;
+    neither decides what the blocks save. Flags, strings and None by value."""
     tensors, structure = flatten(value)
     return repr(
         (

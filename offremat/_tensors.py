@@ -69,8 +69,8 @@ def refuse_hidden_tensors(structure: Structure) -> None:
         and any(_holds_tensor(getattr(item, f.name, None)) for f in dataclasses.fields(item))
     ):
         raise TypeError(
-            f"a {type(item).__name__} holding tensors is passed between stages or as the "
-            "input; offremat sees tensors in tuples, lists, dicts and namedtuples only, and "
+            f"a dataclass {type(item).__name__} holding tensors is passed between stages or as "
+            "the input; offremat sees tensors in tuples, lists, dicts and namedtuples only, and "
             "would miss these (their gradients and their memory). Pass its tensors in one of "
             "those (a namedtuple keeps the field names)"
         )
@@ -83,6 +83,8 @@ def _holds_tensor(value: Any) -> bool:
         return any(_holds_tensor(child) for child in value)
     if isinstance(value, dict):
         return any(_holds_tensor(child) for child in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_tensor(getattr(value, f.name, None)) for f in dataclasses.fields(value))
     return False
 
 

@@ -183,7 +183,8 @@ def run_demo(
     asked = int(budget_fraction * keep_peak)
     budget = max(asked, math.ceil(least * 1.02))
     raised = (
-        f": the {budget_fraction:.0%} asked is below the least feasible {format_bytes(least)}"
+        f": the {budget_fraction:.0%} asked is below the least feasible "
+        f"{format_bytes(least, round_up=True)}"
         if budget > asked
         else ""
     )

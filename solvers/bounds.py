@@ -13,7 +13,8 @@ from solvers.chain import Chain
 from solvers.frozen import least_budget, trained_part
 
 MEETS_BOUND = "optimal (meets the lower bound)"
-"""A solver's status for a plan whose time meets a bound that holds for every plan."""
+"""A solver's status for a plan whose time meets a bound that holds for every plan the solver
+was asked for (every plan; every plan that only recomputes, with offloading off)."""
 
 
 def working_set(grad: Sequence[float], saved: Sequence[float], tmp: Sequence[float], k: int):

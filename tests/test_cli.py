@@ -121,6 +121,24 @@ def test_plain_output_is_a_table_with_the_figures(capsys: pytest.CaptureFixture[
     assert f"{overhead:+.1%}" in out
 
 
+@pytest.mark.parametrize(
+    ("offload", "shown_ms"), [(True, "63.98 ms"), (False, "62.85 ms, 63.98 ms recomputing only")]
+)
+def test_the_bound_shown_is_the_one_the_plan_met(
+    offload: bool, shown_ms: str, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """At 60% the milp returns the dp's plan because it meets the whole-tensor bound: the
+    bound shown beside it is that one (the fractional 62.85 ms read as a contradiction), and
+    without offloading, where it bounds recomputing plans only, beside the one for every
+    plan."""
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = ["solve", "transformer", "--budget", "0.6", "--solver", "milp", "--time-limit", "5"]
+    argv += [] if offload else ["--no-offload"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert f"lower bound at this budget {shown_ms}" in out
+
+
 def test_infeasible_budget_exits_3_with_the_least_budget(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

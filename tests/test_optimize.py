@@ -710,11 +710,18 @@ def test_a_dataclass_of_tensors_between_stages_is_refused_with_what_to_pass() ->
             return super().forward(state.hidden)
 
     model = nn.Sequential(nn.Linear(8, 8), Wrap(), Unwrap(8, 8), nn.Linear(8, 8))
-    with pytest.raises(TypeError, match=r"a State holding tensors .* namedtuple"):
+    with pytest.raises(TypeError, match=r"a dataclass State holding tensors .* namedtuple"):
         offremat.optimize(model, torch.randn(4, 8), budget=0.5)
-    # Given as the whole input, it was "the example batch holds no tensor".
-    with pytest.raises(TypeError, match=r"a State holding tensors .* namedtuple"):
-        offremat.optimize(nn.Sequential(Unwrap(8, 8), nn.Linear(8, 8)), State(torch.randn(4, 8)))
+
+    # Given as the whole input, or inside another dataclass, it was "the example batch holds
+    # no tensor".
+    @dataclasses.dataclass
+    class Outer:
+        state: State
+
+    for batch in (State(torch.randn(4, 8)), Outer(State(torch.randn(4, 8)))):
+        with pytest.raises(TypeError, match=r"holding tensors .* namedtuple"):
+            offremat.optimize(nn.Sequential(Unwrap(8, 8), nn.Linear(8, 8)), batch)
 
 
 class WeightNormedHead(nn.Module):

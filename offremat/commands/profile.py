@@ -238,10 +238,12 @@ def _import(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        raise UsageError(
-            f"cannot import {name!r}: {error} (give a file's path, such as {name}.py:NAME, "
-            "or run from the folder that holds it)"
-        ) from None
+        hint = ""
+        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
+            # The module itself was not found, not a package it imports.
+            path = name.replace(".", "/") + ".py"
+            hint = f" (give a file's path, such as {path}:NAME, or run from its folder)"
+        raise UsageError(f"cannot import {name!r}: {error}{hint}") from None
 
 
 def _print_chain(chain: Chain, path: str) -> None:

@@ -268,8 +268,13 @@ def _print_table(chain: Chain, plan: Plan) -> None:
     console.print(table)
     counts = {kind: list(decisions.values()).count(kind) for kind in _DECISION_STYLE}
     bound = lower_bound_s(chain, plan.budget_bytes)
+    recomputing = ""
     if plan.info.get("solver_status") == MEETS_BOUND:
-        bound = max(bound, plan.info["best_bound"])  # the tighter bound the plan met
+        met = max(bound, plan.info["best_bound"])  # the tighter bound the plan met
+        if plan.info.get("offload"):
+            bound = met
+        else:  # without offloading, a bound on the plans that only recompute
+            recomputing = f", {_format_seconds(met)} recomputing only"
     console.print(
         f"decisions        {counts['keep']} keep, {counts['recompute']} recompute, "
         f"{counts['offload']} offload"
@@ -278,7 +283,7 @@ def _print_table(chain: Chain, plan: Plan) -> None:
         f"predicted time   {_format_seconds(plan.predicted_time_s)}  "
         f"({_overhead(chain, plan.predicted_time_s):+.1%} over Σ fwd + Σ bwd = "
         f"{_format_seconds(chain.compute_time_s)}; lower bound at this budget "
-        f"{_format_seconds(bound)})"
+        f"{_format_seconds(bound)}{recomputing})"
     )
     console.print(
         f"predicted peak   {format_bytes(plan.predicted_peak_bytes)} of "
