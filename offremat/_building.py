@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import chain_blocks, check_chain_output, check_device, refuse_own_hooks
+from offremat._call_checks import recorded_output_flags, refuse_kv_cache, refuse_recorded_outputs
 from offremat._discover import BlockRun, Call, call_of
 from offremat._model_chain import (
     ModelChain,
@@ -50,6 +51,9 @@ def build(
         )
     check_device([model], tensors[0].device)
     call = call_of(model, example_batch)
+    # As a training step would, before profiling runs the model with its blocks intercepted.
+    refuse_recorded_outputs(model, recorded_output_flags(model), call.kwargs)
+    refuse_kv_cache(call.args, call.kwargs)
     found = ModelChain.find(model, call, blocks)
     chain, plan = request.example_plan(
         call, lambda: profile_model_chain(model, call, found, stages, bandwidth)

@@ -85,3 +85,20 @@ def test_router_logits_for_a_load_balancing_loss_are_refused_by_name() -> None:
     om = offremat.optimize(MixtralForCausalLM(config).train(), BATCH, budget=0.5)
     with pytest.raises(NotAChainError, match="output_router_logits=True"):
         om(**BATCH, output_router_logits=True)
+    # Set when optimize profiles the model, it ended in a bare IndexError inside the model.
+    with pytest.raises(NotAChainError, match="output_router_logits=True"):
+        offremat.optimize(
+            MixtralForCausalLM(config).train(), {**BATCH, "output_router_logits": True}
+        )
+    config.output_router_logits = True
+    with pytest.raises(NotAChainError, match="output_router_logits=True"):
+        offremat.optimize(MixtralForCausalLM(config).train(), BATCH, budget=0.5)
+
+
+def test_hidden_states_asked_for_by_the_config_are_refused_by_name_at_optimize() -> None:
+    # It was refused as no chain, with advice to name the blocks, never naming the flag.
+    model = zoo.llama(output_hidden_states=True).train()
+    with pytest.raises(NotAChainError, match="output_hidden_states=True"):
+        offremat.optimize(model, BATCH, budget=0.5)
+    with pytest.raises(NotAChainError, match=r"key-value cache \(use_cache=True\)"):
+        offremat.optimize(zoo.llama().train(), {**BATCH, "use_cache": True}, budget=0.5)
