@@ -64,7 +64,7 @@ def build(
 
     profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)
     profile_blocks = functools.partial(_profile_blocks, stage_blocks)
-    plans = request.plans(modules, call, chain, plan, profile_shape, profile_blocks)
+    plans = request.plans(modules, call, chain, plan, profile_shape, profile_blocks, model)
     return model, plans, found.run
 
 

@@ -149,6 +149,7 @@ class Residency:
         self.device = device
         self.fixed = fixed
         self.pool = pool
+        pool.open()  # until close: a step in flight beside this one must not reuse its copies
         self.streams = streams
         # Storages on the device by key; a key is an address that the allocator may give to a
         # new storage once this one is freed, so an emptied record leaves the index.

@@ -87,9 +87,11 @@ class Request:
         plan: Plan,
         profile_shape: Callable[[Any], Chain],
         profile_blocks: Callable[[Chain, Any], Chain] | None = None,
+        model: nn.Module | None = None,
     ) -> ShapePlans:
         """The plans by input shape, starting with the example's; ``profile_blocks`` profiles
-        the blocks of a model on another kind of chain input (ShapePlans.for_chain_input)."""
+        the blocks of ``model`` on another kind of chain input (ShapePlans.for_chain_input),
+        whose state, code around the blocks included, the plans are made for."""
         solve_shape = _solver_for(plan, self.solver, self.solver_options)
         plans = ShapePlans(
             modules,
@@ -99,6 +101,7 @@ class Request:
             self.disk,
             _quick_for(plan, self.solver, self.solver_options),
             profile_blocks,
+            model,
         )
         plans.add(example, chain, plan)
         # Only the example's plan can have been read from disk by now.

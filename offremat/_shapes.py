@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from offremat._call_checks import plain_autograd_only
+from offremat._host import DeviceResources
 from offremat._plan_cache import PlanCache
 from offremat._signatures import (
     CHAIN_INPUT_KEYS,
@@ -116,6 +117,8 @@ class ShapePlans:
     makes its plan. With ``quick``, a new shape's first plan is ``quick``'s where it fits, and
     ``solve`` replaces it at the shape's next step. ``profile_blocks`` profiles the blocks on
     a chain input of another kind than a shape's plan was made on (:meth:`for_chain_input`).
+    Plans hold for the state of ``model`` (its modules, parameters, hooks and modes) as they
+    were made, or of the stages when the model is the chain.
     """
 
     def __init__(
@@ -127,8 +130,12 @@ class ShapePlans:
         disk: PlanCache | None = None,
         quick: Callable[[Chain], Plan] | None = None,
         profile_blocks: Callable[[Chain, Any], Chain] | None = None,
+        model: nn.Module | None = None,
     ):
         self.stages = list(stages)
+        # Whose state the plans are made for: the whole model where code around the stages
+        # (an embedding, a head) adds to the step's memory, else the stages.
+        self.watched = self.stages if model is None else [model]
         self.profile_blocks = profile_blocks
         self.profile = profile
         self.solve = solve
@@ -144,7 +151,8 @@ class ShapePlans:
         self.cache = ShapeCache()
         self.last: PlanExecutor | None = None
         self.in_flight = StepsInFlight()
-        self.module_state, self.modes = stage_state(self.stages)
+        self.resources = DeviceResources()
+        self.module_state, self.modes = stage_state(self.watched)
         # The plans of the other states of the stages seen lately (see executor).
         self.by_state: dict[StageState, StatePlans] = {}
         # The disk cache holds plans for the stages as optimize saw them only.
@@ -152,7 +160,9 @@ class ShapePlans:
 
     def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch."""
-        executor = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
+        executor = PlanExecutor(
+            self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
+        )
         signature = input_signature(batch)
         self.executors[signature] = executor
         self.profiled[signature] = chain
@@ -184,7 +194,7 @@ class ShapePlans:
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
-        state = stage_state(self.stages)
+        state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
         signature = input_signature(batch)
@@ -264,7 +274,7 @@ class ShapePlans:
                 self.refused.pop(next(iter(self.refused)))
             raise
         variant = PlanExecutor(
-            self.stages, plan, variant_chain, self.measure_memory, self.in_flight
+            self.stages, plan, variant_chain, self.measure_memory, self.in_flight, self.resources
         )
         self.variants[key] = variant
         while len(self.variants) > KEPT_VARIANTS:
@@ -294,13 +304,13 @@ class ShapePlans:
         if kept is None:
             if state[0] != self.module_state:
                 logger.warning(
-                    "the stages' modules, parameters (a type, shape, dtype, device or "
+                    "the model's modules, parameters (a type, shape, dtype, device or "
                     "requires_grad), hooks or settings changed: planning each shape again "
                     "for them"
                 )
             else:
                 logger.warning(
-                    "the stages' training or eval mode changed: planning each shape again "
+                    "the model's training or eval mode changed: planning each shape again "
                     "for this mode (a step with gradients enabled follows a plan in eval "
                     "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
                 )
@@ -312,7 +322,7 @@ class ShapePlans:
     def runs_plainly(self, batch: Any) -> bool:
         """Whether ``batch``'s plan is made already, for the stages as they are now, and is
         plain autograd's schedule: nothing to plan, hold or recompute."""
-        if stage_state(self.stages) != (self.module_state, self.modes):
+        if stage_state(self.watched) != (self.module_state, self.modes):
             return False
         executor = self.executors.get(input_signature(batch))
         return executor is not None and executor.plain and not executor.measure_memory
@@ -365,7 +375,9 @@ class ShapePlans:
     def _install(
         self, signature: Signature, chain: Chain, plan: Plan, began: float, done: str
     ) -> PlanExecutor:
-        executor = PlanExecutor(self.stages, plan, chain, self.measure_memory, self.in_flight)
+        executor = PlanExecutor(
+            self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
+        )
         self.executors[signature] = executor
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds
@@ -378,15 +390,6 @@ class ShapePlans:
             format_bytes(plan.predicted_peak_bytes or 0),
         )
         return executor
-
-    def all_executors(self) -> list[PlanExecutor]:
-        """The executors of every state of the stages kept, the current one's first."""
-        kept = [
-            (*executors.values(), *variants.values())
-            for executors, _, _, variants in self.by_state.values()
-        ]
-        current = (*self.executors.values(), *self.variants.values())
-        return [e for executors in (current, *kept) for e in executors]
 
     def info(self) -> dict[str, Any]:
         """``hits``, ``misses`` and ``plans`` (as in ``functools.lru_cache``; hits and misses

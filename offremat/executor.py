@@ -52,7 +52,7 @@ from offremat._call_checks import (
     refuse_functorch_transforms,
     refuse_outer_saved_tensor_hooks,
 )
-from offremat._host import CudaStreams, HostArena
+from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
@@ -89,6 +89,7 @@ class PlanExecutor:
         chain: Chain,
         measure_memory: bool = False,
         in_flight: StepsInFlight | None = None,
+        resources: DeviceResources | None = None,
     ):
         if len(stages) != chain.length or plan.length != chain.length:
             raise ValueError(
@@ -104,6 +105,8 @@ class PlanExecutor:
         self.measure_memory = measure_memory
         # Shared by the executors of one model (one per input shape).
         self.in_flight = StepsInFlight() if in_flight is None else in_flight
+        # So are the host arena and the copy streams of each device.
+        self.resources = DeviceResources() if resources is None else resources
         # Plain autograd's own schedule, run as plain autograd (offremat._plain).
         self.plain = plan.ops == keep_all(chain).ops
         self.simulation = simulate(plan, chain, plan.budget_bytes)
@@ -139,8 +142,6 @@ class PlanExecutor:
         self.reported_over_budget = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
-        self._streams: dict[torch.device, CudaStreams] = {}
-        self._pools: dict[torch.device, HostArena] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._last: StepTiming | None = None
 
@@ -156,19 +157,19 @@ class PlanExecutor:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host memory that the executor keeps for offloads between steps."""
-        return sum(pool.allocated_bytes for pool in self._pools.values())
+        """Host memory kept for offloads between steps, by this executor and those that share
+        its resources (the model's other input shapes and states)."""
+        return self.resources.host_bytes
 
     def release_host_memory(self) -> None:
         """Give back the host buffers kept for offloads; the next step allocates them again."""
-        for pool in self._pools.values():
-            pool.release()
+        self.resources.release()
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (pickle, deepcopy) starts without this process's host buffers, CUDA
         # streams and last step: they are made again at its first step.
         state = dict(self.__dict__)
-        state.update(_streams={}, _pools={}, _anchors={}, _last=None)
+        state.update(_anchors={}, _last=None)
         return state
 
     def __call__(self, value: Any) -> Any:
@@ -228,15 +229,7 @@ class PlanExecutor:
         return self._anchors[device]
 
     def _resources(self, device: torch.device) -> tuple[HostArena, CudaStreams | None]:
-        if device not in self._pools:
-            cuda = device.type == "cuda"
-            self._pools[device] = HostArena(pinned=cuda, capacity=self.host_bytes)
-            if cuda:
-                self._streams[device] = CudaStreams(device)
-        streams = self._streams.get(device)
-        if streams is not None:
-            streams.compute = torch.cuda.current_stream(device)
-        return self._pools[device], streams
+        return self.resources.of(device, self.host_bytes)
 
 
 def _refuse_recomputed_renorm(

@@ -109,8 +109,7 @@ class OptimizedModule(nn.Module):
 
     def release_host_memory(self) -> None:
         """Give back the host buffers kept for offloads between steps."""
-        for executor in self._plans.all_executors():
-            executor.release_host_memory()
+        self._plans.resources.release()
 
     @property  # type: ignore[override]
     def training(self) -> bool:

@@ -10,6 +10,7 @@ buffers on CPU, and the peak the executor measures must respect the plan.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import random
 
@@ -457,7 +458,7 @@ def test_host_buffers_are_reused_from_step_to_step() -> None:
     chain = profile_model(model, x, warmup=0, repeats=1, bandwidth=FAST_LINK)
     executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
     executor(x).sum().backward()
-    pool = executor._pools[x.device]
+    pool = executor.resources.arenas[x.device]
     allocated = pool.allocated_bytes
     assert allocated > 0
     for _ in range(3):
@@ -525,6 +526,47 @@ def test_an_offloading_executor_holds_one_arena_of_the_plan_s_size() -> None:
     for _ in range(3):
         executor(x).sum().backward()
         assert 0 < executor.host_buffer_bytes <= executor.host_bytes + 64 * len(executor.plan.ops)
+
+
+def test_a_step_run_while_another_waits_for_its_backward_leaves_its_host_copies() -> None:
+    # A step that begins and ends between another's forward and backward reused the host
+    # arena from its start, over the waiting step's offloaded copies: wrong gradients.
+    model = wide_mlp(256, 4)
+    reference = copy.deepcopy(model)
+    a, b, c = (torch.randn(64, 256) for _ in range(3))
+    chain = profile_model(model, a, warmup=0, repeats=1, bandwidth=FAST_LINK)
+    executor = PlanExecutor(list(model), score(offload_all(chain), chain, None), chain)
+    (executor(a).sum() + executor(b).sum()).backward()  # the arena grows to two steps
+    waiting = executor(a)
+    executor(b).sum().backward()
+    executor(c).sum().backward()
+    model.zero_grad(set_to_none=True)
+    waiting.sum().backward()
+    reference(a).sum().backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_the_plans_of_every_input_shape_share_one_host_arena() -> None:
+    import offremat
+
+    model = wide_mlp(64, 4)
+    om = offremat.optimize(
+        model, torch.randn(32, 64), budget=10**8, solver="offload-all", bandwidth=FAST_LINK
+    )
+    largest = 0
+    for rows in (32, 48, 16, 64, 40, 24):
+        om(torch.randn(rows, 64)).sum().backward()
+        largest = max(largest, om._executor.host_bytes)
+    assert om.cache_info()["plans"] == 6
+    # Seen from outside: every byte tensor alive (host copies are carved from such buffers).
+    gc.collect()
+    buffers = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+    }
+    assert 0 < sum(buffers.values()) <= largest + 64 * len(om.plan.ops)
 
 
 def test_tiny_storages_move_and_foreign_ones_stay_resident_when_offloaded() -> None:
