@@ -9,7 +9,9 @@ simulator's record of each op (when it was ready, when it started and ended) int
   waiting on an event recorded just then, so that it runs beside op k as simulated; but one
   that the simulator starts only once op k (or a later op) has ended, because it waited for the
   memory that op releases, is issued after the last compute op that ends by its start, and
-  every later op of the same tensor (a free, an offload) waits for it, in list order;
+  every later op of the same tensor (a free, an offload) waits for it, in list order; and one
+  that starts after an offload listed before it beside op k has ended is issued after op k,
+  once that offload is released (memory first: its copy may then start later than simulated);
 - an offload listed after op k is issued once op k is enqueued (its tensor may be op k's
   output), its copy waiting only on the op that produced the tensor;
 - the GPU bytes of an offload are released before the first later compute op that the
@@ -104,6 +106,22 @@ def host_actions(ops: Sequence[Op], times: dict[int, OpTimes]) -> tuple[HostActi
             deferred.setdefault(turn, []).append(n)
             waiting[ops[n].tensor] = turn
             early = tuple(e for e in early if e != n)
+        # A prefetch that the simulator starts once an offload listed before it in the same
+        # group has released its bytes waits for that release, which the host makes only
+        # after op k: issue it then, or op k would run with both tensors resident.
+        after_release = [
+            n
+            for n in early
+            if any(
+                ops[m].kind == OFFLOAD and times[m].end_s <= times[n].start_s
+                for m in groups[k]
+                if m < n
+            )
+        ]
+        for n in after_release:
+            deferred.setdefault(k, []).append(n)
+            waiting[ops[n].tensor] = max(k, waiting.get(ops[n].tensor, k))
+        early = tuple(n for n in early if n not in after_release)
         threshold = times[position].start_s
         for n in early:
             if times[n].start_s > times[n].ready_s:  # the simulator held it back for memory

@@ -10,6 +10,7 @@ buffers on CPU, and the peak the executor measures must respect the plan.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import itertools
 import random
@@ -26,6 +27,7 @@ from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need, solve_dp
 from solvers.host import COMPUTE, ISSUE, RELEASE
 from solvers.plan import (
+    SAVED,
     Plan,
     backward,
     forward_all,
@@ -42,6 +44,11 @@ from solvers.simulator import score, simulate
 FAST_LINK = 1e9
 # Rows per batch: enough that activations (tens of KiB) dwarf the executor's few fixed bytes.
 ROWS = 1024
+
+
+class MeanOfSquares(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.pow(2).mean()
 
 
 class Split(nn.Module):
@@ -567,6 +574,42 @@ def test_the_plans_of_every_input_shape_share_one_host_arena() -> None:
         if isinstance(t, torch.Tensor) and t.dtype == torch.uint8
     }
     assert 0 < sum(buffers.values()) <= largest + 64 * len(om.plan.ops)
+
+
+def test_a_prefetch_waiting_for_an_offload_beside_the_same_op_follows_its_release() -> None:
+    # The simulator starts prefetch(x̄1) during B(5), once offload(x̄2), listed before it
+    # after B(5), has ended; the host issued the prefetch before B(5) and released x̄2 only
+    # after it, so B(5) ran with both: measured 131,068 B over the plan's least budget.
+    from offremat.measure import StepMemory
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)]
+    model = nn.Sequential(*blocks, MeanOfSquares())
+    x = torch.randn(512, 64)
+    chain = profile_model(copy.deepcopy(model), x, warmup=0, repeats=1)
+    # Fixed times, so that the schedule is too: each compute op 1 ms, each copy 0.1 ms.
+    stages = tuple(
+        dataclasses.replace(s, fwd_s=1e-3, bwd_s=1e-3, refill_s=1e-3) for s in chain.stages
+    )
+    chain = dataclasses.replace(chain, stages=stages, link=Link(131072 / 1e-4, 131072 / 1e-4))
+    ops = (
+        *(forward_all(1), forward_all(2), offload(SAVED, 1)),
+        *(forward_all(3), forward_all(4), forward_all(5), backward(5)),
+        *(offload(SAVED, 2), prefetch(SAVED, 1), backward(4), prefetch(SAVED, 2)),
+        *(backward(3), backward(2), backward(1)),
+    )
+    plan = Plan(ops=ops, stage_names=chain.stage_names, solver="hand")
+    budget = next(
+        b
+        for b in range(simulate(plan, chain).peak_bytes - 2 * 131072, 10**8, 4096)
+        if simulate(plan, chain, b).feasible
+    )
+    executor = PlanExecutor(list(model), score(plan, chain, budget), chain)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=x) as memory:
+        executor(x).backward()
+    assert memory.peak_bytes <= budget
 
 
 def test_tiny_storages_move_and_foreign_ones_stay_resident_when_offloaded() -> None:
