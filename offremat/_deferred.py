@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
-from offremat._stage import SavedTensorPacker, check_versions
+from offremat._stage import SavedTensorPacker, check_versions, escaped_tensor_error
 from offremat._tensors import storage_key
 
 
@@ -127,10 +127,9 @@ class DeferringPacker(SavedTensorPacker):
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Placeholder):
             if packed.ref is None:
-                raise RuntimeError(
-                    f"stage {self.stage!r}: a saved tensor was not recomputed before its "
-                    "backward; this is a bug in offremat"
-                )
+                # Only a backward reaching the kept graph before its refill, from a tensor
+                # made inside the stage that the caller kept, unpacks an empty placeholder.
+                raise escaped_tensor_error(self.stage)
             check_versions(self.stage, [packed.ref])
             return self._taken(packed.ref)
         return super().unpack(packed)

@@ -49,10 +49,18 @@ from offremat._tensors import storage_key, tensor_over, unique_storages, version
 
 
 class GradSlot:
-    """Where :class:`StageInput` leaves the gradients of a stage's inputs (δ_{i-1})."""
+    """Where :class:`StageInput` leaves the gradients of a stage's inputs (δ_{i-1}).
 
-    def __init__(self) -> None:
+    A step's slot names its stage and takes gradients only while the step runs that stage's
+    backward (``receiving``): one arriving at another time came into the stage's graph from
+    outside, through a tensor made inside the stage that the caller kept (a forward hook, an
+    auxiliary loss stored as an attribute), and would be lost.
+    """
+
+    def __init__(self, stage: str | None = None) -> None:
         self.grads: tuple[torch.Tensor | None, ...] | None = None
+        self.stage = stage
+        self.receiving = stage is None
 
 
 class StageInput(torch.autograd.Function):
@@ -70,8 +78,22 @@ class StageInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if not ctx.slot.receiving:
+            raise escaped_tensor_error(ctx.slot.stage)
         ctx.slot.grads = grads
         return (None, None, *([None] * len(grads)))
+
+
+def escaped_tensor_error(stage: str | None) -> RuntimeError:
+    """The error for a gradient reaching a stage's graph other than through its output."""
+    return RuntimeError(
+        f"a tensor computed inside stage {stage!r} reaches the loss other than through the "
+        "stage's output (kept by a forward hook on a module inside it, or stored as an "
+        "attribute, such as an auxiliary loss): offremat runs each stage's backward itself, "
+        "from its output, so that path's gradient would be lost. Return the tensor from the "
+        "block, compute the extra loss term from the blocks' outputs, or leave those blocks "
+        "out of the chain (blocks=). This step's gradients are incomplete: zero them"
+    )
 
 
 def enter_stage(

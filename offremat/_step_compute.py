@@ -30,6 +30,7 @@ from offremat._stage import (
     check_unmodified,
     check_versions,
     enter_stage,
+    escaped_tensor_error,
     frozen_running_stats,
 )
 from offremat._tensors import (
@@ -145,7 +146,7 @@ class Compute:
                     expected = self.executor.pack_counts.get(i)
                     changes = i in self.executor.changes_saved
                     packer = DeferringPacker(name, inputs, self.excluded, expected, changes)
-                slot = GradSlot()
+                slot = GradSlot(name)
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 if packer is not None:
                     stack.enter_context(packer.hooks())
@@ -302,21 +303,24 @@ class Compute:
             for edge, g in zip(saved.edges, grad.tensors, strict=True)
             if g is not None and edge is not None
         ]
-        if self.accumulate:  # parameters several stages use: see offremat._shared_grads
-            try:
+        saved.slot.receiving = True
+        try:
+            if self.accumulate:  # parameters several stages use: see offremat._shared_grads
                 self.shared.backward(i, [e for e, _ in pairs], [g for _, g in pairs])
-            except RuntimeError as error:
-                if "a second time" in str(error) and any(
-                    not p.is_leaf for p in self.parameters[i - 1]
-                ):
-                    raise _shared_weight_graph(self.names[i - 1]) from error
+            elif pairs and saved.diff:
+                # Without accumulation only the path to the stage's inputs runs: through
+                # StageInput, whose input is the anchor.
+                torch.autograd.backward(
+                    [e for e, _ in pairs], [g for _, g in pairs], inputs=[self.anchor]
+                )
+        except RuntimeError as error:
+            if "a second time" not in str(error):
                 raise
-        elif pairs and saved.diff:
-            # Without accumulation only the path to the stage's inputs runs: through
-            # StageInput, whose input is the anchor.
-            torch.autograd.backward(
-                [e for e, _ in pairs], [g for _, g in pairs], inputs=[self.anchor]
-            )
+            if any(not p.is_leaf for p in self.parameters[i - 1]):
+                raise _shared_weight_graph(self.names[i - 1]) from error
+            raise _graph_run_before(self.names[i - 1]) from error
+        finally:
+            saved.slot.receiving = False
         grads: list[torch.Tensor | None] = [None] * len(source.refs)
         for k, g in zip(saved.diff, saved.slot.grads or (), strict=False):
             grads[k] = g
@@ -340,4 +344,13 @@ def _shared_weight_graph(stage: str) -> RuntimeError:
         "as in MAML): each stage's backward is its own engine call, so that graph would run "
         "once per stage. Train such a step with plain autograd (a budget at or above the "
         "keep-all peak runs it so)"
+    )
+
+
+def _graph_run_before(stage: str) -> RuntimeError:
+    """The error for a stage's graph that autograd had run backward before the step's B(i)."""
+    return RuntimeError(
+        f"part of stage {stage!r}'s graph had run backward before the step's backward of "
+        "the stage. Either the stage reads a tensor kept from an earlier step's graph (a "
+        "cache filled with gradients on: detach it), or " + str(escaped_tensor_error(stage))
     )

@@ -554,9 +554,20 @@ def test_a_step_run_while_another_waits_for_its_backward_leaves_its_host_copies(
         assert torch.equal(mine.grad, theirs.grad)
 
 
+def byte_buffers() -> dict[int, int]:
+    """Every byte tensor's storage alive, by key: host copies are carved from such buffers."""
+    gc.collect()
+    return {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if type(t) is torch.Tensor and t.dtype == torch.uint8
+    }
+
+
 def test_the_plans_of_every_input_shape_share_one_host_arena() -> None:
     import offremat
 
+    before = byte_buffers()
     model = wide_mlp(64, 4)
     om = offremat.optimize(
         model, torch.randn(32, 64), budget=10**8, solver="offload-all", bandwidth=FAST_LINK
@@ -566,14 +577,8 @@ def test_the_plans_of_every_input_shape_share_one_host_arena() -> None:
         om(torch.randn(rows, 64)).sum().backward()
         largest = max(largest, om._executor.host_bytes)
     assert om.cache_info()["plans"] == 6
-    # Seen from outside: every byte tensor alive (host copies are carved from such buffers).
-    gc.collect()
-    buffers = {
-        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-        for t in gc.get_objects()
-        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8
-    }
-    assert 0 < sum(buffers.values()) <= largest + 64 * len(om.plan.ops)
+    held = {key: size for key, size in byte_buffers().items() if key not in before}
+    assert 0 < sum(held.values()) <= largest + 64 * len(om.plan.ops)
 
 
 def test_a_prefetch_waiting_for_an_offload_beside_the_same_op_follows_its_release() -> None:
