@@ -301,7 +301,13 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
                 )
             backward_done.add(i)
         elif change.from_host is not None:
-            if change.from_host in dead:
+            reader = semantics.reader_stage(change.from_host)
+            if reader <= chain.frozen_stages:
+                problems.append(
+                    f"{where}: prefetch of a tensor no backward reads (B({reader}) "
+                    "is not run for a frozen stage)"
+                )
+            elif change.from_host in dead:
                 problems.append(
                     f"{where}: prefetch of a tensor no later op reads (its backward is done)"
                 )
@@ -332,6 +338,11 @@ def _index_problem(op: Op, length: int) -> str | None:
     if op.target == ACTIVATION and op.index == 0:
         # The caller holds its input: no step can move or free it.
         return "a0 is the caller's input and stays on the GPU for the whole step"
+    if op.target is not None and op.index == length:
+        # The caller holds the output, and through it the graph that saved x̄_L, from the
+        # end of the forward: freeing or moving them would release nothing.
+        name = f"a{length}" if op.target == ACTIVATION else f"x̄{length}"
+        return f"{name} holds the step's output, which the caller holds until B({length})"
     return None
 
 

@@ -95,6 +95,12 @@ def input_holders(i: int) -> tuple[Tensor, ...]:
     return ((ACTIVATION, i - 1), (SAVED, i - 1)) if i >= 2 else ((ACTIVATION, 0),)
 
 
+def reader_stage(tensor: Tensor) -> int:
+    """The stage whose backward reads ``tensor`` last: B(i) for x̄_i, B(j + 1) for a_j."""
+    kind, i = tensor
+    return i if kind == SAVED else i + 1
+
+
 def stage_input(i: int, resident: Collection[Tensor]) -> Tensor | None:
     """Where stage i's input a_{i-1} is resident: by itself, else inside x̄_{i-1}; or None."""
     return next((tensor for tensor in input_holders(i) if tensor in resident), None)

@@ -49,7 +49,8 @@ def random_plan(chain: Chain, rng: random.Random, most: int = 60) -> list[Op] | 
             if (ACTIVATION, i) not in resident:
                 allowed += [Op(F_CK, i), Op(F_NONE, i)]
         for kind, i in sorted(resident):
-            if kind in (ACTIVATION, SAVED) and (kind, i) != (ACTIVATION, 0):
+            # Not a_0, the caller's input, nor a_L or x̄_L, which hold the caller's output.
+            if kind in (ACTIVATION, SAVED) and 0 < i < chain.length:
                 allowed += [Op(FREE, i, kind), Op(OFFLOAD, i, kind)]
         allowed += [Op(PREFETCH, i, kind) for kind, i in sorted(on_host - resident)]
         op = rng.choice(allowed)

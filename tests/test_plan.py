@@ -156,6 +156,40 @@ def test_the_callers_input_is_never_moved_or_freed() -> None:
         assert any("a0 is the caller's input" in problem for problem in problems)
 
 
+def test_the_step_s_output_is_never_moved_or_freed() -> None:
+    # The caller holds the output, and through it the graph that saved x̄_L: a plan freeing
+    # x̄_L and running F_all(L) again measured 8.8% over its predicted peak.
+    forwards = [forward_all(i) for i in range(1, 5)]
+    backwards = [backward(i) for i in range(4, 0, -1)]
+    for tensor in (("saved", 4), (ACTIVATION, 4)):
+        freed = validate([*forwards, free(*tensor), forward_all(4), *backwards], CHAIN)
+        moved = validate([*forwards, offload(*tensor), prefetch(*tensor), *backwards], CHAIN)
+        for problems in (freed, moved):
+            assert any("holds the step's output" in problem for problem in problems), problems
+
+
+def test_a_prefetch_for_a_frozen_stage_is_invalid() -> None:
+    # No backward reads a frozen stage's saved set: the prefetch only held memory.
+    chain = Chain("frozen", 8, CHAIN.stages, Link(1e3, 1e3), frozen_stages=1)
+    ops = [
+        forward_checkpoint(1),
+        forward_all(1),
+        offload("saved", 1),
+        forward_checkpoint(2),
+        forward_all(3),
+        forward_all(4),
+        backward(4),
+        backward(3),
+        forward_all(2),
+        prefetch("saved", 1),
+        backward(2),
+    ]
+    assert validate(ops, chain) == [
+        "op 9 prefetch(x̄1): prefetch of a tensor no backward reads (B(1) is not run for a "
+        "frozen stage)"
+    ]
+
+
 def test_a_prefetch_of_a_tensor_whose_backward_is_done_is_invalid() -> None:
     """After B(2) nothing reads x̄_2 again, and the executor drops its host copy there: a
     prefetch of it afterwards names why, rather than fail in the executor."""
