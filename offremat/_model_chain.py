@@ -49,14 +49,14 @@ class ModelChain:
     def find(cls, model: nn.Module, batch: Any, blocks: str | None = None) -> ModelChain:
         """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
         # Watching the model run must leave it as it was (BatchNorm statistics, RNG states).
-        with untouched([model], _device(model, batch)):
+        with untouched([model], _device(model, batch), tree_leaf_tensors(batch)):
             run = find_block_run(model, partial(call_model, model, batch), blocks)
             example_input = chain_input(run, partial(call_model, model, batch))
         return cls(run, tuple(run_blocks(run)), _leaves(example_input))
 
     def on(self, model: nn.Module, batch: Any) -> ModelChain:
         """The same chain, with its first input taken from ``batch`` (another input shape)."""
-        with untouched([model], _device(model, batch)):
+        with untouched([model], _device(model, batch), tree_leaf_tensors(batch)):
             example_input = chain_input(self.run, partial(call_model, model, batch))
         return dataclasses.replace(self, example_input=_leaves(example_input))
 
@@ -291,7 +291,7 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
     batch_tensors = tree_leaf_tensors(batch)
     device = _device(model, batch)
     chained = {id(p) for _, block in found.blocks for p in block.parameters()}
-    with untouched([model], device):
+    with untouched([model], device, batch_tensors):
         with torch.no_grad():
             last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
         # As the chain's own output would, whether or not its input carries a gradient.

@@ -102,3 +102,12 @@ def test_hidden_states_asked_for_by_the_config_are_refused_by_name_at_optimize()
         offremat.optimize(model, BATCH, budget=0.5)
     with pytest.raises(NotAChainError, match=r"key-value cache \(use_cache=True\)"):
         offremat.optimize(zoo.llama().train(), {**BATCH, "use_cache": True}, budget=0.5)
+
+
+def test_optimize_leaves_the_example_batch_s_gradients_alone() -> None:
+    # Profiling left zeros in the .grad of inputs_embeds that require grad, where was None.
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    embeds = torch.randn(*IDS.shape, 64, requires_grad=True)
+    offremat.optimize(model, {"inputs_embeds": embeds, "labels": IDS}, budget=0.5)
+    assert embeds.grad is None
