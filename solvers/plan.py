@@ -301,7 +301,7 @@ def validate(plan: Plan | tuple[Op, ...] | list[Op], chain: Chain) -> list[str]:
                 )
             backward_done.add(i)
         elif change.from_host is not None:
-            reader = semantics.reader_stage(change.from_host)
+            reader = semantics.last_reader(change.from_host)
             if reader <= chain.frozen_stages:
                 problems.append(
                     f"{where}: prefetch of a tensor no backward reads (B({reader}) "

@@ -95,10 +95,10 @@ def input_holders(i: int) -> tuple[Tensor, ...]:
     return ((ACTIVATION, i - 1), (SAVED, i - 1)) if i >= 2 else ((ACTIVATION, 0),)
 
 
-def reader_stage(tensor: Tensor) -> int:
-    """The stage whose backward reads ``tensor`` last: B(i) for x̄_i, B(j + 1) for a_j."""
-    kind, i = tensor
-    return i if kind == SAVED else i + 1
+def last_reader(tensor: Tensor) -> int:
+    """The stage whose backward reads ``tensor`` last: B(i + 1) for a_i and for x̄_i, which
+    holds a_i (B(i) reads x̄_i before)."""
+    return tensor[1] + 1
 
 
 def stage_input(i: int, resident: Collection[Tensor]) -> Tensor | None:

@@ -168,9 +168,9 @@ def test_the_step_s_output_is_never_moved_or_freed() -> None:
             assert any("holds the step's output" in problem for problem in problems), problems
 
 
-def test_a_prefetch_for_a_frozen_stage_is_invalid() -> None:
-    # No backward reads a frozen stage's saved set: the prefetch only held memory.
-    chain = Chain("frozen", 8, CHAIN.stages, Link(1e3, 1e3), frozen_stages=1)
+def test_a_prefetch_no_backward_reads_is_invalid() -> None:
+    # Frozen stages run no backward: a prefetch of x̄_1 with two frozen stages only held
+    # memory. With one, B(2) reads a_1 inside it, and the prefetch is valid.
     ops = [
         forward_checkpoint(1),
         forward_all(1),
@@ -180,14 +180,16 @@ def test_a_prefetch_for_a_frozen_stage_is_invalid() -> None:
         forward_all(4),
         backward(4),
         backward(3),
-        forward_all(2),
         prefetch("saved", 1),
-        backward(2),
     ]
+    chain = Chain("frozen", 8, CHAIN.stages, Link(1e3, 1e3), frozen_stages=2)
     assert validate(ops, chain) == [
-        "op 9 prefetch(x̄1): prefetch of a tensor no backward reads (B(1) is not run for a "
+        "op 8 prefetch(x̄1): prefetch of a tensor no backward reads (B(2) is not run for a "
         "frozen stage)"
     ]
+    chain = Chain("frozen", 8, CHAIN.stages, Link(1e3, 1e3), frozen_stages=1)
+    reads = [forward_all(1), forward_all(2), offload("saved", 1), *ops[4:], backward(2)]
+    assert validate(reads, chain) == []
 
 
 def test_a_prefetch_of_a_tensor_whose_backward_is_done_is_invalid() -> None:
