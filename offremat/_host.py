@@ -3,11 +3,11 @@
 Design note. Host copies live in one arena per device and model, shared by the executors of
 all its input shapes and states (:class:`DeviceResources`), sized from the largest plan and
 released on demand (:class:`HostArena`). It remembers the event of the last step's end: a
-later step's copies into it wait for that event, whatever stream that step runs on. Steps in
-flight together (two forwards, then their backwards) carve their copies one after the other,
-and the arena is reused only once none of them is left: a step that began and ended between
-another's forward and backward must not write over that step's copies. On CPU the arena is
-plain memory and the copies are synchronous.
+later step's copies into it wait for that event, whatever stream that step runs on. One step
+at a time holds the arena (:class:`HostLease`): a step that begins while another waits for
+its backward (two forwards, then their backwards) takes buffers of its own, freed when it
+ends, so that it never writes over the waiting step's copies and the arena grows only to what
+one step needs. On CPU the arena is plain memory and the copies are synchronous.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 
 class HostArena:
-    """One host buffer per device and model, pinned for CUDA, that every host copy of a step
-    lives in.
+    """One host buffer per device and model, pinned for CUDA, that the host copies of a step
+    live in.
 
-    Copies are carved from it one after the other and the whole arena is reused once no step
-    that carved from it is in flight (:meth:`open`, :meth:`reset`), so pinned memory is
-    allocated once, at the size the plans need, instead of one power-of-two buffer per tensor
-    size. ``capacity`` starts at the largest plan's offloaded bytes (:meth:`reserve`); steps
-    that need more take the rest from overflow buffers, and the arena grows to what they used
-    for the next ones.
+    Copies are carved from it one after the other and the whole arena is reused by the next
+    step, so pinned memory is allocated once, at the size the plans need, instead of one
+    power-of-two buffer per tensor size. ``capacity`` starts at the largest plan's offloaded
+    bytes (:meth:`reserve`); a step that needs more takes the rest from buffers of its own,
+    and the arena grows to what that step used for the next ones.
     """
 
     ALIGNMENT = 64
@@ -35,73 +34,89 @@ class HostArena:
     def __init__(self, pinned: bool, capacity: int = 0):
         self.pinned = pinned
         self.capacity = capacity
-        self._buffer: torch.Tensor | None = None
-        self._offset = 0
-        self._overflow: list[torch.Tensor] = []
-        self._used = 0
-        self._steps = 0  # in flight: opened and not yet reset
+        self.buffer: torch.Tensor | None = None
+        self.holder: HostLease | None = None
+        self.leases: set[HostLease] = set()  # of the steps in flight
         self.last_use: torch.cuda.Event | None = None
 
     @property
     def allocated_bytes(self) -> int:
-        """Host bytes held now: the arena and this step's overflow buffers."""
-        held = 0 if self._buffer is None else self._buffer.numel()
-        return held + sum(buffer.numel() for buffer in self._overflow)
+        """Host bytes held now: the arena and the buffers of the steps in flight."""
+        held = 0 if self.buffer is None else self.buffer.numel()
+        return held + sum(lease.own_bytes for lease in self.leases)
 
     def reserve(self, nbytes: int) -> None:
-        """Make the arena at least ``nbytes``: now if no step is in flight, else once it is
-        reused."""
+        """Make the arena at least ``nbytes``: now if no step holds it, else once it is free."""
         self.capacity = max(self.capacity, nbytes)
-        if not self._steps and self._buffer is not None and self._buffer.numel() < nbytes:
-            self._buffer = None
+        if self.holder is None and self.buffer is not None and self.buffer.numel() < nbytes:
+            self.buffer = None
 
-    def open(self) -> None:
-        """A step begins: its copies stay valid until its :meth:`reset`."""
-        self._steps += 1
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of host memory for one copy, valid until its step's :meth:`reset`."""
-        size = -(-nbytes // self.ALIGNMENT) * self.ALIGNMENT
-        self._used += size
-        if self._buffer is None and self._offset == 0 and self.capacity > 0:
-            self._buffer = self._allocate(self.capacity)
-        if self._buffer is not None and self._offset + size <= self._buffer.numel():
-            view = self._buffer[self._offset : self._offset + nbytes]
-            self._offset += size
-            return view
-        self._overflow.append(self._allocate(nbytes))
-        return self._overflow[-1]
-
-    def reset(self) -> None:
-        """A step is over: its copies are no longer read. Once no other step's are, reuse the
-        arena, grown to what the steps used if more."""
-        self._steps = max(0, self._steps - 1)
-        if self._steps:
-            return
-        self.capacity = max(self.capacity, self._used)
-        if self._buffer is not None and self._buffer.numel() < self.capacity:
-            self._buffer = None
-        self._overflow.clear()
-        self._offset = 0
-        self._used = 0
+    def open(self) -> HostLease:
+        """A step begins: the arena if no other step holds it, else buffers of its own."""
+        lease = HostLease(self, holds_arena=self.holder is None)
+        if lease.holds_arena:
+            self.holder = lease
+        self.leases.add(lease)
+        return lease
 
     def release(self) -> None:
         """Give the arena back (pinned memory returns to torch's host cache); the next step
-        allocates it again."""
+        allocates it again. A step in flight keeps the copies it made."""
         if self.last_use is not None:
             self.last_use.synchronize()
             self.last_use = None
-        self._buffer = None
-        self._overflow.clear()
-        if not self._steps:
-            self._offset = 0
-            self._used = 0
+        self.buffer = None
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory, apart from the arena."""
         # Host memory, not the device's: on CPU, where both are the same RAM, it is allocated
         # outside any dispatch mode so that the step's measurement leaves it out (design.md).
         with _disable_current_modes():
             return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
+
+
+class HostLease:
+    """One step's host memory: carved from the arena when the step holds it, else (or beyond
+    its capacity) buffers of the step's own; valid until :meth:`close`."""
+
+    def __init__(self, arena: HostArena, holds_arena: bool):
+        self.arena = arena
+        self.holds_arena = holds_arena
+        self._offset = 0
+        self._used = 0
+        self._own: list[torch.Tensor] = []
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the step's own buffers."""
+        return sum(buffer.numel() for buffer in self._own)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory for one copy, valid until :meth:`close`."""
+        arena = self.arena
+        size = -(-nbytes // arena.ALIGNMENT) * arena.ALIGNMENT
+        self._used += size
+        if self.holds_arena:
+            if arena.buffer is None and self._offset == 0 and arena.capacity > 0:
+                arena.buffer = arena.allocate(arena.capacity)
+            buffer = arena.buffer
+            if buffer is not None and self._offset + size <= buffer.numel():
+                self._offset += size
+                return buffer[self._offset - size : self._offset - size + nbytes]
+        self._own.append(arena.allocate(nbytes))
+        return self._own[-1]
+
+    def close(self) -> None:
+        """The step is over: its copies are no longer read. The arena grows to what the step
+        used, if more, and is free for the next step."""
+        arena = self.arena
+        arena.capacity = max(arena.capacity, self._used)
+        if self.holds_arena:
+            arena.holder = None
+            if arena.buffer is not None and arena.buffer.numel() < arena.capacity:
+                arena.buffer = None
+        arena.leases.discard(self)
+        self._own.clear()
 
 
 class CudaStreams:

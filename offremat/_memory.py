@@ -142,14 +142,14 @@ class Residency:
     def __init__(
         self,
         device: torch.device,
-        pool: HostArena,
+        arena: HostArena,
         streams: CudaStreams | None,
         fixed: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         self.device = device
         self.fixed = fixed
-        self.pool = pool
-        pool.open()  # until close: a step in flight beside this one must not reuse its copies
+        self.arena = arena
+        self.host = arena.open()  # this step's host memory, until close
         self.streams = streams
         # Storages on the device by key; a key is an address that the allocator may give to a
         # new storage once this one is freed, so an emptied record leaves the index.
@@ -305,21 +305,21 @@ class Residency:
             record.storage = None
         if self.streams is not None:
             # Later copies into these host buffers, on whatever stream, wait for this event.
-            self.pool.last_use = self.streams.compute.record_event()
+            self.arena.last_use = self.streams.compute.record_event()
             if self.last_h2d is not None:
                 self.streams.compute.wait_event(self.last_h2d)
                 self.last_h2d = None
         self.records.clear()
         self.away.clear()
         self.live_bytes = 0
-        self.pool.reset()
+        self.host.close()
 
     def _copy_to_host(
         self, records: list[StorageRecord], produced: torch.cuda.Event | None
     ) -> None:
         """Copy the storages of one offload, on the device-to-host stream, under one event."""
         for record in records:
-            record.host = self.pool.take(record.nbytes)
+            record.host = self.host.take(record.nbytes)
         if self.streams is None:
             for record in records:
                 assert record.host is not None and record.storage is not None
@@ -328,8 +328,8 @@ class Residency:
         stream = self.streams.d2h
         if produced is not None:
             stream.wait_event(produced)
-        if self.pool.last_use is not None:
-            stream.wait_event(self.pool.last_use)
+        if self.arena.last_use is not None:
+            stream.wait_event(self.arena.last_use)
         with torch.cuda.stream(stream):
             for record in records:
                 assert record.host is not None and record.storage is not None

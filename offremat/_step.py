@@ -97,7 +97,7 @@ class _Step(Compute):
         self.length = executor.chain.length
         self.names = executor.chain.stage_names
         self.device = device
-        pool, self.streams = executor._resources(device)
+        arena, self.streams = executor._resources(device)
         self.excluded = fixed_storages(scans)
         # Those keys are addresses. A forward that replaces a buffer (a counter) frees the old
         # one's storage, whose address a saved tensor could then take and be mistaken for a
@@ -107,7 +107,7 @@ class _Step(Compute):
             for scan in scans
             for tensor in (*scan.parameters, *(m._buffers[n] for m, n in scan.buffers))
         ]
-        self.residency = Residency(device, pool, self.streams, fixed=self.excluded)
+        self.residency = Residency(device, arena, self.streams, fixed=self.excluded)
         # A forward whose output is dropped never gets its backward: close then, on collection.
         self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)

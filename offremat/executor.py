@@ -12,7 +12,7 @@ Design notes.
   ``torch.autograd.backward`` on stage i's graph, so parameter gradients accumulate into
   ``.grad`` as plain autograd's do; like the reentrant checkpoint, this supports
   ``loss.backward()`` but not ``torch.autograd.grad`` with respect to parameters.
-- Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned pool) and
+- Memory and copies: see :mod:`offremat._memory` (storages, deferred frees, pinned host arena) and
   :mod:`solvers.host` (what the host issues around each compute op, and where the
   simulator's memory admission becomes a wait on an offload's event).
 - Direct forwards. Saved-tensor hooks let the step hold, move and rebuild what autograd

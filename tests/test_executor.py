@@ -512,17 +512,35 @@ def test_the_host_arena_is_one_buffer_sized_from_the_plan_and_grows_once() -> No
     from offremat._host import HostArena
 
     arena = HostArena(pinned=False, capacity=1000)
-    first, second = arena.take(300), arena.take(600)
+    step = arena.open()
+    first, second = step.take(300), step.take(600)
     assert first.untyped_storage()._cdata == second.untyped_storage()._cdata  # one buffer
     assert arena.allocated_bytes == 1000
-    arena.take(500)  # more than the plan said: an overflow buffer for this step
+    step.take(500)  # more than the plan said: a buffer of the step's own
     assert arena.allocated_bytes == 1500
-    arena.reset()  # the next step gets one arena as large as this step used
+    step.close()  # the next step gets one arena as large as this step used
     assert arena.capacity == 320 + 640 + 512
-    arena.take(10)
+    arena.open().take(10)
     assert arena.allocated_bytes == arena.capacity
     arena.release()
     assert arena.allocated_bytes == 0
+
+
+def test_steps_run_beside_a_waiting_one_take_memory_of_their_own_and_give_it_back() -> None:
+    from offremat._host import HostArena
+
+    arena = HostArena(pinned=False, capacity=1024)
+    waiting = arena.open()
+    kept = waiting.take(1024)
+    kept.fill_(7)
+    for _ in range(5):
+        step = arena.open()
+        step.take(1024).fill_(1)
+        step.close()
+        assert arena.allocated_bytes == 1024  # no more than the waiting step's arena
+    assert bool((kept == 7).all())
+    waiting.close()
+    assert arena.capacity == 1024
 
 
 def test_an_offloading_executor_holds_one_arena_of_the_plan_s_size() -> None:
