@@ -128,15 +128,15 @@ def solve_milp(
     floor = whole_tensor_bound_s(
         chain, budget_bytes, offload, time_limit_s=min(1.0, 0.05 * time_limit_s)
     )
-    if long_chain and not _meets(candidates, floor):
+    if long_chain and not _meets([c for c in candidates if c[1].feasible], floor):
         coarse = coarse_candidate(chain, budget_bytes, offload, backend, slots, deadline)
         if coarse is not None:
             candidates = sorted([*candidates, coarse], key=lambda item: item[1].predicted_time_s)
     fitting = [item for item in candidates if item[1].feasible]
     fallback_name, fallback_plan = fitting[0] if fitting else (None, None)
-    if _meets(candidates, floor):
+    if _meets(fitting, floor):
         # No plan is faster than the bound: searching on would only spend the time limit.
-        best = candidates[0]
+        best = fitting[0]
         met = MEETS_BOUND
         return _unsearched(chain, budget_bytes, best, met, started, backend, offload, floor)
     if candidates and time.monotonic() + estimated_build_s(chain.length) > deadline:

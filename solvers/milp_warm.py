@@ -44,7 +44,7 @@ from solvers.plan import (
     offload,
     prefetch,
 )
-from solvers.simulator import score
+from solvers.simulator import least_fitting_budget, score
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,10 @@ def tight_budget_candidates(
         )
     if schedule is None or least > budget_bytes:
         raise InfeasibleBudgetError(budget_bytes, fitting_budget(chain, least, schedule), "milp")
-    return [("least-memory milp", scored_plan(decode(schedule), chain, budget_bytes))]
+    plan = scored_plan(decode(schedule), chain, budget_bytes)
+    if not plan.feasible:  # the model's least sat a few bytes under the plan's peak
+        raise InfeasibleBudgetError(budget_bytes, fitting_budget(chain, least, schedule), "milp")
+    return [("least-memory milp", plan)]
 
 
 def scored_plan(ops: list, chain: Chain, budget_bytes: int | None) -> Plan:
@@ -245,10 +248,10 @@ def least_budget_with_offloading(
 
 def fitting_budget(chain: Chain, least: int, schedule: Schedule | None) -> int:
     """A budget at which a plan surely exists, given the least-memory MILP's ``least`` and
-    ``schedule``: the schedule's simulated peak, which can sit above the model's by HiGHS's
-    feasibility tolerance or where the simulator times its copies otherwise, and never
-    above rotor's exact least memory (the least-memory plan's)."""
+    ``schedule``: the least at which the schedule fits in the simulator, which can sit above
+    the model's by HiGHS's feasibility tolerance or where the simulator times its copies
+    otherwise, and never above rotor's exact least memory (the least-memory plan's)."""
     if schedule is None:
         return least
-    simulated = scored_plan(decode(schedule), chain, None).predicted_peak_bytes
-    return min(max(least, simulated), memory_need(chain))
+    plan = scored_plan(decode(schedule), chain, None)
+    return min(least_fitting_budget(plan, chain, above=least - 1), memory_need(chain))

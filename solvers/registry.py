@@ -23,8 +23,8 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp import memory_need
 from solvers.dtr import dtr_least_budget
-from solvers.plan import OFFLOAD, Plan
-from solvers.simulator import score, simulate
+from solvers.plan import Plan
+from solvers.simulator import least_fitting_budget, score, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -169,30 +169,9 @@ def _solve_baseline(chain: Chain, budget_bytes: int, solver: str) -> Plan:
     plan = BASELINES[solver](chain)
     scored = score(plan, chain, budget_bytes)
     if not scored.feasible:
-        least = _least_feasible(plan, chain, above=budget_bytes)
+        least = least_fitting_budget(plan, chain, above=budget_bytes)
         raise InfeasibleBudgetError(budget_bytes, least, solver)
     return scored
-
-
-def _least_feasible(plan: Plan, chain: Chain, above: int = 0) -> int:
-    """The least budget greater than ``above`` at which the fixed ``plan`` fits.
-
-    Without copies the peak does not depend on the budget, so it is the answer. With copies the
-    simulator delays allocations until offloads free memory, so a tighter budget can still fit
-    at the cost of waiting: bisect between ``above`` (taken not to fit) and the unconstrained
-    peak (which fits).
-    """
-    peak = simulate(plan, chain).peak_bytes
-    if not any(op.kind == OFFLOAD for op in plan.ops) or peak <= above:
-        return max(peak, above + 1)
-    low, high = above, peak
-    while high - low > 1:
-        middle = (low + high) // 2
-        if simulate(plan, chain, middle).feasible:
-            high = middle
-        else:
-            low = middle
-    return high
 
 
 def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
@@ -205,7 +184,7 @@ def min_feasible_budget(chain: Chain, solver: str, **options: Any) -> int:
     pass through), which with offloading is the best found within the time limit.
     """
     if solver in BASELINES:
-        return _least_feasible(BASELINES[solver](chain), chain)
+        return least_fitting_budget(BASELINES[solver](chain), chain)
     if solver == "dp":
         return memory_need(chain)
     if solver == "dtr":

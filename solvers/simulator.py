@@ -269,3 +269,24 @@ def score(plan: Plan, chain: Chain, budget: int | None) -> Plan:
         chain_name=chain.name,
         info=plan.info,
     )
+
+
+def least_fitting_budget(plan: Plan, chain: Chain, above: int = 0) -> int:
+    """The least budget greater than ``above`` at which the fixed ``plan`` fits.
+
+    Without copies the peak does not depend on the budget, so it is the answer. With copies the
+    simulator delays allocations until offloads free memory, so a tighter budget can still fit
+    at the cost of waiting: bisect between ``above`` (taken not to fit) and the unconstrained
+    peak (which fits).
+    """
+    peak = simulate(plan, chain).peak_bytes
+    if not any(op.kind == OFFLOAD for op in plan.ops) or peak <= above:
+        return max(peak, above + 1)
+    low, high = above, peak
+    while high - low > 1:
+        middle = (low + high) // 2
+        if simulate(plan, chain, middle).feasible:
+            high = middle
+        else:
+            low = middle
+    return high

@@ -431,3 +431,121 @@ def test_a_chain_computing_in_next_to_no_time_still_gets_a_plan(seconds: float) 
     assert validate(plan, chain) == []
     assert simulate(plan, chain).peak_bytes <= budget
     assert whole_tensor_bound_s(chain, budget) <= simulate(plan, chain).makespan_s
+
+
+# Two chains an edge-case search found (offload and prefetch lanes, negative temporaries).
+GIGABYTE_CHAIN = {
+    "format": "offremat.chain/1",
+    "name": "edge",
+    "input_bytes": 3000000007,
+    "stages": [
+        {
+            "name": "s1",
+            "fwd_s": 1e-09,
+            "bwd_s": 0.0,
+            "out_bytes": 2000000001,
+            "saved_bytes": 5000000001,
+            "fwd_tmp_bytes": 0,
+            "bwd_tmp_bytes": 2000000000,
+            "grad_bytes": 4000000003,
+        },
+        {
+            "name": "s2",
+            "fwd_s": 2.0,
+            "bwd_s": 1.0,
+            "out_bytes": 5000000001,
+            "saved_bytes": 11000000001,
+            "fwd_tmp_bytes": 1000000000,
+            "bwd_tmp_bytes": -11000000000,
+            "nograd_fwd_tmp_bytes": 2000000000,
+            "grad_bytes": 7000000003,
+            "refill_s": 0.0,
+        },
+        {
+            "name": "s3",
+            "fwd_s": 3.0,
+            "bwd_s": 1.0,
+            "out_bytes": 1,
+            "saved_bytes": 1,
+            "fwd_tmp_bytes": 0,
+            "bwd_tmp_bytes": 0,
+            "grad_bytes": 3,
+            "refill_s": 1.5,
+        },
+        {
+            "name": "s4",
+            "fwd_s": 1e-09,
+            "bwd_s": 5.0,
+            "out_bytes": 1,
+            "saved_bytes": 3000000001,
+            "fwd_tmp_bytes": 4000000000,
+            "bwd_tmp_bytes": 2000000000,
+            "grad_bytes": 3,
+            "refill_s": 0.0,
+        },
+    ],
+    "link": {"d2h_bytes_per_s": 2000000000.0, "h2d_bytes_per_s": 1000000000.0},
+    "input_grad_bytes": 0,
+    "held_bytes": 1000000000,
+}
+WAITING_CHAIN = {
+    "format": "offremat.chain/1",
+    "name": "edge",
+    "input_bytes": 0,
+    "stages": [
+        {
+            "name": "s1",
+            "fwd_s": 1e-09,
+            "bwd_s": 5.0,
+            "out_bytes": 2,
+            "saved_bytes": 2,
+            "fwd_tmp_bytes": 0,
+            "bwd_tmp_bytes": 0,
+            "refill_s": 5e-10,
+        },
+        {
+            "name": "s2",
+            "fwd_s": 0.0,
+            "bwd_s": 2.0,
+            "out_bytes": 5,
+            "saved_bytes": 8,
+            "fwd_tmp_bytes": 4,
+            "bwd_tmp_bytes": -8,
+            "nograd_fwd_tmp_bytes": 0,
+            "grad_bytes": 0,
+        },
+        {
+            "name": "s3",
+            "fwd_s": 3.0,
+            "bwd_s": 1.0,
+            "out_bytes": 0,
+            "saved_bytes": 6,
+            "fwd_tmp_bytes": 0,
+            "bwd_tmp_bytes": -6,
+            "nograd_fwd_tmp_bytes": 2,
+        },
+    ],
+    "link": {"d2h_bytes_per_s": 2.0, "h2d_bytes_per_s": 10.0},
+    "held_bytes": 1,
+}
+
+
+def test_one_byte_under_the_least_memory_plan_is_refused_at_any_scale() -> None:
+    # At 2.4e10 bytes the least-memory model's optimum sat 4 B under its plan's peak: the
+    # plan came back over its budget, as "a bug in offremat" (and a CLI traceback).
+    chain = Chain.from_dict(GIGABYTE_CHAIN)
+    least = memory_need(chain)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        solve_milp(chain, least - 1, time_limit_s=5)
+    assert refused.value.min_budget_bytes == least
+    assert simulate(solve_milp(chain, least, time_limit_s=5), chain, least).feasible
+
+
+def test_the_least_budget_with_offloading_counts_the_copies_waits() -> None:
+    # Its least-memory schedule peaks at 16 B unconstrained and fits 14 B by waiting for an
+    # offload: the least budget was named as 15 B, and a plan at 14 B was found anyway.
+    chain = Chain.from_dict(WAITING_CHAIN)
+    assert least_feasible_budget(chain, offload=True, time_limit_s=5) == 14
+    with pytest.raises(InfeasibleBudgetError, match="least feasible budget is 14 B"):
+        solve_milp(chain, 13, time_limit_s=5)
+    assert simulate(solve_milp(chain, 14, time_limit_s=5), chain, 14).feasible
