@@ -361,7 +361,13 @@ _STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
 def _check_number(value: Any, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ChainFormatError(f"{where} must be a number, got {value!r}")
-    if math.isnan(value) or math.isinf(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        raise ChainFormatError(
+            f"{where} is too large, got a {len(str(value))}-digit number"
+        ) from None
+    if not finite:
         raise ChainFormatError(f"{where} must be finite, got {value}")
     if value < 0:
         raise ChainFormatError(f"{where} must be non-negative, got {value}")

@@ -152,6 +152,9 @@ def test_a_misspelled_required_field_is_named_with_the_field_it_misspells(
         (_set(("format",), "offremat.chain/9"), ["format", "offremat.chain/9"]),
         (_drop(("format",)), ["format"]),
         (_set(("stages", 1, "fwd_s"), float("nan")), ["stage 2", "fwd_s", "finite"]),
+        # An int too large for a float ended in OverflowError (a CLI traceback).
+        (_set(("stages", 1, "fwd_s"), 10**400), ["stage 2", "fwd_s", "too large"]),
+        (_set(("link", "d2h_bytes_per_s"), 10**400), ["link", "d2h_bytes_per_s", "too large"]),
         (_set(("stages", 0, "saved_bytes"), 1.5e8 + 0.5), ["stage 1", "saved_bytes", "integer"]),
         (_set(("stages", 1, "out_bytes"), "4096"), ["stage 2", "out_bytes", "integer"]),
         (_set(("stages", 1, "saved_bytes"), 100), ["stage 2", "saved_bytes", "out_bytes"]),
