@@ -16,11 +16,12 @@ whose first stages are frozen, each plans the trained stages (:mod:`solvers.froz
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 
 from solvers.chain import Chain
-from solvers.frozen import plans_trained_part
+from solvers.frozen import lift, plans_trained_part, trained_part
 from solvers.min_peak import least_peak_segments
 from solvers.plan import (
     SAVED,
@@ -33,6 +34,7 @@ from solvers.plan import (
     offload,
     prefetch,
 )
+from solvers.simulator import simulate
 
 
 def _plan(chain: Chain, ops: list[Op], solver: str, **info: object) -> Plan:
@@ -152,9 +154,15 @@ def offload_ops(length: int, offloaded: Collection[int]) -> list[Op]:
     return ops
 
 
-@plans_trained_part
 def min_peak(chain: Chain) -> Plan:
     """Hong et al.'s (2025) checkpoints of least peak memory (:mod:`solvers.min_peak`)."""
+    p = chain.frozen_stages
+    if p:  # the trained part's segments, after the frozen forwards
+        plan = lift(min_peak(trained_part(chain)), chain)
+        segments = [[first + p, last + p] for first, last in plan.info["segments"]]
+        peak = simulate(plan, chain).peak_bytes
+        info = {"segments": segments, "least_peak_bytes": peak}
+        return dataclasses.replace(plan, info={**plan.info, **info})
     peak, segments = least_peak_segments(chain)
     info = {"segments": [list(s) for s in segments], "least_peak_bytes": peak}
     return _plan(chain, segmented_ops(segments), "min-peak", **info)

@@ -55,8 +55,10 @@ def segment_peaks(chain: Chain, first: int) -> list[tuple[int, int]]:
         saved_so_far += x(i)
         # From the end of B(L), the caller holds its output and seed gradient.
         held = chain.held_bytes if i < length else 0
+        # A negative temporary frees part of x̄_i by the backward's peak, never before its
+        # start (solvers.bounds.working_set).
         backward_peak = max(
-            backward_peak, saved_so_far + d(i) + d(i - 1) + stage.bwd_tmp_bytes + held
+            backward_peak, saved_so_far + d(i) + max(0, d(i - 1) + stage.bwd_tmp_bytes) + held
         )
         recompute = checkpoint + d(i) + with_grad + chain.held_bytes
         middle = max(no_grad, recompute, checkpoint + backward_peak)
@@ -90,4 +92,7 @@ def least_peak_segments(chain: Chain) -> tuple[int, list[tuple[int, int]]]:
         last = best[first][2]
         segments.append((first, last))
         first = last + 1
-    return int(best[1][0]), segments
+    # Every plan ends holding δ_0 and the caller's bytes (B(1) lets a_0 go), whichever
+    # segments it has.
+    end = chain.grad_bytes(0) + chain.held_bytes
+    return int(max(best[1][0], end)), segments

@@ -6,6 +6,7 @@ segmentation of small chains, each scored by the simulator (an oracle it does no
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -16,6 +17,7 @@ from solvers.bounds import lower_bound_s
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link, Stage
 from solvers.dp import least_memory_plan, memory_need
+from solvers.frozen import lift, trained_part
 from solvers.plan import F_ALL, F_CK, F_NONE, FREE, OFFLOAD, Plan, validate
 from solvers.registry import keep_all_peak, min_feasible_budget, solve
 from solvers.simulator import simulate
@@ -64,6 +66,35 @@ def test_min_peak_is_the_least_peak_of_every_segmentation() -> None:
         every = [
             simulate(Plan(tuple(segmented_ops(s)), chain.stage_names, "cut"), chain).peak_bytes
             for s in segmentations(chain.length)
+        ]
+        assert peak == min(every), seed
+
+
+def test_min_peak_counts_negative_temporaries_the_caller_s_bytes_and_frozen_stages() -> None:
+    # A backward temporary below zero hid the bytes B(i) holds as it starts (claimed 16 B,
+    # simulated 17 B, and not the least segmentation), a one-stage chain's end state was
+    # missed, and on a frozen chain the claim was the trained part's.
+    for seed in range(150):
+        rng = random.Random(seed)
+        chain = random_chain(rng, rng.randint(1, 6))
+        stages = [
+            dataclasses.replace(s, bwd_tmp_bytes=-rng.randint(0, s.saved_bytes))
+            for s in chain.stages
+        ]
+        frozen = rng.randint(0, chain.length - 1) if seed % 2 else 0
+        chain = dataclasses.replace(
+            chain, stages=tuple(stages), held_bytes=rng.randint(0, 6), frozen_stages=frozen
+        )
+        plan = min_peak(chain)
+        peak = simulate(plan, chain).peak_bytes
+        assert peak == plan.info["least_peak_bytes"], seed
+        assert plan.info["segments"][-1][-1] == chain.length, seed
+        part = trained_part(chain)
+        every = [
+            simulate(
+                lift(Plan(tuple(segmented_ops(s)), part.stage_names, "cut"), chain), chain
+            ).peak_bytes
+            for s in segmentations(part.length)
         ]
         assert peak == min(every), seed
 
