@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
-from offremat._stage import SavedTensorPacker, check_versions, escaped_tensor_error
+from offremat._stage import SavedTensorPacker, check_versions
 from offremat._tensors import storage_key
 
 
@@ -125,11 +125,13 @@ class DeferringPacker(SavedTensorPacker):
             self.armed.__enter__()
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        self.check_backward()
         if isinstance(packed, Placeholder):
             if packed.ref is None:
-                # Only a backward reaching the kept graph before its refill, from a tensor
-                # made inside the stage that the caller kept, unpacks an empty placeholder.
-                raise escaped_tensor_error(self.stage)
+                raise RuntimeError(
+                    f"stage {self.stage!r}: a saved tensor was not recomputed before its "
+                    "backward; this is a bug in offremat"
+                )
             check_versions(self.stage, [packed.ref])
             return self._taken(packed.ref)
         return super().unpack(packed)

@@ -178,6 +178,8 @@ class SavedTensorPacker:
         self.refs: list[TensorRef] = []
         # Set for the backward: told of each saved tensor autograd takes (see unpack).
         self.residency: Residency | None = None
+        # A step's stage slot: its saved tensors are read in that stage's backward only.
+        self.slot: GradSlot | None = None
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the packing hooks."""
@@ -211,8 +213,14 @@ class SavedTensorPacker:
         self.refs.append(ref)
         return ref
 
+    def check_backward(self) -> None:
+        """Refuse a backward through the stage's graph other than the step's own B(i)."""
+        if self.slot is not None and not self.slot.receiving:
+            raise escaped_tensor_error(self.stage)
+
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""
+        self.check_backward()
         check_versions(self.stage, [packed])
         if isinstance(packed, InputView):
             source = self.inputs[packed.input]

@@ -149,6 +149,7 @@ class Compute:
                 slot = GradSlot(name)
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
                 if packer is not None:
+                    packer.slot = slot
                     stack.enter_context(packer.hooks())
                 if isinstance(packer, DeferringPacker):
                     stack.enter_context(packer.watching())
