@@ -289,13 +289,9 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 
 
 @contextmanager
-def untouched(
-    modules: Sequence[nn.Module], device: torch.device, inputs: Sequence[torch.Tensor] = ()
-) -> Iterator[Callable[[], None]]:
+def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Callable[[], None]]:
     """Restore RNG states (the modules' own generators too), buffers, plain attributes,
-    the gradients of parameters and of ``inputs`` (the example batch's tensors, which a
-    profiling backward reaches when they require grad) and the parameters a forward changes
-    in place; yields a function that
+    parameter gradients and the parameters a forward changes in place; yields a function that
     restores buffers, attributes and those parameters now (so that each of several runs starts
     from the same state).
 
@@ -323,10 +319,9 @@ def untouched(
         if isinstance(owner, nn.Embedding) and owner.max_norm is not None
         for p in owner.parameters(recurse=False)
     ]
-    leaves = [t for t in inputs if t.is_leaf and t.requires_grad]
-    grads = [(t, t.grad) for t in (*parameters, *leaves)]
-    for tensor, _ in grads:  # profiling accumulates into gradients of its own
-        tensor.grad = None
+    grads = [(p, p.grad) for p in parameters]
+    for parameter, _ in grads:  # profiling accumulates into gradients of its own
+        parameter.grad = None
     attributes = [values for module in modules for values in attribute_values(module)]
 
     def restore() -> None:
@@ -353,7 +348,7 @@ def untouched(
                         "forward changed a parameter of shape %s in place; it stays changed",
                         tuple(parameter.shape),
                     )
-            for tensor, grad in grads:
-                tensor.grad = grad
+            for parameter, grad in grads:
+                parameter.grad = grad
             for generator, state in generator_states:
                 generator.set_state(state)

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
-from offremat._discover import BlockRun, call_model, chain_input, find_block_run
+from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
 from offremat._signatures import chain_input_kind
 from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten
@@ -49,14 +50,14 @@ class ModelChain:
     def find(cls, model: nn.Module, batch: Any, blocks: str | None = None) -> ModelChain:
         """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
         # Watching the model run must leave it as it was (BatchNorm statistics, RNG states).
-        with untouched([model], _device(model, batch), tree_leaf_tensors(batch)):
+        with untouched([model], _device(model, batch)):
             run = find_block_run(model, partial(call_model, model, batch), blocks)
             example_input = chain_input(run, partial(call_model, model, batch))
         return cls(run, tuple(run_blocks(run)), _leaves(example_input))
 
     def on(self, model: nn.Module, batch: Any) -> ModelChain:
         """The same chain, with its first input taken from ``batch`` (another input shape)."""
-        with untouched([model], _device(model, batch), tree_leaf_tensors(batch)):
+        with untouched([model], _device(model, batch)):
             example_input = chain_input(self.run, partial(call_model, model, batch))
         return dataclasses.replace(self, example_input=_leaves(example_input))
 
@@ -291,7 +292,7 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
     batch_tensors = tree_leaf_tensors(batch)
     device = _device(model, batch)
     chained = {id(p) for _, block in found.blocks for p in block.parameters()}
-    with untouched([model], device, batch_tensors):
+    with untouched([model], device):
         with torch.no_grad():
             last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
         # As the chain's own output would, whether or not its input carries a gradient.
@@ -300,10 +301,14 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
         for parameter in model.parameters():
             if parameter.requires_grad and parameter.grad is None and id(parameter) not in chained:
                 parameter.grad = torch.zeros_like(parameter)
+        # The caller's tensors cut from the graphs they came from: this backward must neither
+        # run nor free them (a batch computed by the caller's own embedding, say).
+        call = as_call(batch)
+        cut = Call(tree_map(_cut, call.args), tree_map(_cut, call.kwargs))
         with StepMemory(device) as memory:
             probe = _OutsideProbe(memory, last)
             with RunInterception(found.run, probe.started):
-                output = call_model(model, batch)
+                output = model(*cut.args, **cut.kwargs)
             roots, seeds = _seed(output)
             torch.autograd.backward(roots, seeds)
             del roots, seeds, output
@@ -319,6 +324,13 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
         held_bytes=held,
         setup_backward_bytes=max(setup_backward, 0),
     )
+
+
+def _cut(value: Any) -> Any:
+    """A tensor that needs a gradient as a leaf of its own: the gradient goes to the copy."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_()
+    return value
 
 
 def _seed(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -75,7 +75,7 @@ def profile_model(
         raise TypeError("the example input holds no tensor; pass what the model's forward takes")
     device = input_tensors[0].device
     check_device(modules, device)
-    with untouched(modules, device, input_tensors):
+    with untouched(modules, device):
         if stages is None or stages == len(blocks):
             groups = [range(k, k + 1) for k in range(len(blocks))]
         else:

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import offremat
 from offremat import NotAChainError
@@ -104,10 +105,22 @@ def test_hidden_states_asked_for_by_the_config_are_refused_by_name_at_optimize()
         offremat.optimize(zoo.llama().train(), {**BATCH, "use_cache": True}, budget=0.5)
 
 
-def test_optimize_leaves_the_example_batch_s_gradients_alone() -> None:
-    # Profiling left zeros in the .grad of inputs_embeds that require grad, where was None.
+def test_optimize_and_new_shapes_leave_the_caller_s_graph_and_gradients_alone() -> None:
+    # Measuring the code around the blocks ran its backward on the caller's batch: it left
+    # zeros in the .grad of inputs_embeds that required grad, and through embeddings computed
+    # by the caller it freed the caller's graph, so that a step on a new shape failed with
+    # autograd's "backward through the graph a second time".
     torch.manual_seed(0)
     model = zoo.llama().train()
     embeds = torch.randn(*IDS.shape, 64, requires_grad=True)
     offremat.optimize(model, {"inputs_embeds": embeds, "labels": IDS}, budget=0.5)
     assert embeds.grad is None
+    outer = nn.Embedding(96, 64)  # the caller's own, outside the model
+    om = offremat.optimize(model, {"inputs_embeds": outer(IDS), "labels": IDS}, budget=0.5)
+    assert outer.weight.grad is None
+    reference = copy.deepcopy(model)
+    longer = torch.cat([IDS, IDS], dim=1)
+    om(inputs_embeds=outer(longer), labels=longer).loss.backward()
+    mine, outer.weight.grad = outer.weight.grad, None
+    reference(inputs_embeds=outer(longer), labels=longer).loss.backward()
+    assert torch.equal(mine, outer.weight.grad)
