@@ -166,8 +166,9 @@ class PlanExecutor:
         self.resources.release()
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy (pickle, deepcopy) starts without this process's host buffers, CUDA
-        # streams and last step: they are made again at its first step.
+        # A copy (pickle, deepcopy) starts without this process's anchors and last step
+        # (DeviceResources drops the host buffers and CUDA streams): made again at its first
+        # step.
         state = dict(self.__dict__)
         state.update(_anchors={}, _last=None)
         return state
