@@ -382,9 +382,12 @@ def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[_Sizes, np.ndarray, 
 
 
 def memory_need(chain: Chain, unit: float = 1.0) -> int:
-    """The least memory, in ``unit``s (sizes rounded up), any recompute-only plan needs.
+    """The least memory, in ``unit``s (sizes rounded up), that a plan of rotor's persistent
+    family (recomputation only, each checkpoint kept until its backward) needs.
 
     It counts a_0, and follows the same recurrence as the DP with min in place of the time.
+    A plan outside the family, which frees a checkpoint before its backward and recomputes
+    it (DTR's plans can), may fit in less.
     """
     if chain.frozen_stages:
         if unit != 1.0:
