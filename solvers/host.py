@@ -119,8 +119,9 @@ def host_actions(ops: Sequence[Op], times: dict[int, OpTimes]) -> tuple[HostActi
             )
         ]
         for n in after_release:
-            deferred.setdefault(k, []).append(n)
-            waiting[ops[n].tensor] = max(k, waiting.get(ops[n].tensor, k))
+            turn = max(k, waiting.get(ops[n].tensor, k))
+            deferred.setdefault(turn, []).append(n)
+            waiting[ops[n].tensor] = turn
         early = tuple(n for n in early if n not in after_release)
         threshold = times[position].start_s
         for n in early:
