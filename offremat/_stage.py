@@ -324,7 +324,11 @@ class AutocastState:
         """Enter this autocast state, with its weight cache off, inside ``stack``.
 
         The cache would keep each stage's low-precision weight copies alive until the caller's
-        autocast region ends, memory that no plan counts.
+        autocast region ends, memory that no plan counts. A disabled state is entered too
+        where autocast is on now: a recomputation run by a backward inside the caller's
+        autocast region computes as the forward did, without it.
         """
         if self.enabled:
             stack.enter_context(torch.autocast(self.device_type, self.dtype, cache_enabled=False))
+        elif torch.is_autocast_enabled(self.device_type):
+            stack.enter_context(torch.autocast(self.device_type, enabled=False))
