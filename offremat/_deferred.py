@@ -45,12 +45,18 @@ from offremat._tensors import storage_key
 
 
 class Placeholder:
-    """Where a saved tensor goes once the forward that saves it runs again."""
+    """Where a saved tensor goes once the forward that saves it runs again, and what that
+    tensor was (its dtype, shape and device) when first saved."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("kind", "ref")
 
-    def __init__(self) -> None:
+    def __init__(self, tensor: torch.Tensor) -> None:
         self.ref: TensorRef | None = None
+        self.kind = _kind(tensor)
+
+
+def _kind(tensor: torch.Tensor) -> tuple[torch.dtype, torch.Size, torch.device]:
+    return tensor.dtype, tensor.shape, tensor.device
 
 
 class DeferringPacker(SavedTensorPacker):
@@ -113,7 +119,7 @@ class DeferringPacker(SavedTensorPacker):
         """A saved tensor the step would hold goes as a placeholder, filled by the refill."""
         storage = tensor.untyped_storage()
         self.saved.setdefault(storage._cdata, StorageWeakRef(storage))
-        placeholder = Placeholder()
+        placeholder = Placeholder(tensor)
         self.slots.append(placeholder)
         return placeholder
 
@@ -203,12 +209,28 @@ class Refill:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
         self.position += 1
         if slot is not None:
+            if _kind(tensor) != slot.kind:
+                raise self.mismatch(slot.kind, tensor)
             ref = TensorRef(tensor.detach(), original=tensor)
             slot.ref = ref
             self.refs.append(ref)
         self.complete = self.position > self.last_placeholder
         if self.position > self.stop:
             raise StopRecomputation
+
+    def mismatch(
+        self, kind: tuple[torch.dtype, torch.Size, torch.device], tensor: torch.Tensor
+    ) -> RuntimeError:
+        """The error for a recomputation that saves another kind of tensor in a position."""
+        dtype, shape, device = kind
+        return RuntimeError(
+            f"stage {self.stage!r} saved a {_describe(*_kind(tensor))} tensor when recomputed "
+            f"where its first forward saved a {_describe(dtype, shape, device)} one (saved "
+            f"tensor {self.position}): it does not compute the same thing twice (data-dependent "
+            "control flow, or a setting changed between the forward and the backward, such as "
+            "the default dtype), so it cannot be recomputed. Keep such settings fixed through "
+            "the step, or use a plan that keeps this stage"
+        )
 
     def incomplete(self) -> RuntimeError:
         """The error for a refill that ran to its end without filling every placeholder."""
@@ -217,6 +239,10 @@ class Refill:
             f"{len(self.slots)} in its first forward: it does not compute the same thing "
             "twice (data-dependent control flow?), so it cannot be recomputed"
         )
+
+
+def _describe(dtype: torch.dtype, shape: torch.Size, device: torch.device) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)} on {device}"
 
 
 def _never_unpacked(_: Any) -> torch.Tensor:

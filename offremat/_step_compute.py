@@ -124,6 +124,7 @@ class Compute:
         diff: list[int] = []
         with ExitStack() as stack:
             if not first:
+                _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(self._registered(i))
@@ -254,6 +255,7 @@ class Compute:
             refill = Refill(kept.packer)
             rng = self.rng.get(i)
             with ExitStack() as stack:
+                _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
                 stack.enter_context(self._registered(i))
@@ -336,6 +338,13 @@ class Compute:
         # Nothing reads them again: their host copies go too.
         for key in effect(op).dead:
             self._drop(key)
+
+
+def _leave_inference_mode(stack: ExitStack) -> None:
+    """A recomputation that a backward inside ``torch.inference_mode`` runs (plain autograd
+    allows that backward) records its graph, as the forward did."""
+    if torch.is_inference_mode_enabled():
+        stack.enter_context(torch.inference_mode(False))
 
 
 def _shared_weight_graph(stage: str) -> RuntimeError:

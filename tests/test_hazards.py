@@ -638,3 +638,57 @@ def test_a_tensor_made_inside_a_stage_and_used_in_the_loss_is_refused(
         return
     with pytest.raises(RuntimeError, match="reaches the loss other than through"):
         loss.backward()
+
+
+def _mlp_blocks(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32))
+            for _ in range(6)
+        ]
+    )
+
+
+def test_a_backward_under_inference_mode_recomputes_with_a_graph() -> None:
+    """Plain autograd runs a backward called inside ``torch.inference_mode()`` (the graph was
+    made outside it); the plan's recomputations must still record theirs."""
+    x = torch.randn(8, 64, 32)
+    plain, model = _mlp_blocks(), _mlp_blocks()
+    om = offremat.optimize(model, x, budget=0.4)
+    assert "recompute" in om.plan.decisions.values()
+    for forward in (plain, om):
+        loss = forward(x).pow(2).mean()
+        with torch.inference_mode():
+            loss.backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+class _DefaultDtypeBlock(nn.Module):
+    """Computes in the default dtype: a recomputation after it changes saves other tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).to(torch.get_default_dtype()).relu().float() + x
+
+
+def test_a_recomputation_that_saves_other_tensors_is_refused() -> None:
+    """The same number of saved tensors is not enough: a recomputation whose saved tensors
+    differ in dtype or shape from the first forward's would hand autograd the wrong ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_DefaultDtypeBlock() for _ in range(6)])
+    x = torch.randn(64, 16)
+    om = offremat.optimize(model, x, budget=0.6)
+    assert "recompute" in om.plan.decisions.values()
+    loss = om(x).pow(2).mean()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(RuntimeError, match=r"float64 \[64, 16\] on cpu tensor when recomputed"):
+            loss.backward()
+    finally:
+        torch.set_default_dtype(previous)
