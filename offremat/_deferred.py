@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
 from offremat._stage import SavedTensorPacker, check_versions
-from offremat._tensors import storage_key
+from offremat._tensors import TensorKind, describe_kind, storage_key, tensor_kind
 
 
 class Placeholder:
@@ -52,11 +52,7 @@ class Placeholder:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ref: TensorRef | None = None
-        self.kind = _kind(tensor)
-
-
-def _kind(tensor: torch.Tensor) -> tuple[torch.dtype, torch.Size, torch.device]:
-    return tensor.dtype, tensor.shape, tensor.device
+        self.kind = tensor_kind(tensor)
 
 
 class DeferringPacker(SavedTensorPacker):
@@ -209,7 +205,7 @@ class Refill:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
         self.position += 1
         if slot is not None:
-            if _kind(tensor) != slot.kind:
+            if tensor_kind(tensor) != slot.kind:
                 raise self.mismatch(slot.kind, tensor)
             ref = TensorRef(tensor.detach(), original=tensor)
             slot.ref = ref
@@ -218,18 +214,10 @@ class Refill:
         if self.position > self.stop:
             raise StopRecomputation
 
-    def mismatch(
-        self, kind: tuple[torch.dtype, torch.Size, torch.device], tensor: torch.Tensor
-    ) -> RuntimeError:
+    def mismatch(self, kind: TensorKind, tensor: torch.Tensor) -> RuntimeError:
         """The error for a recomputation that saves another kind of tensor in a position."""
-        dtype, shape, device = kind
-        return RuntimeError(
-            f"stage {self.stage!r} saved a {_describe(*_kind(tensor))} tensor when recomputed "
-            f"where its first forward saved a {_describe(dtype, shape, device)} one (saved "
-            f"tensor {self.position}): it does not compute the same thing twice (data-dependent "
-            "control flow, or a setting changed between the forward and the backward, such as "
-            "the default dtype), so it cannot be recomputed. Keep such settings fixed through "
-            "the step, or use a plan that keeps this stage"
+        return recomputed_otherwise(
+            self.stage, f"saved tensor {self.position}", kind, tensor_kind(tensor)
         )
 
     def incomplete(self) -> RuntimeError:
@@ -241,8 +229,16 @@ class Refill:
         )
 
 
-def _describe(dtype: torch.dtype, shape: torch.Size, device: torch.device) -> str:
-    return f"{str(dtype).removeprefix('torch.')} {list(shape)} on {device}"
+def recomputed_otherwise(stage: str, what: str, first: TensorKind, now: TensorKind) -> RuntimeError:
+    """The error for a recomputation that made ``what`` of another kind than the stage's
+    first forward did."""
+    return RuntimeError(
+        f"stage {stage!r} made {what} as a {describe_kind(now)} tensor when recomputed, where "
+        f"its first forward made a {describe_kind(first)} one: it does not compute the same "
+        "thing twice (data-dependent control flow, or a setting changed between the forward "
+        "and the backward, such as the default dtype), so it cannot be recomputed. Keep such "
+        "settings fixed through the step, or use a plan that keeps this stage"
+    )
 
 
 def _never_unpacked(_: Any) -> torch.Tensor:

@@ -26,7 +26,7 @@ from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
-from offremat._tensors import Structure, is_differentiable
+from offremat._tensors import Structure, TensorKind, is_differentiable
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
@@ -121,6 +121,8 @@ class _Step(Compute):
         # Per recomputed stage, its buffers' values from before its first forward and its
         # parameters' versions.
         self.first_forwards: dict[int, FirstForward] = {}
+        # Per stage, the dtype, shape and device of each output of its first forward.
+        self.output_kinds: dict[int, list[TensorKind]] = {}
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
         self.autocast = AutocastState.of_step(device)

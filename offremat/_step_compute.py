@@ -21,7 +21,12 @@ from offremat._buffers import (
     replayed_attributes,
     replayed_buffers,
 )
-from offremat._deferred import DeferringPacker, Refill, StopRecomputation
+from offremat._deferred import (
+    DeferringPacker,
+    Refill,
+    StopRecomputation,
+    recomputed_otherwise,
+)
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
 from offremat._stage import (
@@ -35,10 +40,12 @@ from offremat._stage import (
 )
 from offremat._tensors import (
     Structure,
+    TensorKind,
     flatten,
     is_differentiable,
     refuse_hidden_tensors,
     storage_key,
+    tensor_kind,
     unflatten,
     version_of,
 )
@@ -164,6 +171,11 @@ class Compute:
         tensors, structure = flatten(result)
         refuse_hidden_tensors(structure)
         del result
+        kinds = [tensor_kind(t) for t in tensors]
+        if first:
+            self.output_kinds[i] = kinds
+        elif kinds != self.output_kinds[i]:
+            _refuse_other_outputs(name, self.output_kinds[i], kinds)
         if first:
             self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
             if rng is not None:
@@ -338,6 +350,18 @@ class Compute:
         # Nothing reads them again: their host copies go too.
         for key in effect(op).dead:
             self._drop(key)
+
+
+def _refuse_other_outputs(stage: str, first: list[TensorKind], now: list[TensorKind]) -> None:
+    """Refuse a recomputation whose outputs differ from the first forward's in kind."""
+    if len(first) != len(now):
+        raise RuntimeError(
+            f"stage {stage!r} returned {len(now)} tensors when recomputed where its first "
+            f"forward returned {len(first)}: it does not compute the same thing twice, so it "
+            "cannot be recomputed. Use a plan that keeps this stage"
+        )
+    k = next(k for k, (a, b) in enumerate(zip(first, now, strict=True)) if a != b)
+    raise recomputed_otherwise(stage, f"output {k}", first[k], now[k])
 
 
 def _leave_inference_mode(stack: ExitStack) -> None:

@@ -122,6 +122,20 @@ def version_of(tensor: torch.Tensor) -> int:
     return 0 if tensor.is_inference() else tensor._version
 
 
+TensorKind = tuple[torch.dtype, torch.Size, torch.device]
+
+
+def tensor_kind(tensor: torch.Tensor) -> TensorKind:
+    """What a recomputation must make again in a tensor's place: its dtype, shape and device."""
+    return tensor.dtype, tensor.shape, tensor.device
+
+
+def describe_kind(kind: TensorKind) -> str:
+    """A kind for messages: ``float32 [8, 16] on cpu``."""
+    dtype, shape, device = kind
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)} on {device}"
+
+
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the tensor's storage that survives resizing it (and views of it)."""
     return tensor.untyped_storage()._cdata

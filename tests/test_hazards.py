@@ -14,6 +14,7 @@ import offremat
 from offremat.executor import PlanExecutor
 from offremat.profiler import profile_model
 from solvers.baselines import keep_all, offload_all
+from solvers.plan import Plan, backward, forward_all, forward_checkpoint, forward_none
 from solvers.simulator import score
 
 WIDTH = 64
@@ -689,6 +690,47 @@ def test_a_recomputation_that_saves_other_tensors_is_refused() -> None:
     torch.set_default_dtype(torch.float64)
     try:
         with pytest.raises(RuntimeError, match=r"float64 \[64, 16\] on cpu tensor when recomputed"):
+            loss.backward()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class _DefaultDtypeOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float()).to(torch.get_default_dtype())
+
+
+def test_a_recomputation_that_returns_other_tensors_is_refused() -> None:
+    """A checkpoint made again in the backward (the second F_ck(1)) must be what the first
+    forward made: the later stages' graphs and refills read it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_DefaultDtypeOutput() for _ in range(4)])
+    x = torch.randn(64, 16)
+    chain = profile_model(model, x)
+    ops = (
+        forward_checkpoint(1),
+        forward_none(2),
+        forward_all(3),
+        forward_all(4),
+        backward(4),
+        backward(3),
+        forward_checkpoint(1),
+        forward_all(2),
+        backward(2),
+        forward_all(1),
+        backward(1),
+    )
+    plan = score(Plan(ops, chain.stage_names, "hand"), chain, None)
+    om = offremat.optimize(model, x, chain=chain, plan=plan)
+    loss = om(x).pow(2).mean()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(RuntimeError, match=r"stage '0' made output 0 as a float64"):
             loss.backward()
     finally:
         torch.set_default_dtype(previous)
