@@ -14,11 +14,15 @@ than predicted, a byte figure predicted too low breaks the budget. Between two p
 a byte figure is the chord of its two nearest profiled values: exact for a figure linear in
 n, and above the curve for any convex one (a polynomial of any degree with no negative
 coefficient: attention scores grow as n², triangle attention's as n³), so bytes are never
-underestimated there. A quadratic fit is exact for bytes only when they are a quadratic, which
-three sizes cannot tell from a cubic (through three points of n³ a quadratic comes out 24%
-low between them), so the quadratic is used for bytes only where four sizes or more show it:
-its fit reproduces every profiled figure. Outside the profiled sizes no chord bounds a
-figure, and a shape there is predicted only on that evidence.
+underestimated there. A figure that bends down (attention materialised over a sliding window
+of w positions saves n·min(n, w): its growth slows at w) lies above its chord near the bend.
+Where the profiled sizes show such a bend no shape is predicted; sizes that straddle none
+cannot show it, and a shape between two sizes on either side of the bend is underestimated
+(by 10% at 64 from 48 and 80 for w = 64). A quadratic fit is exact for bytes only when they
+are a quadratic, which three sizes cannot tell from a cubic (through three points of n³ a
+quadratic comes out 24% low between them), so the quadratic is used for bytes only where four
+sizes or more show it: its fit reproduces every profiled figure. Outside the profiled sizes
+no chord bounds a figure, and a shape there is predicted only on that evidence.
 
 Times: from two profiled sizes, used only between them, the chord over-estimates
 ``c + a·n + b·n²`` by ``b·(n - n1)(n2 - n)`` (4-11% at length 192 from 64 and 256 on the
@@ -110,7 +114,7 @@ def predict_chain(profiled: Sequence[tuple[float, Chain]], size: float) -> Chain
         byte_values = _fit(xs, measured, size, range(3))
         if not _not_below_neighbours(xs, measured, size, byte_values):
             return None
-    elif sizes[0] <= size <= sizes[-1]:
+    elif sizes[0] <= size <= sizes[-1] and not _bent_down(xs, measured):
         byte_values = _chord(xs, measured, size)
     else:
         return None
@@ -170,6 +174,22 @@ def _chord(xs: np.ndarray, measured: np.ndarray, size: float) -> np.ndarray:
         return highest[upper]
     weight = (size - sizes[lower]) / (sizes[upper] - sizes[lower])
     return (1 - weight) * highest[lower] + weight * highest[upper]
+
+
+def _bent_down(xs: np.ndarray, measured: np.ndarray) -> bool:
+    """Whether some byte figure lies above the chord of its neighbours at a profiled size:
+    a figure that grows more slowly past some size (attention over a sliding window, whose
+    band stops widening at the window) is concave there, and its chord lies below it. Then
+    no chord is trusted for that model and every new shape is profiled. Two sizes, or more
+    that straddle no such bend, cannot show one (see the module notes)."""
+    sizes = np.unique(xs)
+    highest = np.stack([measured[xs == x].max(axis=0) for x in sizes])
+    for k in range(1, len(sizes) - 1):
+        weight = (sizes[k] - sizes[k - 1]) / (sizes[k + 1] - sizes[k - 1])
+        chord = (1 - weight) * highest[k - 1] + weight * highest[k + 1]
+        if np.any(highest[k] > chord + 1.0 + 1e-9 * np.abs(chord)):  # a byte for rounding
+            return True
+    return False
 
 
 def _not_below_neighbours(
