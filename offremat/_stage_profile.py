@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._buffers import FirstForward, buffer_copy_bytes
 from offremat._clock import MarkingPacker, mark, seconds, timed
+from offremat._ctx_tensors import refuse_tensors_on_ctx
 from offremat._scan import scan_modules
 from offremat._stage import (
     GradSlot,
@@ -38,7 +38,6 @@ from offremat._tensors import (
     flatten,
     is_differentiable,
     storage_allocated_bytes,
-    storage_key,
     unflatten,
     unique_storages,
     version_of,
@@ -359,61 +358,6 @@ class _Allocations:
             inside = torch.cuda.memory_allocated(self.device) - self.before
             return max(inside - sum(s.nbytes() for s in handed.values()), 0)
         return sum(s.nbytes() for k, s in self.alive().items() if k not in handed | state)
-
-
-def refuse_tensors_on_ctx(stage: str, outputs: Sequence[torch.Tensor], excluded: set[int]) -> None:
-    """Refuse a stage whose custom ``autograd.Function`` keeps activations as ``ctx``
-    attributes (``ctx.x = x``, or in a tuple, list or dict there) rather than through
-    ``ctx.save_for_backward``.
-
-    Autograd's saved-tensor hooks never see such tensors: the graph holds them from the
-    forward to the backward whatever the plan decides, so no chain can say what the stage
-    holds, and a plan that recomputes or offloads it would pass its budget. Parameters and
-    buffers on ``ctx`` (``excluded``) are no activations, nor are integer tensors such as the
-    RNG state that reentrant ``torch.utils.checkpoint`` keeps there: both are allowed.
-    """
-    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
-    found = []
-    while nodes:
-        node = nodes.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, BackwardCFunction):
-            kept = [
-                name
-                for name, value in vars(node).items()
-                if any(_is_activation(tensor, excluded) for tensor in _one_level(value))
-            ]
-            if kept:
-                function = getattr(type(node), "_forward_cls", type(node)).__name__
-                found.append(f"{function} (ctx.{', ctx.'.join(sorted(kept))})")
-        nodes += [following for following, _ in node.next_functions]
-    if found:
-        raise ValueError(
-            f"stage {stage!r} keeps activations as ctx attributes of custom autograd "
-            f"Functions: {'; '.join(sorted(set(found)))}. Autograd holds them until the "
-            "backward whatever the plan decides, so no plan could keep its budget: store them "
-            "with ctx.save_for_backward"
-        )
-
-
-def _one_level(value: Any) -> list[Any]:
-    """``value``, or the items of a tuple, list or dict (``ctx.tensors = (x, w)``)."""
-    if isinstance(value, (tuple, list)):
-        return list(value)
-    if isinstance(value, dict):
-        return list(value.values())
-    return [value]
-
-
-def _is_activation(value: Any, excluded: set[int]) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and (value.is_floating_point() or value.is_complex())
-        and storage_key(value) not in excluded
-    )
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
