@@ -322,7 +322,7 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     grads = [(p, p.grad) for p in parameters]
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
         parameter.grad = None
-    attributes = [values for module in modules for values in attribute_values(module)]
+    attributes = [values for module in modules for values in attribute_values(module.modules())]
 
     def restore() -> None:
         assign_attributes(attributes)  # a call counter, an activation kept for logging

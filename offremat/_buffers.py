@@ -54,8 +54,9 @@ found registered (:func:`reinstated`), before anything else reads them.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -70,19 +71,19 @@ BufferSlot = tuple[nn.Module, str]
 class FirstForward:
     """Copies of a stage's buffers from before its first forward (kept of those it changes),
     its modules' plain attributes then, and a watch on the version counters of its parameters
-    and of the buffers it left."""
+    and of the buffers it left. ``modules`` are the stage's modules (``stage.modules()``)."""
 
     def __init__(
         self,
-        stage: nn.Module,
+        modules: Sequence[nn.Module],
         slots: Sequence[BufferSlot],
         parameters: Sequence[torch.Tensor] = (),
         shared: frozenset[int] = frozenset(),
     ):
         self.parameters = [(p, p._version) for p in parameters]
         self.requires_grad = [(p, p.requires_grad) for p in parameters]
-        self.attributes = attribute_values(stage)
-        self.registered = registered_tensors(stage)
+        self.attributes = attribute_values(modules)
+        self.registered = registered_tensors(modules)
         # Buffers other stages also hold (by storage key) keep their copies: a later stage's
         # forward may change them before this one is recomputed, through .data unseen.
         self.before = {
@@ -199,9 +200,9 @@ def replayed_buffers(copies: dict[BufferSlot, torch.Tensor]) -> Iterator[list[to
 AttributeValues = list[tuple[dict, dict]]
 
 
-def attribute_values(stage: nn.Module) -> AttributeValues:
-    """The plain attributes of ``stage``'s modules now (objects by reference)."""
-    return [(module.__dict__, dict(module.__dict__)) for module in stage.modules()]
+def attribute_values(modules: Iterable[nn.Module]) -> AttributeValues:
+    """The plain attributes of ``modules`` now (objects by reference)."""
+    return [(module.__dict__, dict(module.__dict__)) for module in modules]
 
 
 def assign_attributes(values: AttributeValues) -> None:
@@ -212,11 +213,11 @@ def assign_attributes(values: AttributeValues) -> None:
         attributes.update(kept)  # the unchanged ones get their own objects back: no change
 
 
-def registered_tensors(stage: nn.Module) -> AttributeValues:
-    """Each of ``stage``'s modules' parameter and buffer dictionaries, with their entries now."""
+def registered_tensors(modules: Iterable[nn.Module]) -> AttributeValues:
+    """Each module's parameter and buffer dictionaries, with their entries now."""
     return [
         (registered, dict(registered))
-        for module in stage.modules()
+        for module in modules
         for registered in (module._parameters, module._buffers)
     ]
 
@@ -236,10 +237,14 @@ def reinstated(seen: AttributeValues) -> Iterator[None]:
         assign_attributes(now)
 
 
-def _same_entries(registered: dict, kept: dict) -> bool:
-    # By identity: == on tensors compares their elements.
-    return len(registered) == len(kept) and all(
-        registered.get(name) is value for name, value in kept.items()
+def _same_entries(current: dict, kept: dict) -> bool:
+    # By identity (== on tensors compares their elements), entry by entry in order: a copy
+    # of a dictionary lists its entries as the dictionary does. A reordered one compares as
+    # changed, and is assigned back whole.
+    return (
+        len(current) == len(kept)
+        and all(map(operator.is_, current.keys(), kept.keys()))
+        and all(map(operator.is_, current.values(), kept.values()))
     )
 
 
@@ -249,16 +254,19 @@ def replayed_attributes(seen: AttributeValues, refill: bool) -> Iterator[None]:
     give each module back the attributes it had before: all of them after a refill, whose
     backward runs the earlier graph; after a recomputation whose own graph the backward runs,
     all but the tensors it assigned (an activation kept for its ``retain_grad`` gradient)."""
-    now = [(attributes, dict(attributes)) for attributes, _ in seen]
-    assign_attributes(seen)
+    if all(_same_entries(attributes, kept) for attributes, kept in seen):
+        now = seen  # as the first forward found them: nothing to replay, these to give back
+    else:
+        now = [(attributes, dict(attributes)) for attributes, _ in seen]
+        assign_attributes(seen)
     try:
         yield
     finally:
         if not refill:
-            for attributes, before in now:
-                before.update(
-                    (name, value)
-                    for name, value in attributes.items()
-                    if isinstance(value, torch.Tensor)
-                )
+            # New dictionaries: ``now`` may be ``seen``, which later recomputations replay.
+            now = [(attributes, before | _tensors_in(attributes)) for attributes, before in now]
         assign_attributes(now)
+
+
+def _tensors_in(attributes: dict) -> dict:
+    return {name: value for name, value in attributes.items() if isinstance(value, torch.Tensor)}

@@ -38,6 +38,8 @@ class ModuleScan:
     buffers: tuple[tuple[nn.Module, str], ...] = ()
     # Every parameter, trainable or not: a forward must not change one (offremat._buffers).
     parameters: tuple[nn.Parameter, ...] = ()
+    # The modules of the tree, root first: what a recomputation replays the attributes of.
+    modules: tuple[nn.Module, ...] = ()
 
 
 def scan_modules(root: nn.Module) -> ModuleScan:
@@ -48,7 +50,8 @@ def scan_modules(root: nn.Module) -> ModuleScan:
     norms: list[nn.Module] = []
     generators: dict[int, torch.Generator] = {}
     buffers: list[tuple[nn.Module, str]] = []
-    for module in root.modules():
+    modules = tuple(root.modules())
+    for module in modules:
         for parameter in module._parameters.values():
             if parameter is not None:
                 fixed.add(storage_key(parameter))
@@ -72,6 +75,7 @@ def scan_modules(root: nn.Module) -> ModuleScan:
         tuple(generators.values()),
         tuple(buffers),
         tuple(parameters.values()),
+        modules,
     )
 
 

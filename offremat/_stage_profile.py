@@ -224,7 +224,7 @@ class StageProfile:
         scan = scan_modules(self.module)
         slots = scan.buffers
         before = [module._buffers[name] for module, name in slots]
-        buffers = FirstForward(self.module, slots, shared=self.shared_buffers)
+        buffers = FirstForward(tuple(self.module.modules()), slots, shared=self.shared_buffers)
         allocations = _Allocations(self.device)
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)

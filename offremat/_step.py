@@ -112,6 +112,7 @@ class _Step(Compute):
         self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)
         self.norms = [scan.norms for scan in scans]
+        self.modules = [scan.modules for scan in scans]
         self.buffers = [scan.buffers for scan in scans]
         # Buffers that more than one stage holds: offremat._buffers keeps their copies.
         self.shared_buffers = (

@@ -125,7 +125,10 @@ class Compute:
         watch = None
         if first and i in self.executor.recomputed:
             watch = FirstForward(
-                stage, self.buffers[i - 1], self.parameters[i - 1], self.shared_buffers
+                self.modules[i - 1],
+                self.buffers[i - 1],
+                self.parameters[i - 1],
+                self.shared_buffers,
             )
         packer = slot = None
         diff: list[int] = []
@@ -251,8 +254,8 @@ class Compute:
         """The context of a recomputation of stage i: its modules' attributes as its first
         forward found them (see offremat._buffers)."""
         first_forward = self.first_forwards.get(i)
-        stage = self.executor.stages[i - 1]
-        seen = attribute_values(stage) if first_forward is None else first_forward.attributes
+        modules = self.modules[i - 1]
+        seen = attribute_values(modules) if first_forward is None else first_forward.attributes
         return replayed_attributes(seen, refill)
 
     def _refill(self, i: int) -> None:

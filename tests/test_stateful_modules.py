@@ -441,10 +441,10 @@ def test_an_unchanged_buffer_holding_a_nan_gives_its_copy_back() -> None:
 
     module = nn.Linear(WIDTH, WIDTH)
     module.register_buffer("table", torch.tensor([1.0, float("nan")]))
-    watch = FirstForward(module, [(module, "table")])
+    watch = FirstForward([module], [(module, "table")])
     watch.finish("s")
     assert watch.copies == {}  # bit for bit the same: no copy held to the step's end
-    watch = FirstForward(module, [(module, "table")])
+    watch = FirstForward([module], [(module, "table")])
     module.table[0] = 2.0
     watch.finish("s")
     assert list(watch.copies) == [(module, "table")]
