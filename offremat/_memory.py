@@ -57,7 +57,9 @@ class TensorRef:
     """
 
     __slots__ = (
+        "conj",
         "dtype",
+        "neg",
         "offset",
         "original",
         "rebuilt",
@@ -77,6 +79,8 @@ class TensorRef:
         self.offset = tensor.storage_offset()
         self.size = tuple(tensor.size())
         self.stride = tuple(tensor.stride())
+        self.conj = tensor.is_conj()
+        self.neg = tensor.is_neg()
         self.record: StorageRecord | None = None
         self.rebuilt = False
         self.taken = False
@@ -86,7 +90,9 @@ class TensorRef:
         if self.tensor is None:
             assert self.record is not None and self.record.storage is not None
             storage = self.record.storage
-            self.tensor = tensor_over(storage, self.dtype, self.offset, self.size, self.stride)
+            self.tensor = tensor_over(
+                storage, self.dtype, self.offset, self.size, self.stride, self.conj, self.neg
+            )
             self.rebuilt = True
         return self.tensor
 

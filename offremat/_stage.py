@@ -150,6 +150,8 @@ class InputView:
     dtype: torch.dtype
     version: int
     original: weakref.ref[torch.Tensor]
+    conj: bool = False  # the lazy bits of a view of the input (x.conj(), its .imag)
+    neg: bool = False
 
     def modified_version(self) -> int | None:
         """The input's version now if it was changed in place since packed, else None."""
@@ -202,6 +204,8 @@ class SavedTensorPacker:
                 tensor.dtype,
                 version_of(tensor),
                 weakref.ref(self.inputs[index]),
+                tensor.is_conj(),
+                tensor.is_neg(),
             )
         if key not in self.excluded and tensor.untyped_storage().nbytes() > 0:
             return self._hold(tensor)
@@ -225,7 +229,13 @@ class SavedTensorPacker:
         if isinstance(packed, InputView):
             source = self.inputs[packed.input]
             return tensor_over(
-                source.untyped_storage(), packed.dtype, packed.offset, packed.size, packed.stride
+                source.untyped_storage(),
+                packed.dtype,
+                packed.offset,
+                packed.size,
+                packed.stride,
+                packed.conj,
+                packed.neg,
             )
         return self._taken(packed)
 

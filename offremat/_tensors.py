@@ -192,14 +192,25 @@ def tensor_over(
     offset: int,
     size: tuple[int, ...],
     stride: tuple[int, ...],
+    conj: bool = False,
+    neg: bool = False,
 ) -> torch.Tensor:
-    """A new tensor over ``storage``: no copy, and a version counter of its own."""
+    """A new tensor over ``storage``: no copy, and a version counter of its own.
+
+    ``conj`` and ``neg`` are the lazy bits of a view (``z.conj()``, its ``.imag``): the bytes
+    are the unconjugated, unnegated values, and the bits say how to read them.
+    """
     # set_ only points a tensor at memory, but its schema marks the tensor as written. Outside
     # dispatch modes, a mode that tracks accesses per stream (TORCH_CUDA_SANITIZER) does not
     # take this for a write to the storage racing with the copies on the side streams.
     with _disable_current_modes():
         empty = torch.empty(0, dtype=dtype, device=storage.device)
-        return empty.set_(storage, offset, size, stride)
+        tensor = empty.set_(storage, offset, size, stride)
+        if conj:
+            tensor = tensor.conj()
+        if neg:
+            tensor = torch._neg_view(tensor)
+        return tensor
 
 
 def copied(tensors: Sequence[torch.Tensor], made: set[int]) -> list[torch.Tensor]:
@@ -220,6 +231,8 @@ def copied(tensors: Sequence[torch.Tensor], made: set[int]) -> list[torch.Tensor
             tensor.storage_offset(),
             tuple(tensor.shape),
             tuple(tensor.stride()),
+            tensor.is_conj(),
+            tensor.is_neg(),
         )
         handed.append(copy.requires_grad_(tensor.requires_grad))
     return handed

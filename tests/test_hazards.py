@@ -734,3 +734,39 @@ def test_a_recomputation_that_returns_other_tensors_is_refused() -> None:
             loss.backward()
     finally:
         torch.set_default_dtype(previous)
+
+
+class _ConjugateBlock(nn.Module):
+    """Saves lazy views: x.conj() of its input (conjugate bit), and h.conj().imag of its own
+    tensor (negative bit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16, dtype=torch.cfloat)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(0.1 * self.linear(x * x.conj()))
+        return h + h * h.conj().imag
+
+
+@pytest.mark.parametrize(
+    ("solver", "options"),
+    [
+        ("dp", {"budget": 0.75}),
+        ("checkpoint-every-stage", {}),
+        ("offload-all", {"bandwidth": "10GB/s"}),
+    ],
+)
+def test_saved_views_with_lazy_conjugate_or_negative_bits_stay_so(solver: str, options) -> None:
+    """A saved tensor rebuilt over its storage (an input's view, or after its prefetch) is
+    read through the same conjugate and negative bits as the one autograd saved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ConjugateBlock() for _ in range(4)])
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, dtype=torch.cfloat)
+    om = offremat.optimize(model, x, solver=solver, **({"budget": 1.0} | options))
+    assert set(om.plan.decisions.values()) - {"keep"}
+    for forward in (plain, om):
+        forward(x).abs().pow(2).mean().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
