@@ -193,7 +193,10 @@ class SavedTensorPacker:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Describe input aliases; hold the rest through a :class:`TensorRef`."""
-        key = storage_key(tensor)
+        try:
+            key = storage_key(tensor)
+        except NotImplementedError as error:  # a sparse tensor: no storage to count or move
+            raise storageless_tensor_error(self.stage, tensor) from error
         index = self.input_of_storage.get(key)
         if index is not None:
             return InputView(
@@ -260,6 +263,17 @@ class SavedTensorPacker:
     def saved_storages(self) -> dict[int, torch.UntypedStorage]:
         """The distinct storages held, by :func:`storage_key` (what the profiler measures)."""
         return unique_storages(ref.get() for ref in self.refs)
+
+
+def storageless_tensor_error(stage: str, tensor: torch.Tensor) -> ValueError:
+    """The refusal of a saved tensor without a storage of its own (a sparse one)."""
+    return ValueError(
+        f"stage {stage!r} saves a {str(tensor.layout).removeprefix('torch.')} tensor for its "
+        "backward: it has no storage of its own, which offremat counts, moves and rebuilds "
+        "saved tensors by, so no plan could say what the stage holds. Leave this block out of "
+        "the chain (blocks= naming the others), or make the tensor dense before autograd "
+        "saves it"
+    )
 
 
 def _alias(tensor: torch.Tensor) -> TensorRef:

@@ -373,3 +373,20 @@ def test_activations_kept_on_ctx_are_refused_and_saved_ones_profiled(
             assert profile_model(model, x, warmup=0, repeats=1).length == 3
     finally:
         MatMul.keep = "attributes"
+
+
+class SparseBlock(nn.Module):
+    """Saves a sparse activation (torch.sparse.mm keeps its sparse input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.weight = nn.Linear(16, 16), nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sparse.mm(torch.relu(self.linear(x)).to_sparse(), self.weight)
+
+
+def test_a_sparse_saved_tensor_is_refused_with_what_to_do() -> None:
+    model = nn.Sequential(*[SparseBlock() for _ in range(3)])
+    with pytest.raises(ValueError, match=r"stage '0' saves a sparse_coo tensor.*blocks="):
+        profile_model(model, torch.randn(32, 16), warmup=0, repeats=1)
