@@ -80,9 +80,10 @@ def _reached_code(module: nn.Module) -> str:
     """The module's ``forward`` and the functions it reaches by name, each named with its code.
 
     From ``forward``, a name its code uses is followed where it is a function: an attribute of
-    the module (``self.act = F.silu``), a method of its class, or a global of the function's
-    own module. Only functions from the package that defines the module's class are followed
-    further (its helpers); others (torch's) are named, with their code, and not entered.
+    the module (``self.act = F.silu``), a method of its class, a global of the function's own
+    module, or an attribute of a module that is such a global (``helpers.act``). Only
+    functions from the package that defines the module's class are followed further (its
+    helpers); others (torch's) are named, with their code, and not entered.
     """
     home = _package(type(module))
     parts = []
@@ -98,11 +99,15 @@ def _reached_code(module: nn.Module) -> str:
         if code is None or _package(function) != home:
             continue
         found = []
-        for name in sorted(_names(code)):
+        names = sorted(_names(code))
+        namespace = getattr(function, "__globals__", {})
+        imported = [v for v in map(namespace.get, names) if isinstance(v, types.ModuleType)]
+        for name in names:
             for value in (
                 vars(module).get(name),
                 inspect.getattr_static(type(module), name, None),
-                getattr(function, "__globals__", {}).get(name),
+                namespace.get(name),
+                *(vars(package).get(name) for package in imported),
             ):
                 if _function_like(value):
                     found.append(value)
@@ -180,8 +185,8 @@ _PER_PROCESS = frozenset({"_original_object_hash"})
 
 def _settings(module: nn.Module) -> str:
     """The module's public attributes of plain values (numbers, strings, tuples of them) and
-    configs (dataclasses, dicts, objects with ``to_dict``), as text; tensors and submodules
-    are described elsewhere."""
+    configs (dataclasses, dicts, objects with ``to_dict``, other objects by their attributes),
+    as text; tensors and submodules are described elsewhere, functions by their code."""
     found = []
     for name, value in sorted(vars(module).items()):
         if name.startswith("_") or name == "training":
@@ -193,11 +198,11 @@ def _settings(module: nn.Module) -> str:
             # A Hugging Face config keeps its attention implementation out of to_dict.
             found.append(f"{name}.private={_plain_settings(value)!r}")
             value = value.to_dict()
-        elif not (isinstance(value, dict) or _is_dataclass_object(value)):
+        elif not (isinstance(value, dict) or _is_dataclass_object(value) or _is_object(value)):
             continue
         try:
             found.append(f"{name}={json.dumps(value, sort_keys=True, default=_described)}")
-        except (TypeError, ValueError):  # keys that are no strings, a cycle
+        except (TypeError, ValueError, RecursionError):  # keys that are no strings, a cycle
             found.append(f"{name}={type(value).__qualname__}")
     return ",".join(found)
 
@@ -229,13 +234,27 @@ def _is_dataclass_object(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
+def _is_object(value: Any) -> bool:
+    """An object of a plain class (a config without ``to_dict``): described by its attributes.
+    Not a function, class, module or tensor, which have attributes of another kind."""
+    return (
+        hasattr(value, "__dict__")
+        and not callable(value)
+        and not isinstance(value, (type, types.ModuleType, nn.Module, torch.Tensor))
+    )
+
+
 def _described(value: Any) -> Any:
     """What the key keeps of a value JSON cannot write: a dataclass's fields, a dtype's name,
-    else its type (never an address, so that the key is the same in every process)."""
+    another object's attributes, else its type (never an address, so that the key is the same
+    in every process)."""
     if _is_dataclass_object(value):
         return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
+    if _is_object(value):
+        attributes = {k: v for k, v in vars(value).items() if k not in _PER_PROCESS}
+        return {"type": type(value).__qualname__, **attributes}
     return type(value).__qualname__
 
 

@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 import weakref
 
 import pytest
@@ -338,6 +339,13 @@ def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog
     assert "ignoring" not in caplog.text  # another budget is another entry, not a foreign one
 
 
+class _PlainConfig:
+    """A config of a plain class: no dataclass, no to_dict."""
+
+    def __init__(self, **settings) -> None:
+        self.__dict__.update(settings)
+
+
 def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> None:
     # A dropout's p or a count of attention heads changes what the forward saves, with the
     # same parameters: a plan cached for one must not be read for the other.
@@ -351,10 +359,15 @@ def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> 
     assert model_fingerprint(gpt(2, 0.0)) == model_fingerprint(gpt(2, 0.0))
     assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(2, 0.1))
     assert model_fingerprint(gpt(2, 0.0)) != model_fingerprint(gpt(4, 0.0))
-    for config in (GPTConfig(heads=2), {"heads": 2}):  # a nanoGPT-style config object
+    # A nanoGPT-style config, a dict, a plain class's object (its settings nested too).
+    for config, changed in (
+        (GPTConfig(heads=2), GPTConfig(heads=16)),
+        ({"heads": 2}, {"heads": 16}),
+        (_PlainConfig(heads=2), _PlainConfig(heads=16)),
+        (_PlainConfig(attention=_PlainConfig(heads=2)), _PlainConfig(attention=_PlainConfig())),
+    ):
         holder, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        holder.config = config
-        other.config = {"heads": 16} if isinstance(config, dict) else GPTConfig(heads=16)
+        holder.config, other.config = config, changed
         assert model_fingerprint(holder) != model_fingerprint(other)
     batch = gpt_batch(GPTConfig(layers=4, hidden=32, heads=2, seq=32, vocab=64), 4)
     first = offremat.optimize(gpt(2, 0.0), batch, budget=0.7, cache_dir=tmp_path)
@@ -503,6 +516,25 @@ def test_a_cached_plan_is_not_read_after_a_function_the_forward_reaches_changed(
         build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path
     )
     assert other.cache_info()["from_disk"] == 0
+
+
+_helpers = types.ModuleType("_helpers")  # a module of helpers the block calls as _helpers.act
+exec("import torch\ndef act(x):\n    return torch.tanh(x)\n", _helpers.__dict__)
+
+
+class ModuleHelperBlock(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _helpers.act(super().forward(x))
+
+
+def test_a_function_reached_as_an_attribute_of_a_module_is_in_the_key(monkeypatch) -> None:
+    from offremat._plan_cache import model_fingerprint
+
+    before = model_fingerprint(ModuleHelperBlock(4, 4))
+    edited: dict = {}
+    exec("import torch\ndef act(x):\n    return torch.tanh(torch.cat([x, x]))\n", edited)
+    monkeypatch.setattr(_helpers, "act", edited["act"])  # as if helpers.py had been edited
+    assert model_fingerprint(ModuleHelperBlock(4, 4)) != before
 
 
 class CachedMask(nn.Module):
