@@ -8,7 +8,7 @@ import numbers
 import re
 from typing import Any
 
-from solvers.chain import SLOWEST_LINK_BYTES_PER_S, Link
+from solvers.chain import LARGEST_BYTES, SLOWEST_LINK_BYTES_PER_S, Link, shown_number
 
 
 class InfeasibleBudgetError(ValueError):
@@ -141,6 +141,11 @@ def _finite(value: int | float, written: int | float | str) -> int | float:
 def _positive(budget_bytes: int, written: int | float | str) -> int:
     if budget_bytes <= 0:
         raise ValueError(f"budget {written!r} is {budget_bytes} bytes; a budget must be positive")
+    if budget_bytes > LARGEST_BYTES:
+        raise ValueError(
+            f"budget {shown_number(budget_bytes)} bytes is more than any device holds (at "
+            f"most {LARGEST_BYTES}): give the budget in bytes, as a size (6GiB) or a fraction"
+        )
     return budget_bytes
 
 

@@ -385,8 +385,15 @@ def _check_bytes(value: Any, where: str, least: int = 0) -> int:
         raise ChainFormatError(f"{where} must be {bound}, got {value}")
     if value > LARGEST_BYTES:
         raise ChainFormatError(
-            f"{where} is {value:.3g} bytes, more than any device holds (at most "
-            f"{LARGEST_BYTES}): "
-            "give sizes in bytes"
+            f"{where} is {shown_number(value)} bytes, more than any device holds (at most "
+            f"{LARGEST_BYTES}): give sizes in bytes"
         )
     return value
+
+
+def shown_number(value: int | float) -> str:
+    """A number for a message: ``1.2e+21``, or ``about 1e400`` past a float's range."""
+    try:
+        return f"{value:.3g}"
+    except OverflowError:
+        return f"about 1e{len(str(abs(int(value)))) - 1}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from solvers import semantics
-from solvers.chain import Chain
+from solvers.chain import LARGEST_BYTES, Chain, shown_number
 from solvers.json_text import check_fields, non_finite_at, parse_json
 from solvers.ops import (
     ACTIVATION,
@@ -203,15 +203,21 @@ class Plan:
             raise ValueError(
                 f"plan: field 'budget_bytes' must be a positive integer or null, got {budget!r}"
             )
+        if budget is not None and budget > LARGEST_BYTES:
+            raise ValueError(
+                f"plan: field 'budget_bytes' is {shown_number(budget)} bytes, more than any "
+                f"device holds (at most {LARGEST_BYTES})"
+            )
         for name, kind in (("solver", str), ("chain", str)):
             if name in data and not isinstance(data[name], kind):
                 raise ValueError(f"plan: field {name!r} must be a string, got {data[name]!r}")
         for name, kind in (("predicted_time_s", "number"), ("predicted_peak_bytes", "integer")):
             value = data.get(name)
             if value is not None and not _non_negative(value, integral=kind == "integer"):
+                shown = shown_number(value) if _is_number(value) else repr(value)
                 raise ValueError(
                     f"plan: field {name!r} must be a finite non-negative {kind} or null, "
-                    f"got {value!r}"
+                    f"got {shown}"
                 )
         return cls(
             ops=ops,
@@ -234,10 +240,21 @@ class Plan:
         return cls.from_dict(parse_json(Path(path).read_text(), "plan"))
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _non_negative(value: Any, integral: bool) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """Whether ``value`` is a finite number of at least 0 (a whole one if ``integral``), and
+    no larger than any size or time a chain can describe."""
+    if not _is_number(value):
         return False
-    if not math.isfinite(value) or value < 0:
+    try:
+        if not math.isfinite(value) or value < 0:
+            return False
+    except OverflowError:  # an int past a float's range
+        return False
+    if integral and value > LARGEST_BYTES:
         return False
     return not integral or float(value).is_integer()
 

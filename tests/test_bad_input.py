@@ -278,6 +278,9 @@ def test_a_key_given_twice_or_a_number_too_long_is_refused_in_chain_and_plan_fil
         ("predicted_peak_bytes", 12.5, "must be a finite non-negative integer"),
         ("predicted_time_s", float("nan"), "must be a finite non-negative number"),
         ("predicted_time_s", float("inf"), "must be a finite non-negative number"),
+        ("predicted_peak_bytes", 10**400, "integer or null, got about 1e400"),
+        ("predicted_time_s", 10**400, "number or null, got about 1e400"),
+        ("budget_bytes", 10**400, "'budget_bytes' is about 1e400 bytes, more than any device"),
         ("solver", [1], "field 'solver' must be a string"),
         ("chain", 5, "field 'chain' must be a string"),
         ("ops", [{"op": "B"}], r"missing field\(s\) \['index'\]"),
@@ -401,3 +404,11 @@ def test_a_dp_that_takes_a_while_says_so_before_it_starts(caplog) -> None:
         check_table_size(_long_chain(500), DEFAULT_SLOTS)
     assert "500 stages at 500 slots needs about" in caplog.text
     assert "--stages" in caplog.text
+
+
+def test_a_budget_larger_than_any_device_is_refused() -> None:
+    from solvers.budget import parse_budget
+
+    for budget in (10**400, 2**70):  # 10**400 ended in OverflowError formatting it
+        with pytest.raises(ValueError, match="more than any device holds"):
+            parse_budget(budget)
