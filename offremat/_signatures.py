@@ -97,9 +97,12 @@ def differing_size(
 
 
 def describe(signature: Signature) -> str:
-    """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``."""
+    """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``, and
+    ``requiring grad`` after a tensor that does (a plan of its own: its gradient is computed)."""
     return ", ".join(
-        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, *_ in signature[0]
+        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        + (" requiring grad" if requires_grad else "")
+        for shape, dtype, _, requires_grad in signature[0]
     )
 
 

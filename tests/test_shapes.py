@@ -876,3 +876,16 @@ def test_with_the_milp_a_shape_the_quick_dp_cannot_plan_gets_the_milps_plan_at_o
     check_step(om, model, reference, x, torch.randn(384, 64, generator=generator))
     assert om.plan.solver == "milp"
     assert om.cache_info()["improved"] == 0
+
+
+def test_an_input_that_now_requires_grad_is_named_so_when_refused() -> None:
+    """A frozen prefix needs no backward until the input requires grad: that input gets a
+    plan of its own, and a refusal names what changed, not only the example's own shape."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)) for _ in range(6)]
+    for block in blocks[:5]:
+        block.requires_grad_(False)
+    x = torch.randn(64, 32)
+    om = offremat.optimize(nn.Sequential(*blocks), x, budget=1.0)
+    with pytest.raises(offremat.InfeasibleBudgetError, match=r"\(64, 32\) float32 requiring grad"):
+        om(x.clone().requires_grad_())
