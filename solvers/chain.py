@@ -69,6 +69,13 @@ class Stage:
         if self.refill_s is None:
             object.__setattr__(self, "refill_s", self.fwd_s)
         _check_number(self.refill_s, f"{where}: field 'refill_s'")
+        for attr in ("fwd_s", "bwd_s", "refill_s"):
+            if 0 < getattr(self, attr) < SHORTEST_SECONDS:
+                raise ChainFormatError(
+                    f"{where}: field {attr!r} is {getattr(self, attr):g} s, shorter than the "
+                    f"{SHORTEST_SECONDS:g} s a simulated op takes at least: give 0 for a stage "
+                    "too quick to time, or seconds"
+                )
         if self.refill_s > self.fwd_s:
             raise ChainFormatError(
                 f"{where}: field 'refill_s' ({self.refill_s}) is larger than 'fwd_s' "
@@ -344,6 +351,14 @@ LARGEST_BYTES = 2**60
 LONGEST_SECONDS = 1e9
 """About 30 years: no stage's forward or backward takes longer, and sums of times stay far
 from overflowing."""
+
+SHORTEST_SECONDS = 1e-12
+"""A compute op takes at least this long in the simulator: a chain may say 0 s (a stage too
+quick to time), and ops that end when they start would share their instant with their
+neighbours, whose order within it then decides the peak. At a picosecond each op has its own
+instants, as the DP's and the MILP's memory models have them, and no predicted time moves
+visibly. A time between 0 and this is refused: no timer measures it, and the simulator
+would count the op a picosecond, far longer than the chain says."""
 
 STAGE_BYTE_FIELDS = (
     "out_bytes",

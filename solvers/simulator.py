@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solvers.chain import Chain
+from solvers.chain import SHORTEST_SECONDS, Chain
 from solvers.host import HostAction, OpTimes, host_actions
 from solvers.plan import (
     BACKWARD,
@@ -42,12 +42,6 @@ from solvers.semantics import (
 )
 
 COMPUTE_LANE, D2H_LANE, H2D_LANE = "compute", "d2h", "h2d"
-
-SHORTEST_OP_S = 1e-12
-"""A compute op takes at least this long: a chain may say 0 s (a stage too quick to time),
-and ops that end when they start would share their instant with their neighbours, whose
-order within it then decides the peak. At a picosecond each op has its own instants, as the
-DP's and the MILP's memory models have them, and no predicted time moves visibly."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +173,7 @@ def simulate(
             persistent, transient = size(change.allocates), temporary_bytes(op, chain)
             memory.settle(last_compute_start)
             start = memory.admit(ready, persistent + transient, budget)
-            end = start + max(duration_s(op, chain, n in refilled), SHORTEST_OP_S)
+            end = start + max(duration_s(op, chain, n in refilled), SHORTEST_SECONDS)
             wait_total += start - compute_free
             memory.add(start, persistent + transient, in_order=True)
             for tensor in inputs:

@@ -156,6 +156,8 @@ def test_a_misspelled_required_field_is_named_with_the_field_it_misspells(
         (_set(("stages", 1, "fwd_s"), 10**400), ["stage 2", "fwd_s", "too large"]),
         (_set(("link", "d2h_bytes_per_s"), 10**400), ["link", "d2h_bytes_per_s", "too large"]),
         (_set(("stages", 1, "saved_bytes"), 10**400), ["stage 2", "saved_bytes", "about 1e400"]),
+        # A picosecond per op in the simulator read as an overhead of 1e288 percent.
+        (_set(("stages", 0, "fwd_s"), 1e-300), ["stage 1", "fwd_s", "give 0"]),
         (_set(("input_bytes",), 10**400), ["input_bytes", "about 1e400 bytes"]),
         (_set(("stages", 0, "saved_bytes"), 1.5e8 + 0.5), ["stage 1", "saved_bytes", "integer"]),
         (_set(("stages", 1, "out_bytes"), "4096"), ["stage 2", "out_bytes", "integer"]),

@@ -166,7 +166,7 @@ def test_zero_length_ops_still_count_their_temporaries() -> None:
     assert result.peak_bytes == 1 + 1 + 1 + 50  # a_0, δ_1, x̄_1 and the forward temporary
 
 
-@pytest.mark.parametrize("backward_s", [0.0, 1e-15, 1.0])
+@pytest.mark.parametrize("backward_s", [0.0, 1e-12, 1.0])
 def test_a_backward_that_frees_part_of_its_saved_set_peaks_alike_however_long(
     backward_s: float,
 ) -> None:
