@@ -57,15 +57,27 @@ from solvers.bounds import (
 )
 from solvers.chain import Chain
 from solvers.frozen import trained_part
+from solvers.milp_bound_intervals import interval_bound_s
 from solvers.milp_model import time_unit
 from solvers.milp_search import native_stdout_silenced
 
+INTERVALS_UP_TO = 40
+"""The longest chain the interval model is built for: its binaries grow as L², and past about
+35 stages HiGHS proves less with it in 30 s than the two models here do."""
+
 
 def whole_tensor_bound_s(
-    chain: Chain, budget_bytes: int, offload: bool = True, time_limit_s: float = 5.0
+    chain: Chain,
+    budget_bytes: int,
+    offload: bool = True,
+    time_limit_s: float = 5.0,
+    intervals: bool = False,
 ) -> float:
     """The least step time any plan within ``budget_bytes`` can reach, with whole tensors
-    (recomputing only, with ``offload`` False)."""
+    (recomputing only, with ``offload`` False). With ``intervals``, also the bound of
+    :mod:`solvers.milp_bound_intervals` on chains of up to INTERVALS_UP_TO stages, in the time
+    the two models here leave: it asks where each recomputation's input comes from at every
+    backward, and takes seconds where these take milliseconds."""
     fractional = lower_bound_s(chain, budget_bytes)
     if not math.isfinite(fractional):
         return fractional
@@ -73,7 +85,7 @@ def whole_tensor_bound_s(
         # As in lower_bound_s: the frozen forwards, then the trained part's stages.
         frozen_s = sum(s.fwd_s for s in chain.stages[: chain.frozen_stages])
         budget = trained_part_budget(chain, budget_bytes)
-        part = whole_tensor_bound_s(trained_part(chain), budget, offload, time_limit_s)
+        part = whole_tensor_bound_s(trained_part(chain), budget, offload, time_limit_s, intervals)
         return max(fractional, frozen_s + part)
     if not absent_saved_bytes(chain, budget_bytes):
         return fractional
@@ -88,6 +100,9 @@ def whole_tensor_bound_s(
         if left <= 0:
             break
         best = max(best, _proven_s(chain, budget_bytes, offload, anchored, left))
+    left = deadline - time.monotonic()
+    if intervals and chain.length <= INTERVALS_UP_TO and left > 0:
+        best = max(best, interval_bound_s(chain, budget_bytes, offload, left))
     return best
 
 
