@@ -5,29 +5,34 @@ This model asks it when every backward starts. Write t_m for the start of B(m) a
 ops listed after B(m) and before B(m-1) (I_1: after B(1)); T is the step's end. For every
 valid plan (any op the format allows, non-persistent ones and copies included):
 
-* F*_i, the last F_all(i) before B(i), makes the x̄_i that B(i) reads. It lies in the first
-  pass (r_i = 0) or in one I_m, i < m <= L (p_im). Listed before B(i+1) it is not a refill
-  (:func:`solvers.semantics.refills`), so it takes f_i there, and at least the refill time
-  f'_i in I_{i+1}.
+* F*_i is the F_all(i) that made the x̄_i B(i) reads: not always the last one before B(i),
+  since a plan may copy x̄_i out in the first pass, recompute it after B(L) for nothing, free
+  that, and prefetch the host copy for B(i) (then F*_i is the first pass's). It lies in the
+  first pass (r_i = 0) or in one I_m, i < m <= L (p_im). Listed before B(i+1) it is not a
+  refill (:func:`solvers.semantics.refills`), so it takes f_i there, and at least the refill
+  time f'_i in I_{i+1}.
 * A forward of stage i+1 in I_m (F*_{i+1}, or another: u_{i+1,m}, f_{i+1} each, a distinct op
   in each interval) reads a_i, an instance X made before it: by F*_i (then x̄_i exists at t_m
-  unless F*_i lies in I_m, or it lies in I_m), by another forward of stage i in I_m (u_im),
-  by a prefetch started in I_m (h_im: x_i bytes or more on the host-to-device channel after
-  t_m and before t_{m-1}, and on the device-to-host channel before), or else X is allocated
-  when B(m) starts (c_im, x_i bytes or more). Such an X was in turn allocated at t_{m+1}
-  (c_{i,m+1}), or made in I_{m+1} by a forward (u_{i,m+1}) or a prefetch (h_{i,m+1} or, not
-  read in I_{m+1}, k_{i,m+1}). B(m) reads a_{m-1}: when F*_{m-1} lies in I_m it is such an X.
+  unless F*_i lies in I_m, or it lies in I_m), by another forward of stage i in I_m (u_im), by
+  a prefetch that starts between t_m and t_{m-1}, by time, wherever the list has it (h_im: x_i
+  bytes or more on the host-to-device channel then, and on the device-to-host channel before),
+  or else X is allocated when B(m) starts (c_im, x_i bytes or more; a stale x̄_i holding it
+  counts here too). Such an X was in turn allocated at t_{m+1} (c_{i,m+1}), or made in I_{m+1}
+  by a forward (u_{i,m+1}) or a prefetch (h_{i,m+1} or, not read in I_{m+1}, k_{i,m+1}: the
+  prefetch that made the instance present at t_m). B(m) reads a_{m-1}: when F*_{m-1} lies in
+  I_m it is such an X.
 * When B(m) starts, the GPU holds its working set, a_0 and, after B(L), the caller's bytes
   (:func:`solvers.bounds.backward_room`), every x̄_i (i < m) that F*_i made before t_m unless
   it was copied out by then, B(m)'s input a_{m-1} when x̄_{m-1} is not there, and the c_im.
   Copied out: before t_L and made in the first pass (o_i; back after t_L), by t_m and made in
-  the first pass (l_im; back after t_m), or by t_m and made after t_L (w_im, both copies
-  after t_L).
-* The a_i that a prefetch brings back (h_im, k_im) was first copied out from the instance its
-  forward made: before t_L (e_i, on the channel during the first pass), or later, from an
-  instance allocated at t_L (c_iL) or made by a forward after t_L (u_in, n >= m).
-* Each interval takes at least b_m plus its forwards; the copies that must be back before
-  B(k) fit on the host-to-device channel between t_L and t_k, those out by t_k on the
+  the first pass (l_im; back after t_m), or by t_m and made after t_L (w_im, both copies after
+  t_L).
+* The a_i that a prefetch brings back (h_im, k_im) was first copied out (alone, or inside a
+  whole x̄_i: x_i bytes or more either way) from the instance its forward made: before t_L
+  (e_i, on the channel during the first pass), or later, from an instance allocated at t_L
+  (c_iL) or made by a forward after t_L (u_in, n >= m).
+* Each interval takes at least b_m plus its forwards; the copies that must be back before B(k)
+  fit on the host-to-device channel between t_L and t_k, those out by t_k on the
   device-to-host channel between F(1)'s end and t_k, and the o_i as in
   :mod:`solvers.milp_bound`.
 
@@ -274,7 +279,7 @@ def _add_copies(model: _Model, scale: float, first_pass: Var, starts: dict) -> N
         before = pulp.lpSum(back(i) for i in range(k, length))
         before += pulp.lpSum(h * out[i] for (i, m), h in model.fetched.items() if m > k)
         problem += starts[k] - first_pass >= before / h2d
-        # Out by t_k: every o_i, the x̄_i gone by t_k, one copy of each a_i fetched after t_k.
+        # Out by t_k: every o_i, the x̄_i gone by t_k, one copy of each a_i fetched before t_k.
         sent = {i: sent_by[i, k] for i in range(1, length) if (i, k) in sent_by}
         after_l = pulp.lpSum(again_by[i, k] * saved[i] for i in range(1, k))
         out_by_k = pulp.lpSum(model.offloaded[i] * saved[i] for i in range(1, length))
