@@ -217,7 +217,10 @@ class Refill:
     def mismatch(self, kind: TensorKind, tensor: torch.Tensor) -> RuntimeError:
         """The error for a recomputation that saves another kind of tensor in a position."""
         return recomputed_otherwise(
-            self.stage, f"saved tensor {self.position}", kind, tensor_kind(tensor)
+            self.stage,
+            f"saved tensor {self.position} of {len(self.slots)}",
+            kind,
+            tensor_kind(tensor),
         )
 
     def incomplete(self) -> RuntimeError:

@@ -364,7 +364,7 @@ def _refuse_other_outputs(stage: str, first: list[TensorKind], now: list[TensorK
             "cannot be recomputed. Use a plan that keeps this stage"
         )
     k = next(k for k, (a, b) in enumerate(zip(first, now, strict=True)) if a != b)
-    raise recomputed_otherwise(stage, f"output {k}", first[k], now[k])
+    raise recomputed_otherwise(stage, f"output {k + 1} of {len(first)}", first[k], now[k])
 
 
 def _leave_inference_mode(stack: ExitStack) -> None:

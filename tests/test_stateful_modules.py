@@ -448,3 +448,21 @@ def test_an_unchanged_buffer_holding_a_nan_gives_its_copy_back() -> None:
     module.table[0] = 2.0
     watch.finish("s")
     assert list(watch.copies) == [(module, "table")]
+
+
+def test_a_recomputation_keeps_what_it_assigns_and_the_first_forward_s_attributes_stay() -> None:
+    """After a recomputation whose graph the backward runs, the tensors it assigned stay on
+    the module; the attributes its first forward found, which later recomputations replay,
+    must not take them in (they are the same dictionaries when nothing changed since)."""
+    from offremat._buffers import attribute_values, replayed_attributes
+
+    module = nn.Linear(2, 2)
+    seen = attribute_values([module])
+    before = dict(seen[0][1])
+    for refill in (False, True):
+        with replayed_attributes(seen, refill=refill):
+            module.activation = torch.ones(1)
+        assert ("activation" in vars(module)) is not refill  # a refill's graph is not run
+        assert seen[0][1].keys() == before.keys()
+        assert all(seen[0][1][name] is value for name, value in before.items())
+        vars(module).pop("activation", None)
