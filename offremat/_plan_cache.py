@@ -253,9 +253,25 @@ def _described(value: Any) -> Any:
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if _is_object(value):
-        attributes = {k: v for k, v in vars(value).items() if k not in _PER_PROCESS}
-        return {"type": type(value).__qualname__, **attributes}
+        # Its public settings: private state may be per process (a thread's name), and a
+        # large collection is data, not a setting (reading a dataset's would take seconds).
+        settings = {
+            k: v if _is_setting(v) else type(v).__qualname__
+            for k, v in vars(value).items()
+            if not k.startswith("_")
+        }
+        return {"class": type(value).__qualname__, "settings": settings}
     return type(value).__qualname__
+
+
+MOST_ENTRIES = 64
+"""A list, tuple or dict with more entries than this, inside a module's object, is data."""
+
+
+def _is_setting(value: Any) -> bool:
+    if isinstance(value, (list, tuple, dict)):
+        return len(value) <= MOST_ENTRIES
+    return True
 
 
 def _is_simple(value: Any) -> bool:

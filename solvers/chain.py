@@ -407,7 +407,10 @@ def _check_bytes(value: Any, where: str, least: int = 0) -> int:
 
 
 def shown_number(value: int | float) -> str:
-    """A number for a message: ``1.2e+21``, or ``about 1e400`` past a float's range."""
+    """A number for a message: an integer of up to 20 digits whole, else ``1.2e+21``, or
+    ``about 1e400`` past a float's range."""
+    if isinstance(value, int) and abs(value) < 10**20:
+        return str(value)
     try:
         return f"{value:.3g}"
     except OverflowError:

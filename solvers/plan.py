@@ -245,16 +245,14 @@ def _is_number(value: Any) -> bool:
 
 
 def _non_negative(value: Any, integral: bool) -> bool:
-    """Whether ``value`` is a finite number of at least 0 (a whole one if ``integral``), and
-    no larger than any size or time a chain can describe."""
+    """Whether ``value`` is a finite number of at least 0 (a whole one if ``integral``) within
+    a float's range (a plan's peak may pass any one tensor's largest size)."""
     if not _is_number(value):
         return False
     try:
         if not math.isfinite(value) or value < 0:
             return False
     except OverflowError:  # an int past a float's range
-        return False
-    if integral and value > LARGEST_BYTES:
         return False
     return not integral or float(value).is_integer()
 

@@ -176,6 +176,15 @@ def _chord(xs: np.ndarray, measured: np.ndarray, size: float) -> np.ndarray:
     return (1 - weight) * highest[lower] + weight * highest[upper]
 
 
+BEND_BYTES = 16 * 512
+"""How far above its neighbours' chord a figure may lie, beside :data:`BEND_FRACTION`, and
+not be taken for bent: on a GPU every tensor's bytes are rounded up to the allocator's 512,
+and a sum of rounded sizes linear in n lies up to 512 bytes a tensor above its chords."""
+
+BEND_FRACTION = 0.01
+"""The relative part of that allowance (a sliding window's bend lies 5-10% above)."""
+
+
 def _bent_down(xs: np.ndarray, measured: np.ndarray) -> bool:
     """Whether some byte figure lies above the chord of its neighbours at a profiled size:
     a figure that grows more slowly past some size (attention over a sliding window, whose
@@ -187,7 +196,7 @@ def _bent_down(xs: np.ndarray, measured: np.ndarray) -> bool:
     for k in range(1, len(sizes) - 1):
         weight = (sizes[k] - sizes[k - 1]) / (sizes[k + 1] - sizes[k - 1])
         chord = (1 - weight) * highest[k - 1] + weight * highest[k + 1]
-        if np.any(highest[k] > chord + 1.0 + 1e-9 * np.abs(chord)):  # a byte for rounding
+        if np.any(highest[k] > chord + BEND_BYTES + BEND_FRACTION * np.abs(chord)):
             return True
     return False
 

@@ -412,3 +412,14 @@ def test_a_budget_larger_than_any_device_is_refused() -> None:
     for budget in (10**400, 2**70):  # 10**400 ended in OverflowError formatting it
         with pytest.raises(ValueError, match="more than any device holds"):
             parse_budget(budget)
+
+
+def test_a_plan_whose_peak_passes_the_largest_tensor_size_is_read_back() -> None:
+    """Four stages of 2**59 bytes each are a valid chain; its keep-all plan peaks above 2**60."""
+    from solvers.baselines import keep_all
+    from solvers.simulator import score
+
+    chain = Chain("big", 0, tuple(Stage(f"s{i}", 1.0, 1.0, 2**59, 2**59) for i in range(4)))
+    plan = score(keep_all(chain), chain, None)
+    assert plan.predicted_peak_bytes > 2**60
+    assert Plan.from_dict(plan.to_dict()) == plan

@@ -606,18 +606,27 @@ def test_predicted_bytes_between_profiled_sizes_are_never_below_the_truth(
 
 
 def test_bytes_that_bend_down_at_a_profiled_size_are_not_predicted() -> None:
-    """Attention over a sliding window of 64 saves n·min(n, 64): the chord between 48 and 80
-    is 10% below it at 64. Where a profiled size shows the bend, nothing is predicted."""
+    """Attention over a sliding window of 64 saves n·min(n, 64) (here 1 KiB each): the chord
+    between 48 and 80 is 10% below it at 64. Where a profiled size shows the bend, nothing is
+    predicted; sizes rounded up to a GPU allocator's 512 bytes are no bend."""
     from solvers.predict import predict_chain
 
-    def banded(sizes: tuple[int, ...]) -> list[tuple[int, Chain]]:
-        stages = [Stage("s", 1e-3, 2e-3, out_bytes=n, saved_bytes=n * min(n, 64)) for n in sizes]
+    def profiled(saved, sizes: tuple[int, ...]) -> list[tuple[int, Chain]]:
+        stages = [Stage("s", 1e-3, 2e-3, out_bytes=n, saved_bytes=saved(n)) for n in sizes]
         return [(n, Chain("c", 1000, (stage,))) for n, stage in zip(sizes, stages, strict=True)]
 
-    assert predict_chain(banded((32, 48, 80, 96)), 64) is None  # 80 lies above 48-96's chord
-    assert predict_chain(banded((16, 32, 48)), 40) is not None  # convex there: the chord is above
-    two = predict_chain(banded((48, 80)), 64)  # two sizes cannot show the bend (module notes)
-    assert two is not None and two.stages[0].saved_bytes < 64 * 64
+    def banded(n: int) -> int:
+        return 1024 * n * min(n, 64)
+
+    assert predict_chain(profiled(banded, (32, 48, 80, 96)), 64) is None  # 80: above 48-96's
+    assert predict_chain(profiled(banded, (16, 32, 48)), 40) is not None  # convex: above
+    two = predict_chain(profiled(banded, (48, 80)), 64)  # two sizes cannot show the bend
+    assert two is not None and two.stages[0].saved_bytes < banded(64)
+
+    def rounded(n: int) -> int:  # four tensors linear in n, each rounded up to 512 bytes
+        return sum(-(-c * n // 512) * 512 for c in (4, 8, 1536, 12288))
+
+    assert predict_chain(profiled(rounded, (60, 97, 211)), 130) is not None
 
 
 def test_bytes_are_taken_for_a_quadratic_only_where_four_sizes_show_one() -> None:
