@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         Text(
             f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
-            f"{format_bytes(budgets[0])} to {format_bytes(budgets[-1])}, "
+            f"{format_bytes(budgets[0], round_up=True)} to {format_bytes(budgets[-1])}, "
             f"methods {', '.join(methods)}"
         )
     )
