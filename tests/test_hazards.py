@@ -651,16 +651,24 @@ def _mlp_blocks(seed: int = 0) -> nn.Sequential:
     )
 
 
-def test_a_backward_under_inference_mode_recomputes_with_a_graph() -> None:
-    """Plain autograd runs a backward called inside ``torch.inference_mode()`` (the graph was
-    made outside it); the plan's recomputations must still record theirs."""
+@pytest.mark.parametrize(
+    "context",
+    [lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode],
+    ids=["autocast", "inference_mode"],
+)
+def test_a_backward_inside_a_context_recomputes_as_the_forward_ran(context) -> None:
+    """``loss.backward()`` inside a bf16 autocast region after a forward without it: on CPU
+    the backward's kernels see the autocast (in plain autograd too), but a recomputation must
+    compute what the forward did, in fp32, as torch.utils.checkpoint's does. Inside
+    ``torch.inference_mode()``, which plain autograd's backward allows, a recomputation must
+    still record its graph."""
     x = torch.randn(8, 64, 32)
     plain, model = _mlp_blocks(), _mlp_blocks()
     om = offremat.optimize(model, x, budget=0.4)
     assert "recompute" in om.plan.decisions.values()
     for forward in (plain, om):
         loss = forward(x).pow(2).mean()
-        with torch.inference_mode():
+        with context():
             loss.backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
@@ -685,11 +693,17 @@ def test_a_recomputation_that_saves_other_tensors_is_refused() -> None:
     x = torch.randn(64, 16)
     om = offremat.optimize(model, x, budget=0.6)
     assert "recompute" in om.plan.decisions.values()
-    loss = om(x).pow(2).mean()
+    _refused_in_a_float64_backward(
+        om(x).pow(2).mean(), r"float64 \[64, 16\] on cpu tensor when recomputed"
+    )
+
+
+def _refused_in_a_float64_backward(loss: torch.Tensor, match: str) -> None:
+    """Run ``loss``'s backward with float64 the default dtype: refused with ``match``."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with pytest.raises(RuntimeError, match=r"float64 \[64, 16\] on cpu tensor when recomputed"):
+        with pytest.raises(RuntimeError, match=match):
             loss.backward()
     finally:
         torch.set_default_dtype(previous)
@@ -726,14 +740,9 @@ def test_a_recomputation_that_returns_other_tensors_is_refused() -> None:
     )
     plan = score(Plan(ops, chain.stage_names, "hand"), chain, None)
     om = offremat.optimize(model, x, chain=chain, plan=plan)
-    loss = om(x).pow(2).mean()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with pytest.raises(RuntimeError, match=r"stage '0' made output 1 of 1 as a float64"):
-            loss.backward()
-    finally:
-        torch.set_default_dtype(previous)
+    _refused_in_a_float64_backward(
+        om(x).pow(2).mean(), r"stage '0' made output 1 of 1 as a float64"
+    )
 
 
 class _ConjugateBlock(nn.Module):
