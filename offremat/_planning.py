@@ -103,9 +103,10 @@ class Request:
             profile_blocks,
             model,
         )
-        plans.add(example, chain, plan)
         # Only the example's plan can have been read from disk by now.
-        plans.cache.from_disk = 0 if self.disk is None else self.disk.loaded
+        from_disk = 0 if self.disk is None else self.disk.loaded
+        plans.add(example, chain, plan, from_disk=bool(from_disk))
+        plans.cache.from_disk = from_disk
         return plans
 
 

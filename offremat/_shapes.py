@@ -145,6 +145,9 @@ class ShapePlans:
         self.executors: dict[Signature, PlanExecutor] = {}
         self.profiled: dict[Signature, Chain] = {}
         self.provisional: set[Signature] = set()
+        # Signatures whose chain was not profiled at their shape (read from the disk cache,
+        # or predicted): their first step is measured, and profiled if over the budget.
+        self.unprofiled: set[Signature] = set()
         self.variants: dict[VariantKey, PlanExecutor] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
         self.refused: dict[VariantKey, tuple[Any, ...]] = {}
@@ -158,20 +161,24 @@ class ShapePlans:
         # The disk cache holds plans for the stages as optimize saw them only.
         self.disk_state = (self.module_state, self.modes)
 
-    def add(self, batch: Any, chain: Chain, plan: Plan) -> PlanExecutor:
-        """Register the plan made at ``optimize`` time for the example batch."""
+    def add(self, batch: Any, chain: Chain, plan: Plan, from_disk: bool = False) -> PlanExecutor:
+        """Register the plan made at ``optimize`` time for the example batch (read from the
+        disk cache: its first step is measured, as for any chain not profiled here)."""
         executor = PlanExecutor(
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
         signature = input_signature(batch)
+        if from_disk:
+            self.unprofiled.add(signature)
+            executor.verify_next = True
         self.executors[signature] = executor
         self.profiled[signature] = chain
         self.last = executor
         return executor
 
-    def _chain(self, signature: Signature, batch: Any) -> Chain:
-        """A predicted chain when the profiled shapes allow it (solvers.predict), else a
-        profiled one."""
+    def _chain(self, signature: Signature, batch: Any, predict: bool = True) -> Chain:
+        """A predicted chain when the profiled shapes allow it (solvers.predict) and
+        ``predict``, else a profiled one."""
         size = None
         points = []
         for known, chain in self.profiled.items():
@@ -179,12 +186,13 @@ class ShapePlans:
             if along is not None:
                 positions, size, known_size = along
                 points.append((positions, known_size, chain))
-        if size is not None:
+        if size is not None and predict:
             for positions in {p for p, _, _ in points}:
                 same = [(n, chain) for p, n, chain in points if p == positions]
                 predicted = predict_chain(same, size)
                 if predicted is not None:
                     self.cache.predicted += 1
+                    self.unprofiled.add(signature)
                     metadata = _predicted_input(predicted.metadata, same)
                     return dataclasses.replace(predicted, metadata=metadata)
         with _parametrize_cache_suspended():
@@ -199,6 +207,15 @@ class ShapePlans:
             self._switch(state)
         signature = input_signature(batch)
         executor = self.executors.get(signature)
+        if executor is not None and executor.over_budget and signature in self.unprofiled:
+            logger.warning(
+                "input %s: its plan, made on a chain read from cache_dir or predicted from "
+                "other shapes, measured over its budget in its first step: profiling that "
+                "shape and planning it again",
+                describe(signature),
+            )
+            del self.executors[signature]
+            executor = None
         if executor is not None:
             self.cache.hits += 1
             if signature in self.provisional:
@@ -207,12 +224,15 @@ class ShapePlans:
             self.cache.misses += 1
             began = time.perf_counter()
             disk = self._disk()
-            cached = None if disk is None else disk.load(repr(signature))
+            again = signature in self.unprofiled
+            self.unprofiled.discard(signature)
+            cached = None if disk is None or again else disk.load(repr(signature))
             if cached is not None:
                 chain, plan = cached
                 self.cache.from_disk += 1
+                self.unprofiled.add(signature)
             else:
-                chain = self._chain(signature, batch)
+                chain = self._chain(signature, batch, predict=not again)
                 plan = self._plan(signature, chain)
                 # The disk keeps the final solver's plans only.
                 if disk is not None and signature not in self.provisional:
@@ -325,7 +345,11 @@ class ShapePlans:
         if stage_state(self.watched) != (self.module_state, self.modes):
             return False
         executor = self.executors.get(input_signature(batch))
-        return executor is not None and executor.plain and not executor.measure_memory
+        return (
+            executor is not None
+            and executor.plain
+            and not (executor.measure_memory or executor.verify_next)
+        )
 
     def _disk(self) -> PlanCache | None:
         """The disk cache, where it holds plans for the state the stages are in now."""
@@ -379,6 +403,7 @@ class ShapePlans:
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
         self.executors[signature] = executor
+        executor.verify_next = signature in self.unprofiled
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds
         logger.info(

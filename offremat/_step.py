@@ -91,6 +91,7 @@ class _Step(Compute):
         structure: Structure,
         device: torch.device,
         scans: list[ModuleScan],
+        measuring: bool = False,
     ):
         self.executor = executor
         self.ops = executor.plan.ops
@@ -150,7 +151,8 @@ class _Step(Compute):
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
         self.marks: list[Any] = []
-        self.memory = StepMemory(device, tensors) if executor.measure_memory else None
+        self.memory = StepMemory(device, tensors) if measuring else None
+        self.verifying = executor.verify_next
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
@@ -213,11 +215,22 @@ class _Step(Compute):
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
             self._report_over_budget(self.memory.peak_bytes)
+            if self.verifying:
+                self._verified(self.memory.peak_bytes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused
             return [None] * len(wanted)
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
+
+    def _verified(self, measured: int) -> None:
+        """End the check of a plan whose chain was not profiled at its shape: one measured
+        over its budget is marked, and its shape is profiled at the next step."""
+        executor = self.executor
+        executor.verify_next = False
+        budget = executor.plan.budget_bytes
+        if budget is not None and measured > budget:
+            executor.over_budget = True
 
     def _report_over_budget(self, measured: int) -> None:
         """Warn, once per plan, when the independent measurement exceeds the budget."""

@@ -27,7 +27,10 @@ Design notes.
   tensors: the step keeps a_i only through references it can drop when the plan offloads it.
 - Measurement, opt-in: with ``measure_memory=True`` each step is measured independently of
   this module (:mod:`offremat.measure`: the allocator on CUDA, a dispatch-mode tracker of live
-  storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. The
+  storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. A plan whose
+  chain was not profiled at its shape (read from a plan cache, or predicted from other
+  shapes) has its first step measured (``verify_next``); one measured over its budget is
+  marked (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
   executor's own count of the storages it holds is kept as a diagnostic
   (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
   :attr:`PlanExecutor.stats` is read.
@@ -140,6 +143,9 @@ class PlanExecutor:
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
         _refuse_recomputed_renorm(self.stages, self.recomputed, chain.stage_names)
         self.reported_over_budget = False
+        # Measure the next step (a chain not profiled at this shape), and what it found.
+        self.verify_next = False
+        self.over_budget = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._anchors: dict[torch.device, torch.Tensor] = {}
@@ -184,7 +190,8 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        if self.plain and not self.measure_memory and in_functorch_transform():
+        measuring = self.measure_memory or self.verify_next
+        if self.plain and not measuring and in_functorch_transform():
             # Plain autograd's schedule needs no bookkeeping, which wrapped tensors refuse.
             return run_plainly(self.stages, value, device, self._finished)
         refuse_functorch_transforms()
@@ -202,11 +209,11 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        if self.plain and not self.measure_memory:
+        if self.plain and not measuring:
             with OutOfMemoryAdvice(self.plan):
                 return run_plainly(self.stages, value, device, self._finished)
         refuse_outer_saved_tensor_hooks()
-        step = _Step(self, tensors, structure, device, scans)
+        step = _Step(self, tensors, structure, device, scans, measuring)
         self.in_flight.add(step)
         outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)
         return unflatten(outputs, step.output_structure)

@@ -16,6 +16,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import offremat
 from offremat.measure import StepMemory
@@ -898,3 +899,79 @@ def test_an_input_that_now_requires_grad_is_named_so_when_refused() -> None:
     om = offremat.optimize(nn.Sequential(*blocks), x, budget=1.0)
     with pytest.raises(offremat.InfeasibleBudgetError, match=r"\(64, 32\) float32 requiring grad"):
         om(x.clone().requires_grad_())
+
+
+HEADS = 1  # read by GlobalHeadsBlock's forward: the plan cache's key does not see its value
+
+
+class GlobalHeadsBlock(nn.Module):
+    """Attention whose head count is a global of its module: its saved scores grow with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2) / 4).softmax(-1)
+        return x + (scores @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def test_a_cached_plan_measured_over_its_budget_is_profiled_again(tmp_path, monkeypatch) -> None:
+    """The key cannot see every setting (a module global here). A plan read from disk has its
+    first step measured; over its budget, its shape is profiled at the next step."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
+
+    x = torch.randn(4, 32, 32)
+    budget = offremat.optimize(build(), x, budget=0.6).plan.budget_bytes
+    offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    monkeypatch.setitem(globals(), "HEADS", 8)  # as if the file had been edited
+    model = build()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    om = offremat.optimize(model, x, budget=budget, cache_dir=tmp_path)
+    assert om.cache_info()["from_disk"] == 1
+    om(x).sum().backward()
+    assert om.stats.measured_peak_bytes > budget  # the stale plan's step, measured
+    with pytest.raises(offremat.InfeasibleBudgetError):  # profiled at 8 heads: it cannot fit
+        om(x)
+
+
+class SlidingWindowBlock(nn.Module):
+    """Attention over the last 16 positions, materialised as a band: it saves n·min(n, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = min(x.shape[1], 16)
+        keys = F.pad(k, (0, 0, w - 1, 0)).unfold(1, w, 1)
+        values = F.pad(v, (0, 0, w - 1, 0)).unfold(1, w, 1)
+        weights = torch.einsum("bnd,bndw->bnw", q, keys).softmax(-1)
+        return x + self.out(torch.einsum("bnw,bndw->bnd", weights, values))
+
+
+def test_a_length_predicted_under_its_bytes_is_measured_then_profiled() -> None:
+    """Lengths 12 and 20 straddle the window's bend: 16, predicted between them, is
+    underestimated, and its first step passes the budget. It is measured, and the shape is
+    profiled and planned for its next step, which fits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SlidingWindowBlock() for _ in range(8)])
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    om = offremat.optimize(model, torch.randn(8, 12, 16), budget=0.5)
+    om(torch.randn(8, 20, 16)).sum().backward()  # profiled
+    steps = []
+    for _ in range(2):
+        x = torch.randn(8, 16, 16)
+        with StepMemory("cpu", inputs=x) as memory:
+            om(x).sum().backward()
+        steps.append(memory.peak_bytes)
+    assert om.cache_info()["predicted"] == 1
+    assert steps[0] > om.plan.budget_bytes >= steps[1]
