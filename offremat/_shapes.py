@@ -22,7 +22,6 @@ get a plan of their own in the step that meets them (:meth:`ShapePlans.for_chain
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,13 +35,12 @@ from torch.nn.utils import parametrize
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._plan_cache import PlanCache
+from offremat._shape_prediction import predicted_chain
 from offremat._signatures import (
-    CHAIN_INPUT_KEYS,
     Signature,
     StageState,
     chain_input_kind,
     describe,
-    differing_size,
     input_signature,
     stage_state,
 )
@@ -51,7 +49,6 @@ from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.predict import predict_chain
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +63,6 @@ StatePlans = tuple[
 
 KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
-MIXED_KINDS = "predicted from chains of several kinds of blocks' inputs"
-"""The kind of a chain predicted from such chains: no input is of it."""
 KEPT_VARIANTS = 8
 """How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
 
@@ -82,19 +77,6 @@ def _parametrize_cache_suspended() -> Iterator[None]:
         yield
     finally:
         parametrize._cache_enabled, parametrize._cache = enabled, cache
-
-
-def _predicted_input(metadata: dict[str, Any], same: Sequence[tuple[int, Chain]]) -> dict[str, Any]:
-    """A predicted chain's metadata: the kind of chain input its sources were profiled on
-    where they agree (else one no input has), not its bytes, which are another size's
-    (offremat._model_chain then takes the costs around the blocks from the chain's figures,
-    as upper bounds)."""
-    metadata = {k: v for k, v in metadata.items() if k not in CHAIN_INPUT_KEYS}
-    kinds = {chain.metadata.get("chain_input") for _, chain in same}
-    if kinds != {None}:
-        # Sources of several kinds predict no kind's bytes: every input gets its own plan.
-        metadata["chain_input"] = kinds.pop() if len(kinds) == 1 else MIXED_KINDS
-    return metadata
 
 
 @dataclass
@@ -179,22 +161,11 @@ class ShapePlans:
     def _chain(self, signature: Signature, batch: Any, predict: bool = True) -> Chain:
         """A predicted chain when the profiled shapes allow it (solvers.predict) and
         ``predict``, else a profiled one."""
-        size = None
-        points = []
-        for known, chain in self.profiled.items():
-            along = differing_size(known, signature)
-            if along is not None:
-                positions, size, known_size = along
-                points.append((positions, known_size, chain))
-        if size is not None and predict:
-            for positions in {p for p, _, _ in points}:
-                same = [(n, chain) for p, n, chain in points if p == positions]
-                predicted = predict_chain(same, size)
-                if predicted is not None:
-                    self.cache.predicted += 1
-                    self.unprofiled.add(signature)
-                    metadata = _predicted_input(predicted.metadata, same)
-                    return dataclasses.replace(predicted, metadata=metadata)
+        predicted = predicted_chain(self.profiled, signature) if predict else None
+        if predicted is not None:
+            self.cache.predicted += 1
+            self.unprofiled.add(signature)
+            return predicted
         with _parametrize_cache_suspended():
             chain = self.profile(batch)
         self.profiled[signature] = chain
