@@ -116,7 +116,10 @@ def profile_model(
             logger.warning(
                 "stage %r keeps %d bytes of its activations after its backward (a module "
                 "attribute or a hook holds them): no plan can drop or offload them, so they "
-                "count as resident for the whole step",
+                "count as resident for the whole step. A tensor added to a list or a dict at "
+                "every forward is added again by each recomputation of the stage, which no "
+                "plan counts: keep such logging out of training steps, or give a budget at "
+                "which the plan keeps this stage",
                 stage_name,
                 m.kept_bytes,
             )
