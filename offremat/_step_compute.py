@@ -177,13 +177,12 @@ class Compute:
         kinds = [tensor_kind(t) for t in tensors]
         if first:
             self.output_kinds[i] = kinds
-        elif kinds != self.output_kinds[i]:
-            _refuse_other_outputs(name, self.output_kinds[i], kinds)
-        if first:
             self.flags[i] = self._gradient_flags(i, grad, inputs, tensors)
             if rng is not None:
                 self.rng[i] = rng.for_replay(self.host_random)
             del rng
+        elif kinds != self.output_kinds[i]:
+            _refuse_other_outputs(name, self.output_kinds[i], kinds)
         del inputs
         is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:
