@@ -59,6 +59,7 @@ StatePlans = tuple[
     dict[Signature, Chain],
     set[Signature],
     dict[VariantKey, "PlanExecutor"],
+    set[Signature],
 ]
 
 KEPT_STATES = 8
@@ -152,7 +153,7 @@ class ShapePlans:
         signature = input_signature(batch)
         if from_disk:
             self.unprofiled.add(signature)
-            executor.verify_next = True
+            executor.verify_next = not executor.plain
         self.executors[signature] = executor
         self.profiled[signature] = chain
         self.last = executor
@@ -288,6 +289,7 @@ class ShapePlans:
             self.profiled,
             self.provisional,
             self.variants,
+            self.unprofiled,
         )
         kept = self.by_state.pop(state, None)
         while len(self.by_state) > KEPT_STATES:
@@ -305,8 +307,8 @@ class ShapePlans:
                     "for this mode (a step with gradients enabled follows a plan in eval "
                     "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
                 )
-            kept = ({}, {}, set(), {})
-        self.executors, self.profiled, self.provisional, self.variants = kept
+            kept = ({}, {}, set(), {}, set())
+        self.executors, self.profiled, self.provisional, self.variants, self.unprofiled = kept
         self.refused = {}
         self.module_state, self.modes = state
 
@@ -316,11 +318,7 @@ class ShapePlans:
         if stage_state(self.watched) != (self.module_state, self.modes):
             return False
         executor = self.executors.get(input_signature(batch))
-        return (
-            executor is not None
-            and executor.plain
-            and not (executor.measure_memory or executor.verify_next)
-        )
+        return executor is not None and executor.plain and not executor.measure_memory
 
     def _disk(self) -> PlanCache | None:
         """The disk cache, where it holds plans for the state the stages are in now."""
@@ -374,7 +372,8 @@ class ShapePlans:
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
         self.executors[signature] = executor
-        executor.verify_next = signature in self.unprofiled
+        # A keep-all plan runs as plain autograd (offremat._plain), and is not measured.
+        executor.verify_next = signature in self.unprofiled and not executor.plain
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds
         logger.info(

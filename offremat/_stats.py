@@ -18,11 +18,12 @@ class StepStats:
 
     - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
       defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
-      unless the executor measures (``measure_memory=True``). On CUDA the allocator counts
-      everything from the forward's start to the backward's end, the caller's loss included;
-      on CPU the tracker watches the plan's forward and backward halves only, since a
-      dispatch mode left on between them would run under the caller's code. Wrap the whole
-      step in ``StepMemory`` to see the same on both.
+      unless the executor measures (``measure_memory=True``, or the first step of a plan
+      whose chain was read from a plan cache or predicted, see :mod:`offremat.executor`).
+      On CUDA the allocator counts everything from the forward's start to the backward's
+      end, the caller's loss included; on CPU the tracker watches the plan's forward and
+      backward halves only, since a dispatch mode left on between them would run under the
+      caller's code. Wrap the whole step in ``StepMemory`` to see the same on both.
     - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
       executor itself held at once, counted the way the simulator counts; it does not see
       temporaries, what other code holds, or the saved tensors of a direct forward (their

@@ -26,7 +26,7 @@ from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
-from offremat._tensors import Structure, TensorKind, is_differentiable
+from offremat._tensors import Structure, TensorKind, allocated_bytes, is_differentiable
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
@@ -153,6 +153,12 @@ class _Step(Compute):
         self.marks: list[Any] = []
         self.memory = StepMemory(device, tensors) if measuring else None
         self.verifying = executor.verify_next
+        # The gradients this step will make for parameters whose .grad is None: the budget
+        # does not count them (design.md), so the check of a first step leaves them out.
+        fresh = {id(p): p for scan in scans for p in scan.trainable if p.grad is None}
+        self.new_grad_bytes = sum(
+            allocated_bytes(p.numel() * p.element_size(), p.device) for p in fresh.values()
+        )
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
@@ -214,7 +220,8 @@ class _Step(Compute):
         self._mark()
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
-            self._report_over_budget(self.memory.peak_bytes)
+            if self.executor.measure_memory:
+                self._report_over_budget(self.memory.peak_bytes)
             if self.verifying:
                 self._verified(self.memory.peak_bytes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
@@ -225,11 +232,12 @@ class _Step(Compute):
 
     def _verified(self, measured: int) -> None:
         """End the check of a plan whose chain was not profiled at its shape: one measured
-        over its budget is marked, and its shape is profiled at the next step."""
+        over its budget, less the parameters' gradients the step made, is marked, and its
+        shape is profiled at the next step."""
         executor = self.executor
         executor.verify_next = False
         budget = executor.plan.budget_bytes
-        if budget is not None and measured > budget:
+        if budget is not None and measured - self.new_grad_bytes > budget:
             executor.over_budget = True
 
     def _report_over_budget(self, measured: int) -> None:

@@ -29,8 +29,9 @@ Design notes.
   this module (:mod:`offremat.measure`: the allocator on CUDA, a dispatch-mode tracker of live
   storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. A plan whose
   chain was not profiled at its shape (read from a plan cache, or predicted from other
-  shapes) has its first step measured (``verify_next``); one measured over its budget is
-  marked (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
+  shapes), unless it is keep-all, has its first step measured (``verify_next``); one measured
+  over its budget, less the parameters' gradients the step made, is marked
+  (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
   executor's own count of the storages it holds is kept as a diagnostic
   (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
   :attr:`PlanExecutor.stats` is read.

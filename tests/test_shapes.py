@@ -929,16 +929,24 @@ def test_a_cached_plan_measured_over_its_budget_is_profiled_again(tmp_path, monk
     x = torch.randn(4, 32, 32)
     budget = offremat.optimize(build(), x, budget=0.6).plan.budget_bytes
     offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    # A plan read from disk that fits is kept, though its first step makes the gradients.
+    fresh = offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    for _ in range(2):
+        fresh(x).sum().backward()
+    assert fresh.cache_info()["misses"] == 0 and fresh.stats.measured_peak_bytes is None
     monkeypatch.setitem(globals(), "HEADS", 8)  # as if the file had been edited
-    model = build()
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    om = offremat.optimize(model, x, budget=budget, cache_dir=tmp_path)
-    assert om.cache_info()["from_disk"] == 1
-    om(x).sum().backward()
-    assert om.stats.measured_peak_bytes > budget  # the stale plan's step, measured
-    with pytest.raises(offremat.InfeasibleBudgetError):  # profiled at 8 heads: it cannot fit
-        om(x)
+    for switched in (False, True):
+        om = offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+        assert om.cache_info()["from_disk"] == 1
+        om(x).sum().backward()
+        assert om.stats.measured_peak_bytes > budget  # the stale plan's step, measured
+        if switched:  # a step in another state keeps the verdict of this one
+            om.eval()
+            with pytest.raises(offremat.InfeasibleBudgetError):
+                om(x)
+            om.train()
+        with pytest.raises(offremat.InfeasibleBudgetError):  # profiled at 8 heads: no fit
+            om(x)
 
 
 class SlidingWindowBlock(nn.Module):
@@ -975,3 +983,17 @@ def test_a_length_predicted_under_its_bytes_is_measured_then_profiled() -> None:
         steps.append(memory.peak_bytes)
     assert om.cache_info()["predicted"] == 1
     assert steps[0] > om.plan.budget_bytes >= steps[1]
+
+
+def test_a_keep_all_plan_read_from_disk_runs_as_plain_autograd(tmp_path) -> None:
+    """A keep-all plan is plain autograd's schedule, read from disk or not: a second backward
+    with retain_graph=True runs, as plain autograd's does."""
+    x = torch.randn(4, 32, 32)
+    for _ in range(2):  # made and stored, then read back
+        torch.manual_seed(0)
+        model = nn.Sequential(*[GlobalHeadsBlock() for _ in range(3)])
+        om = offremat.optimize(model, x, budget=1.0, cache_dir=tmp_path)
+    assert om.cache_info()["from_disk"] == 1
+    loss = om(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
