@@ -81,6 +81,13 @@ class StepsInFlight:
         self.warned = state["warned"]
 
 
+def _new_grad_bytes(scans: list[ModuleScan]) -> int:
+    """The bytes of the gradients a step makes for the stages' parameters: the leaves that
+    train and whose .grad is None (a weight computed from others gets none)."""
+    fresh = {id(p): p for scan in scans for p in scan.trainable if p.is_leaf and p.grad is None}
+    return sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in fresh.values())
+
+
 class _Step(Compute):
     """The state of one training step, from the forward to the end of the backward."""
 
@@ -155,10 +162,7 @@ class _Step(Compute):
         self.verifying = executor.verify_next
         # The gradients this step will make for parameters whose .grad is None: the budget
         # does not count them (design.md), so the check of a first step leaves them out.
-        fresh = {id(p): p for scan in scans for p in scan.trainable if p.grad is None}
-        self.new_grad_bytes = sum(
-            allocated_bytes(p.numel() * p.element_size(), p.device) for p in fresh.values()
-        )
+        self.new_grad_bytes = _new_grad_bytes(scans) if self.verifying else 0
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
