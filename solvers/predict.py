@@ -166,8 +166,7 @@ def _quadratic(xs: np.ndarray, measured: np.ndarray) -> bool:
 def _chord(xs: np.ndarray, measured: np.ndarray, size: float) -> np.ndarray:
     """Each column of ``measured`` on the line between its values at the profiled sizes
     nearest ``size`` on either side (the larger value where a size was profiled twice)."""
-    sizes = np.unique(xs)
-    highest = np.stack([measured[xs == x].max(axis=0) for x in sizes])
+    sizes, highest = _highest_per_size(xs, measured)
     upper = min(int(np.searchsorted(sizes, size)), len(sizes) - 1)
     lower = max(upper - 1, 0)
     if sizes[upper] == size or upper == lower:
@@ -185,14 +184,20 @@ BEND_FRACTION = 0.01
 """The relative part of that allowance (a sliding window's bend lies 5-10% above)."""
 
 
+def _highest_per_size(xs: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct profiled sizes, in order, and each figure's largest value at each (a size
+    profiled twice keeps the larger)."""
+    sizes = np.unique(xs)
+    return sizes, np.stack([measured[xs == x].max(axis=0) for x in sizes])
+
+
 def _bent_down(xs: np.ndarray, measured: np.ndarray) -> bool:
     """Whether some byte figure lies above the chord of its neighbours at a profiled size:
     a figure that grows more slowly past some size (attention over a sliding window, whose
     band stops widening at the window) is concave there, and its chord lies below it. Then
     no chord is trusted for that model and every new shape is profiled. Two sizes, or more
     that straddle no such bend, cannot show one (see the module notes)."""
-    sizes = np.unique(xs)
-    highest = np.stack([measured[xs == x].max(axis=0) for x in sizes])
+    sizes, highest = _highest_per_size(xs, measured)
     for k in range(1, len(sizes) - 1):
         weight = (sizes[k] - sizes[k - 1]) / (sizes[k + 1] - sizes[k - 1])
         chord = (1 - weight) * highest[k - 1] + weight * highest[k + 1]
