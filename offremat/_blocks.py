@@ -329,7 +329,10 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
         with torch.no_grad():
             for owner, name, buffer, copy in buffers:
                 owner._buffers[name] = buffer
-                buffer.copy_(copy)
+                # Through .data, which has a version counter of its own: putting back the
+                # values a waiting forward's graph saved (BatchNorm's running statistics,
+                # while a second input shape is planned) is no change to that graph.
+                buffer.data.copy_(copy)
             for parameter, copy in renormed:
                 parameter.copy_(copy)
 

@@ -997,3 +997,33 @@ def test_a_keep_all_plan_read_from_disk_runs_as_plain_autograd(tmp_path) -> None
     loss = om(x).sum()
     loss.backward(retain_graph=True)
     loss.backward()
+
+
+class NormedConvBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.norm(self.conv(x)))
+
+
+def test_a_new_shape_planned_while_a_forward_awaits_its_backward_leaves_its_graph_valid() -> None:
+    # Two crops of different sizes through a BatchNorm network, one backward (SimCLR's
+    # multi-crop): planning the second shape runs the model to profile it, and putting the
+    # running statistics back must not look like an in-place change to the first forward's
+    # graph, which saved them.
+    torch.manual_seed(0)
+    reference = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), *[NormedConvBlock(16) for _ in range(6)]
+    )
+    model = copy.deepcopy(reference)
+    large, small = torch.randn(8, 3, 24, 24), torch.randn(8, 3, 16, 16)
+    om = offremat.optimize(model, large, budget=0.5)
+    for net in (reference, om):
+        (net(large).square().mean() + net(small).square().mean()).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    for a, b in zip(model.buffers(), reference.buffers(), strict=True):
+        assert torch.equal(a, b)
