@@ -138,6 +138,7 @@ def find_block_run(
     members = [*prefix, *best, *suffix]
     _refuse_random_runs(model, best, records, again)
     _refuse_other_readers(records, members)
+    _refuse_callers_checkpoint(members)
     added = {id(r) for r in (*prefix, *suffix)}
     calls = tuple(
         BlockCall(
@@ -205,6 +206,25 @@ def _refuse_random_runs(
             "on random draws (LayerDrop, stochastic depth that skips a block) is no fixed "
             "chain and cannot be planned; turn that off for training under offremat "
             "(config.layerdrop = 0.0, say)"
+        )
+
+
+def _refuse_callers_checkpoint(members: list[RecordedCall]) -> None:
+    """Refuse blocks that the model's own code calls under ``torch.utils.checkpoint``: the
+    chain calls them itself, without it, so that checkpointing would be silently gone (and
+    a fraction of the keep-all peak would not be one of the model's own peak), while the
+    model's call of the checkpoint would wrap the planned step."""
+    checkpointed = [r.path for r in members if r.checkpointed]
+    if checkpointed:
+        where = checkpointed[0]
+        if len(checkpointed) > 1:
+            where += f" .. {checkpointed[-1]}"
+        raise NotAChainError(
+            f"the model calls {where} under torch.utils.checkpoint itself (a gradient "
+            "checkpointing flag of its own); offremat's plan decides what is recomputed, "
+            "and calls the blocks itself: turn the model's checkpointing off before "
+            "offremat.optimize (an older Hugging Face model: "
+            "model.gradient_checkpointing_disable())"
         )
 
 

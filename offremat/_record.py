@@ -8,6 +8,8 @@ intermediate of the call alive: a whole keep-all forward, more than a budget all
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from offremat._blocks import NotAChainError
@@ -28,7 +31,8 @@ class RecordedCall:
     ``hidden`` is the token of its hidden state (the first positional argument if a tensor,
     else a ``hidden_states`` keyword), ``output`` the token of its output's first tensor,
     ``side`` the tokens and structure of its other arguments; ``nth`` counts the module's
-    calls before this one.
+    calls before this one; ``checkpointed`` says whether its caller ran it under
+    ``torch.utils.checkpoint`` (see :func:`checkpointed_by_caller`).
     """
 
     path: str
@@ -43,6 +47,7 @@ class RecordedCall:
     state_only: bool
     side: tuple[tuple[int, ...], Structure]
     returns_input: bool = False
+    checkpointed: bool = False
 
     @property
     def in_place(self) -> bool:
@@ -128,6 +133,7 @@ class _Recorder:
             "hidden_keyword": hidden_keyword(tuple(args), dict(kwargs)) or None,
             "state_only": len(args) == 1 and hidden is not None and not kwargs,
             "side": (tuple(self.tokens.of(t) for t in side_tensors), side_structure),
+            "checkpointed": checkpointed_by_caller(module),
         }
         self.calls.append(call)
         self.open.append(call)
@@ -166,6 +172,33 @@ def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[Recorde
         for handle in handles:
             handle.remove()
     return [RecordedCall(**call) for call in recorder.calls if "output" in call]
+
+
+def checkpointed_by_caller(module: nn.Module) -> bool:
+    """Whether the code that called ``module`` wrapped the call in ``torch.utils.checkpoint``
+    (``h = checkpoint(block, h)`` in a model's loop), called from the module's forward
+    pre-hook.
+
+    Such checkpointing is the caller's, and a chain's stage calls the block itself, without
+    it. Checkpointing inside the module's own call (Hugging Face's
+    ``GradientCheckpointingLayer``) stays with the block: the first frame outside torch
+    above the checkpoint's is then a method of the module itself.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:  # the recorder's hooks
+        frame = frame.f_back
+    through_checkpoint = False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR):
+            return through_checkpoint and frame.f_locals.get("self") is not module
+        through_checkpoint = through_checkpoint or filename == _CHECKPOINT_FILE
+        frame = frame.f_back
+    return False
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
 class _Captured(Exception):

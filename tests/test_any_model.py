@@ -522,3 +522,59 @@ def test_a_pickled_model_leaves_its_host_buffers_behind() -> None:
     om(x).square().mean().backward()
     assert om._executor.host_buffer_bytes > 0
     assert len(pickle.dumps(om)) < before + 64 * 1024
+
+
+class CheckpointsItsBlocks(zoo.ResidualNet):
+    """A model with its own gradient-checkpointing flag, set: each block call checkpointed."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = self.scale * 0.5
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, scale, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+class StateOnlyBlocksCheckpointed(zoo.StateOnlyNet):
+    """Blocks that take only the state, each call checkpointed: the stem and head join the
+    chain, whose step then starts outside the model's checkpoints."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("model_class", [CheckpointsItsBlocks, StateOnlyBlocksCheckpointed])
+def test_a_models_own_checkpointing_of_its_blocks_is_refused(model_class, use_reentrant) -> None:
+    # The stages call the blocks themselves: the model's checkpoint around each call would be
+    # gone (and with it the peak a fraction of keep-all was meant to be taken of), or wrap the
+    # planned step.
+    with pytest.raises(offremat.NotAChainError) as refusal:
+        offremat.optimize(model_class(use_reentrant), FEATURES, budget=0.5)
+    assert "under torch.utils.checkpoint itself" in str(refusal.value)
+    assert "turn the model's checkpointing off" in str(refusal.value)
+
+
+def test_checkpointing_inside_a_blocks_own_call_stays_and_is_not_named(caplog) -> None:
+    # Hugging Face's gradient checkpointing runs inside each layer's __call__, which the
+    # stages call: it stays with the block, and nothing is said.
+    model = zoo.llama()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    with caplog.at_level("WARNING", logger="offremat"):
+        offremat.optimize(model, LM_BATCH, budget=0.9)
+    assert "torch.utils.checkpoint itself" not in caplog.text
+    plain = zoo.ResidualNet()
+    with caplog.at_level("WARNING", logger="offremat"):
+        offremat.optimize(plain, FEATURES, budget=0.5)
+    assert "torch.utils.checkpoint itself" not in caplog.text
