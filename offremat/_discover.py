@@ -112,9 +112,9 @@ def find_block_run(
     model: nn.Module, run_model: Callable[[], Any], blocks: str | None = None
 ) -> BlockRun:
     """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
-    records = record_calls(model, run_model)
+    records, returned = record_calls(model, run_model)
     # Run again, the random generators moved on: see _refuse_random_runs.
-    again = record_calls(model, run_model)
+    again, _ = record_calls(model, run_model)
     if blocks is not None:
         container = _container(model, blocks)
         children = {id(child) for child in container.children()}
@@ -135,6 +135,12 @@ def find_block_run(
         # Blocks that take nothing but the state: the stem before them and the pooling after
         # them are chain blocks too (a ResNet's stem holds much of its activation memory).
         prefix, suffix = _stem(records, first), _tail(records, best[-1])
+        # An output the model also returns (the features beside the logits) is no
+        # intermediate state: the chain ends there, or starts after it.
+        ends = [k for k, r in enumerate((best[-1], *suffix)) if r.output in returned]
+        suffix = suffix[: ends[0]] if ends else suffix
+        starts = [k for k, r in enumerate(prefix) if r.output in returned]
+        prefix = prefix[starts[-1] + 1 :] if starts else prefix
     members = [*prefix, *best, *suffix]
     _refuse_random_runs(model, best, records, again)
     _refuse_other_readers(records, members)

@@ -149,8 +149,11 @@ class _Recorder:
         call["state_only"] = call["state_only"] and len(tensors) == 1
 
 
-def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[RecordedCall]:
-    """Every submodule call that ``run_model()`` makes, in the order they start."""
+def record_calls(
+    model: nn.Module, run_model: Callable[[], Any]
+) -> tuple[list[RecordedCall], frozenset[int]]:
+    """Every submodule call that ``run_model()`` makes, in the order they start, and the
+    tokens of the tensors the model returns."""
     recorder = _Recorder()
     handles = []
     for path, module in model.named_modules():
@@ -167,11 +170,11 @@ def record_calls(model: nn.Module, run_model: Callable[[], Any]) -> list[Recorde
     try:
         # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
         with _as_in_training(), torch.compiler.set_stance("force_eager"):
-            run_model()
+            returned = frozenset(recorder.tokens.of(t) for t in flatten(run_model())[0])
     finally:
         for handle in handles:
             handle.remove()
-    return [RecordedCall(**call) for call in recorder.calls if "output" in call]
+    return [RecordedCall(**call) for call in recorder.calls if "output" in call], returned
 
 
 def checkpointed_by_caller(module: nn.Module) -> bool:

@@ -224,6 +224,52 @@ def test_blocks_that_take_only_the_state_bring_their_stem_and_head() -> None:
     assert memory.peak_bytes <= om.plan.budget_bytes
 
 
+class ReturnsItsFeatures(zoo.StateOnlyNet):
+    """Returns the last block's output (the features) beside the logits, or the stem's."""
+
+    def __init__(self, returned: str):
+        super().__init__()
+        self.returned = returned
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stem = h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h), h if self.returned == "features" else stem
+
+
+@pytest.mark.parametrize(
+    ("returned", "first", "last"), [("features", "stem", "blocks.5"), ("stem", "blocks.0", "head")]
+)
+def test_a_stage_output_the_model_also_returns_ends_or_starts_the_chain(
+    returned, first, last
+) -> None:
+    # The head (or the stem) joins a run of blocks that take only the state, unless the model
+    # returns the state it takes: then that state is no intermediate of the chain.
+    torch.manual_seed(0)
+    model = ReturnsItsFeatures(returned).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, 16)
+    target = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    om = offremat.optimize(model, x, budget=0.6)
+    assert om.chain.metadata["blocks"][0] == first
+    assert om.chain.metadata["blocks"][-1] == last
+    for network in (model, reference):
+        for parameter in network.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=(x, target)) as memory:
+        logits, features = om(x)
+        (F.cross_entropy(logits, target) + features.sum()).backward()
+    logits, features = reference(x)
+    (F.cross_entropy(logits, target) + features.sum()).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        if returned == "features":
+            assert torch.equal(p.grad, q.grad)
+        else:  # the chain's input is used after it too: summed in another order (README)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert memory.peak_bytes <= om.plan.budget_bytes
+
+
 def test_an_intermediate_block_output_used_elsewhere_is_an_error_not_a_wrong_loss() -> None:
     torch.manual_seed(0)
     model = zoo.KeepsAnIntermediate().train()
