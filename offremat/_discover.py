@@ -376,7 +376,16 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
             "bias cannot be a chain)"
         )
     if record.hidden is None or record.hidden != previous.output:
-        return f"{record.path} does not take {previous.path}'s output as its hidden state"
+        rule = (
+            "offremat reads a block's hidden state from its first positional argument or its "
+            "hidden_states= keyword"
+        )
+        if previous.output in record.side[0]:
+            return (
+                f"{record.path} takes {previous.path}'s output, but not as its hidden state: "
+                f"{rule}, so call the blocks with the state there"
+            )
+        return f"{record.path} does not take {previous.path}'s output as its hidden state ({rule})"
     if previous.side[0] != record.side[0] or not same_structure(previous.side[1], record.side[1]):
         return (
             f"{record.path} takes other side arguments than {previous.path} (a mask or an "

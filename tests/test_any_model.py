@@ -387,6 +387,25 @@ def test_a_named_container_that_is_no_chain_says_what_breaks_it(per_layer, why) 
         offremat.optimize(model, x, budget=1.0, blocks="blocks")
 
 
+class _KeywordStateModel(_AuxModel):
+    """Blocks handed their state under a keyword of their own (``block(x=h)``)."""
+
+    def __init__(self) -> None:
+        super().__init__(per_layer=True)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x=x)
+        return x.pow(2).mean()
+
+
+def test_a_state_handed_under_another_keyword_is_named_with_the_rule() -> None:
+    with pytest.raises(offremat.NotAChainError) as refusal:
+        offremat.optimize(_KeywordStateModel(), torch.randn(8, 16), budget=1.0, blocks="blocks")
+    assert "blocks.1 takes blocks.0's output, but not as its hidden state" in str(refusal.value)
+    assert "first positional argument or its hidden_states= keyword" in str(refusal.value)
+
+
 class LayerDropNet(torch.nn.Module):
     """Skips each of its blocks at random in training, as LayerDrop does."""
 
