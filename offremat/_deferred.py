@@ -31,6 +31,7 @@ kept graph, as under ``torch.utils.checkpoint``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -41,18 +42,47 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
 from offremat._stage import SavedTensorPacker, check_versions
-from offremat._tensors import TensorKind, describe_kind, storage_key, tensor_kind
+from offremat._tensors import (
+    TensorKind,
+    describe_kind,
+    storage_key,
+    tensor_kind,
+    version_of,
+    version_owner,
+)
 
 
 class Placeholder:
     """Where a saved tensor goes once the forward that saves it runs again, and what that
-    tensor was (its dtype, shape and device) when first saved."""
+    tensor was (its dtype, shape and device) when first saved.
 
-    __slots__ = ("kind", "ref")
+    It also watches the first tensor's version, as autograd would have: the model may keep
+    that tensor (an attribute) and change it in place before the backward, which plain
+    autograd refuses, while the refill would compute with a fresh copy.
+    """
+
+    __slots__ = ("kind", "original", "ref", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ref: TensorRef | None = None
         self.kind = tensor_kind(tensor)
+        self.original = weakref.ref(version_owner(tensor))
+        self.version = version_of(tensor)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kind[0]
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        return tuple(self.kind[1])
+
+    def modified_version(self) -> int | None:
+        """The first tensor's version now if it was changed in place since saved, else None."""
+        original = self.original()
+        if original is not None and version_of(original) != self.version:
+            return version_of(original)
+        return None
 
 
 class DeferringPacker(SavedTensorPacker):
@@ -129,6 +159,7 @@ class DeferringPacker(SavedTensorPacker):
     def unpack(self, packed: Any) -> torch.Tensor:
         self.check_backward()
         if isinstance(packed, Placeholder):
+            check_versions(self.stage, [packed])
             if packed.ref is None:
                 raise RuntimeError(
                     f"stage {self.stage!r}: a saved tensor was not recomputed before its "

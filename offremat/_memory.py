@@ -46,14 +46,15 @@ from collections.abc import Iterable
 import torch
 
 from offremat._host import CudaStreams, HostArena
-from offremat._tensors import byte_view, storage_key, tensor_over, version_of
+from offremat._tensors import byte_view, storage_key, tensor_over, version_of, version_owner
 
 
 class TensorRef:
     """One tensor the step holds, rebuilt over its storage's current device copy.
 
-    ``original`` is a weak reference to the tensor as autograd or the stage produced it, so an
-    in-place change made through it after an offload is still seen.
+    ``original`` is a weak reference to the tensor as autograd or the stage produced it (to
+    its base, if a view: :func:`offremat._tensors.version_owner`), so an in-place change made
+    through it after an offload is still seen.
     """
 
     __slots__ = (
@@ -73,7 +74,7 @@ class TensorRef:
 
     def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
         self.tensor: torch.Tensor | None = tensor
-        self.original = weakref.ref(tensor if original is None else original)
+        self.original = weakref.ref(version_owner(tensor if original is None else original))
         self.version = version_of(tensor)
         self.dtype = tensor.dtype
         self.offset = tensor.storage_offset()

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -121,7 +121,21 @@ def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Seque
             )
 
 
-def modified_error(stage: str, tensor: TensorRef | InputView, version: int) -> RuntimeError:
+class VersionRecord(Protocol):
+    """A saved tensor as recorded when saved, which tells an in-place change made since."""
+
+    version: int
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def size(self) -> tuple[int, ...]: ...
+
+    def modified_version(self) -> int | None: ...
+
+
+def modified_error(stage: str, tensor: VersionRecord, version: int) -> RuntimeError:
     """Autograd's own error for a saved tensor changed in place, naming the stage."""
     kind = str(tensor.dtype).removeprefix("torch.")
     return RuntimeError(
@@ -132,7 +146,7 @@ def modified_error(stage: str, tensor: TensorRef | InputView, version: int) -> R
     )
 
 
-def check_versions(stage: str, refs: Iterable[TensorRef | InputView | None]) -> None:
+def check_versions(stage: str, refs: Iterable[VersionRecord | None]) -> None:
     """Raise :func:`modified_error` if any of ``refs`` was changed in place since recorded."""
     for ref in refs:
         if ref is not None and (version := ref.modified_version()) is not None:

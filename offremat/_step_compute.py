@@ -122,6 +122,11 @@ class Compute:
         else:
             rng = self.rng.get(i)
         versions = [version_of(tensor) for tensor in inputs]
+        kept = self.kept.get(i)
+        if kept is not None and op.kind == F_ALL:
+            # Its backward will run on this forward's graph: the tensors the kept graph
+            # saved, which the model may hold and have changed, are checked as B(i) would.
+            check_versions(name, kept.packer.slots)
         watch = None
         if first and i in self.executor.recomputed:
             watch = FirstForward(

@@ -136,6 +136,16 @@ def describe_kind(kind: TensorKind) -> str:
     return f"{str(dtype).removeprefix('torch.')} {list(shape)} on {device}"
 
 
+def version_owner(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``tensor`` shares and that outlives it: a view's base.
+
+    Autograd often saves a view (``F.linear`` reshapes a 3-d input), which dies once the
+    step lets it go; an in-place change made later through the base, which the model may
+    keep, moves the same counter, so a weak reference to the base still sees it.
+    """
+    return tensor if tensor._base is None else tensor._base
+
+
 def storage_key(tensor: torch.Tensor) -> int:
     """An identity for the tensor's storage that survives resizing it (and views of it)."""
     return tensor.untyped_storage()._cdata

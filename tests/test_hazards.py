@@ -98,6 +98,41 @@ def test_in_place_changes_raise_as_plain_autograd_does(solver: str) -> None:
             model.zero_grad()
 
 
+class KeepsItsActivation(nn.Module):
+    """Keeps the activation its second Linear saves (a probe, logging): F.linear on a 3-d
+    input saves a view of it, which dies once the step lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.act: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.act = torch.tanh(self.up(x))
+        return x + self.down(self.act)
+
+
+@pytest.mark.parametrize("solver", ["offload-all", "checkpoint-every-stage", "chen"])
+@pytest.mark.parametrize("rows", [(ROWS,), (8, ROWS // 8)])
+def test_a_kept_activation_changed_in_place_raises_when_offloaded_or_recomputed(
+    solver, rows
+) -> None:
+    # Plain autograd raises: the tensor it saved changed. An offload keeps a host copy, a
+    # recomputation makes a fresh one; neither may compute with other values unseen.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[KeepsItsActivation() for _ in range(4)], nn.Linear(WIDTH, 1))
+    x = torch.randn(*rows, WIDTH)
+    om = offremat.optimize(model, x, budget=1.0, solver=solver, bandwidth=1e9)
+    assert om.plan.decisions["0"] != "keep"
+    for forward in (model, om):
+        loss = forward(x).sum()
+        model[0].act.mul_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        model.zero_grad()
+
+
 def test_a_block_used_twice_runs_twice() -> None:
     torch.manual_seed(0)
     shared = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
