@@ -1,7 +1,8 @@
 """What a call of an optimized model is checked for before its training step runs.
 
 A step that would not be the planned one is refused with what to do instead: another
-autocast than the profile's (its activations are not the planned sizes), ``torch.compile``
+autocast or other attention kernels than the profile's (its activations are not the planned
+sizes), ``torch.compile``
 of the whole step, a request for every block's hidden states or for a key-value cache,
 saved-tensor hooks of the caller's around the step, and transforms that only plain autograd's
 schedule runs (``torch.func``, forward-mode AD, ``parametrize.cached``).
@@ -35,6 +36,38 @@ def refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
         f"{_describe(now)}, so its activations would not be the planned ones and could break the "
         "budget: run the step inside the same autocast as offremat.optimize, or pass "
         "autocast=dtype to offremat.optimize to have the optimized model enter it"
+    )
+
+
+ATTENTION_KERNELS = ("flash", "memory-efficient", "math", "cuDNN")
+
+
+def attention_kernels() -> tuple[bool, ...]:
+    """Which of :data:`ATTENTION_KERNELS` ``scaled_dot_product_attention`` may pick now
+    (``torch.nn.attention.sdpa_kernel`` sets them)."""
+    backends = torch.backends.cuda
+    return (
+        backends.flash_sdp_enabled(),
+        backends.mem_efficient_sdp_enabled(),
+        backends.math_sdp_enabled(),
+        backends.cudnn_sdp_enabled(),
+    )
+
+
+def refuse_other_attention(planned: tuple[bool, ...], now: tuple[bool, ...]) -> None:
+    """A step that may pick other attention kernels than the profile's does not hold the
+    planned activations: the math kernel saves the attention probabilities, which the flash
+    kernels recompute (measured: 4.3 times the budget on a GPT planned on the CPU's flash
+    kernel and stepped under ``sdpa_kernel(SDPBackend.MATH)``)."""
+
+    def named(kernels: tuple[bool, ...]) -> str:
+        return ", ".join(k for k, on in zip(ATTENTION_KERNELS, kernels, strict=True) if on)
+
+    raise RuntimeError(
+        f"the plan was profiled with the attention kernels {named(planned) or 'none'} allowed, "
+        f"but this step allows {named(now) or 'none'}, so its activations would not be the "
+        "planned ones and could break the budget: run the step under the same "
+        "torch.nn.attention.sdpa_kernel as offremat.optimize"
     )
 
 

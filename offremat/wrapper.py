@@ -33,11 +33,13 @@ from offremat._blocks import (
 )
 from offremat._building import build
 from offremat._call_checks import (
+    attention_kernels,
     plain_autograd_only,
     recorded_output_flags,
     refuse_autocast,
     refuse_compile,
     refuse_kv_cache,
+    refuse_other_attention,
     refuse_recorded_outputs,
 )
 from offremat._discover import BlockRun, Call
@@ -75,6 +77,7 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_recorded_flags", recorded_output_flags(model))
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
+        object.__setattr__(self, "_attention", attention_kernels())
 
     @property
     def model(self) -> nn.Module:
@@ -158,6 +161,8 @@ class OptimizedModule(nn.Module):
                 now = AutocastState.capture(planned.device_type)
                 if not planned.runs_as(now):
                     refuse_autocast(planned, now)
+            if (kernels := attention_kernels()) != self._attention:
+                refuse_other_attention(self._attention, kernels)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -289,6 +294,7 @@ def optimize(
                             "stages": stages,
                             "blocks": blocks,
                             "autocast": repr(planned) if planned.enabled else None,
+                            "attention": repr(attention_kernels()),
                         },
                     ),
                 ),
