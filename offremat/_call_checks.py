@@ -2,10 +2,10 @@
 
 A step that would not be the planned one is refused with what to do instead: another
 autocast or other attention kernels than the profile's (its activations are not the planned
-sizes), ``torch.compile``
-of the whole step, a request for every block's hidden states or for a key-value cache,
-saved-tensor hooks of the caller's around the step, and transforms that only plain autograd's
-schedule runs (``torch.func``, forward-mode AD, ``parametrize.cached``).
+sizes), ``torch.compile`` of the whole step (or of the model given to ``optimize``), a
+request for every block's hidden states or for a key-value cache, saved-tensor hooks of the
+caller's around the step, and transforms that only plain autograd's schedule runs
+(``torch.func``, forward-mode AD, ``parametrize.cached``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,18 @@ def refuse_other_attention(planned: tuple[bool, ...], now: tuple[bool, ...]) -> 
         "planned ones and could break the budget: run the step under the same "
         "torch.nn.attention.sdpa_kernel as offremat.optimize"
     )
+
+
+def refuse_compiled_model(model: Any) -> None:
+    """Refuse ``optimize(torch.compile(model))``: the step calls the model's blocks itself,
+    so the whole-model graph would never run, and the compile would be silently lost."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "offremat.optimize was given a torch.compile'd model; its training step runs the "
+            "model's blocks itself, so that compiled graph would never run. Pass the model "
+            "(compiled._orig_mod) and compile its blocks instead: "
+            "`for block in blocks: block.compile()`"
+        )
 
 
 @torch.compiler.disable

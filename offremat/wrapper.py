@@ -38,6 +38,7 @@ from offremat._call_checks import (
     recorded_output_flags,
     refuse_autocast,
     refuse_compile,
+    refuse_compiled_model,
     refuse_kv_cache,
     refuse_other_attention,
     refuse_recorded_outputs,
@@ -248,6 +249,7 @@ def optimize(
     batch's device type). Raises :class:`solvers.budget.InfeasibleBudgetError` when no plan
     fits.
     """
+    refuse_compiled_model(model)
     if stages is not None:
         check_count("stages", stages)
     _refuse_lazy(model)

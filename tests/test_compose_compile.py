@@ -135,3 +135,11 @@ def test_torch_compile_of_the_optimized_model_says_to_compile_the_blocks() -> No
             assert torch.equal(compiled(batch), model(batch))
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiled_model_given_to_optimize_is_refused_saying_to_compile_the_blocks() -> None:
+    # Its steps call the blocks themselves: the whole-model graph would never run.
+    config = GPTConfig(layers=2, hidden=32, heads=2, seq=16, vocab=64, dropout=0.0)
+    model = build_gpt(config)
+    with pytest.raises(TypeError, match=r"block\.compile\(\)"):
+        offremat.optimize(torch.compile(model, backend="eager"), gpt_batch(config, 2), budget=1.0)
