@@ -153,7 +153,7 @@ class ShapePlans:
         signature = input_signature(batch)
         if from_disk:
             self.unprofiled.add(signature)
-            executor.verify_next = not executor.plain
+            executor.verify_next = True
         self.executors[signature] = executor
         self.profiled[signature] = chain
         self.last = executor
@@ -372,8 +372,8 @@ class ShapePlans:
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
         self.executors[signature] = executor
-        # A keep-all plan runs as plain autograd (offremat._plain), and is not measured.
-        executor.verify_next = signature in self.unprofiled and not executor.plain
+        # A keep-all plan runs as plain autograd (offremat._plain), its forward measured.
+        executor.verify_next = signature in self.unprofiled
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds
         logger.info(

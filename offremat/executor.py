@@ -29,9 +29,9 @@ Design notes.
   this module (:mod:`offremat.measure`: the allocator on CUDA, a dispatch-mode tracker of live
   storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. A plan whose
   chain was not profiled at its shape (read from a plan cache, or predicted from other
-  shapes), unless it is keep-all, has its first step measured (``verify_next``); one measured
-  over its budget, less the parameters' gradients the step made, is marked
-  (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
+  shapes) has its first step measured (``verify_next``; a keep-all plan, run as plain
+  autograd, its forward); one measured over its budget, less the parameters' gradients the
+  step made, is marked (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
   executor's own count of the storages it holds is kept as a diagnostic
   (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
   :attr:`PlanExecutor.stats` is read.
@@ -65,6 +65,7 @@ from offremat._tensors import (
     flatten,
     unflatten,
 )
+from offremat.measure import StepMemory
 from solvers.baselines import keep_all
 from solvers.chain import Chain
 from solvers.host import COMPUTE
@@ -191,8 +192,8 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        measuring = self.measure_memory or self.verify_next
-        if self.plain and not measuring and in_functorch_transform():
+        measuring = self.measure_memory or (self.verify_next and not self.plain)
+        if self.plain and not self.measure_memory and in_functorch_transform():
             # Plain autograd's schedule needs no bookkeeping, which wrapped tensors refuse.
             return run_plainly(self.stages, value, device, self._finished)
         refuse_functorch_transforms()
@@ -212,6 +213,8 @@ class PlanExecutor:
             return value
         if self.plain and not measuring:
             with OutOfMemoryAdvice(self.plan):
+                if self.verify_next:
+                    return self._run_plainly_verified(value, tensors, device)
                 return run_plainly(self.stages, value, device, self._finished)
         refuse_outer_saved_tensor_hooks()
         step = _Step(self, tensors, structure, device, scans, measuring)
@@ -221,6 +224,21 @@ class PlanExecutor:
 
     def _finished(self, timing: StepTiming) -> None:
         self._last = timing
+
+    def _run_plainly_verified(
+        self, value: Any, tensors: Sequence[torch.Tensor], device: torch.device
+    ) -> Any:
+        """The first step of a keep-all plan whose chain was not profiled at this shape (read
+        from cache_dir, predicted), run as plain autograd with its forward measured: plain
+        autograd holds every activation at its end, so a forward over the budget marks the
+        plan for a profile of its shape, as the executor's first-step check does."""
+        self.verify_next = False
+        with StepMemory(device, tensors) as memory:
+            value = run_plainly(self.stages, value, device, self._finished)
+        budget = self.plan.budget_bytes
+        if budget is not None and memory.peak_bytes > budget:
+            self.over_budget = True
+        return value
 
     def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
         """The step's device: the stages' parameters', else the first input tensor's.

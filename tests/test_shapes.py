@@ -949,6 +949,34 @@ def test_a_cached_plan_measured_over_its_budget_is_profiled_again(tmp_path, monk
             om(x)
 
 
+def test_a_stale_keep_all_plan_read_from_disk_is_measured_and_profiled_again(
+    tmp_path, monkeypatch
+) -> None:
+    """A keep-all plan runs as plain autograd, and its first step's forward is measured: a
+    stale one (2.7 times its budget at every step, unseen) is planned again at the next."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
+
+    x = torch.randn(4, 32, 32)
+    budget = offremat.optimize(build(), x, budget=1.0).plan.budget_bytes
+    offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    monkeypatch.setitem(globals(), "HEADS", 8)  # four times the scores, as if edited
+    model = build()
+    om = offremat.optimize(model, x, budget=budget, cache_dir=tmp_path)
+    assert om.cache_info()["from_disk"] == 1
+    assert set(om.plan.decisions.values()) == {"keep"}
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    om(x).sum().backward()  # the stale plan's step
+    with StepMemory("cpu", inputs=x) as memory:
+        om(x).sum().backward()
+    assert om.cache_info()["misses"] == 1  # profiled at 8 heads and planned again
+    assert "recompute" in om.plan.decisions.values()
+    assert memory.peak_bytes <= budget
+
+
 class SlidingWindowBlock(nn.Module):
     """Attention over the last 16 positions, materialised as a band: it saves n·min(n, 16)."""
 
