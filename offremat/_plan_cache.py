@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from offremat._blocks import output_capture_hooks
 from solvers.chain import Chain
 from solvers.plan import Plan, validate
 from solvers.simulator import simulate
@@ -49,6 +50,7 @@ def model_fingerprint(model: nn.Module) -> str:
     activation function), they change what a forward saves."""
     parts = [
         f"{path}:{type(module).__qualname__}:{_settings(module)}:{_reached_code(module)}"
+        f":{_hooks(module)}"
         for path, module in model.named_modules()
     ]
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
@@ -57,6 +59,20 @@ def model_fingerprint(model: nn.Module) -> str:
             for name, tensor in tensors
         )
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _hooks(module: nn.Module) -> str:
+    """The module's forward and backward hooks, each named with its code: one that keeps an
+    activation changes what a step holds. Hugging Face's recording hooks, which record
+    nothing in a training step, are left out (as the plans in memory leave them out)."""
+    inert = output_capture_hooks(module)
+    hooks = (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    )
+    return repr([[_named(_unwrapped(h)) for k, h in d.items() if k not in inert] for d in hooks])
 
 
 def library_versions() -> str:

@@ -378,6 +378,32 @@ def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> 
     assert second.plan.budget_bytes == fresh.plan.budget_bytes != first.plan.budget_bytes
 
 
+def _keep_last(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    module.last = output  # logging code keeping each block's activation
+
+
+def test_a_cached_plan_is_not_read_for_a_model_with_other_hooks(tmp_path) -> None:
+    # A forward hook that keeps an activation changes what a step holds: a plan cached
+    # without it must not be read with it (its first step measured 1.28 times its budget).
+    from offremat._plan_cache import model_fingerprint
+
+    def hooked(hook) -> nn.Sequential:
+        model = mlp()
+        if hook is not None:
+            for block in model:
+                block[0].register_forward_hook(hook)
+        return model
+
+    assert model_fingerprint(hooked(None)) != model_fingerprint(hooked(_keep_last))
+    assert model_fingerprint(hooked(_keep_last)) == model_fingerprint(hooked(_keep_last))
+    x = torch.randn(32, 64)
+    offremat.optimize(hooked(None), x, budget=0.6, cache_dir=tmp_path)
+    om = offremat.optimize(hooked(_keep_last), x, budget=0.6, cache_dir=tmp_path)
+    assert om.cache_info()["from_disk"] == 0
+    again = offremat.optimize(hooked(_keep_last), x, budget=0.6, cache_dir=tmp_path)
+    assert again.cache_info()["from_disk"] == 1
+
+
 def _logged(forward):
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
