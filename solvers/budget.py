@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from fractions import Fraction
 from typing import Any
 
 from solvers.chain import LARGEST_BYTES, SLOWEST_LINK_BYTES_PER_S, Link, shown_number
@@ -78,13 +79,20 @@ _BITS = re.compile(r"^[KMGT]i?b$")
 SMALLEST_BYTE_COUNT = 16
 """A bare number from here up is bytes; 1 or less is a fraction; anything between is refused."""
 
+SMALLEST_ROUNDED_BYTES = 2**10
+"""From here up, a size in a unit above bytes that is not whole bytes (3.11GiB, as a least
+feasible budget is shown) is rounded down to whole bytes, which lets in the same plans, since
+a peak is whole bytes; below it the fraction is a large part of the size, and is refused."""
+
 
 def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = None) -> int:
     """Bytes from a byte count, a size string (``6GiB``, ``512MB``), or a fraction in (0, 1].
 
     The rule a person can predict: a number in (0, 1] (``1``, ``1.0``, ``0.3``) is a fraction
     of ``keep_all_peak_bytes``, the peak of plain autograd; a byte count is a whole number of
-    at least :data:`SMALLEST_BYTE_COUNT` or takes a unit (``12B``). Anything else is refused.
+    at least :data:`SMALLEST_BYTE_COUNT` or takes a unit (``12B``). Part of a byte is refused
+    (``1.5B``), unless it comes from a larger unit (:data:`SMALLEST_ROUNDED_BYTES`). Anything
+    else is refused.
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ValueError(
@@ -92,6 +100,7 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
             "(6GiB) or a fraction of the keep-all peak in (0, 1] (0.25)"
         )
     written = value
+    whole = True  # a written number with more digits than a float keeps, 16.000000000000001
     if isinstance(value, numbers.Integral):  # numpy's integers too
         value = int(value)
     elif isinstance(value, numbers.Real):
@@ -108,8 +117,10 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
             raise BitsUnitError(value, written_unit)
         text, unit = match.group(1), written_unit.lower()
         if unit:
-            return _positive(int(_finite(float(text) * _UNITS[unit], written)), written)
+            return _positive(_size_bytes(text, unit, written), written)
         value = int(text) if text.isdigit() else float(text)
+        if isinstance(value, float) and 1 < value <= LARGEST_BYTES:
+            whole = Fraction(text).denominator == 1
     value = _finite(value, written)
     if value <= 0:
         raise ValueError(
@@ -123,13 +134,36 @@ def parse_budget(value: int | float | str, keep_all_peak_bytes: int | None = Non
                 "here: give a size in bytes instead"
             )
         return _positive(int(value * keep_all_peak_bytes), written)
-    if value < SMALLEST_BYTE_COUNT or value != int(value):
+    if value < SMALLEST_BYTE_COUNT or value != int(value) or not whole:
         raise ValueError(
             f"budget {written!r} is neither a fraction of the keep-all peak in (0, 1] nor a byte "
             f"count (a whole number of at least {SMALLEST_BYTE_COUNT}): write 0.5 for half the "
             f"keep-all peak, or a size with a unit such as 12B or 6GiB"
         )
     return _positive(int(value), written)
+
+
+def _size_bytes(text: str, unit: str, written: str) -> int:
+    """The bytes of ``text`` in ``unit`` (a size with a unit), refusing part of a byte that
+    is written (1.5B) or most of a small size (1e-9GiB is 1.07 B)."""
+    scale = _UNITS[unit]
+    approx = _finite(float(text) * scale, written)
+    if approx < 1:
+        raise ValueError(
+            f"budget {written!r} is less than one byte; a budget must be positive: give "
+            "whole bytes (12B) or a size such as 6GiB"
+        )
+    if approx > LARGEST_BYTES:
+        return int(approx)  # refused by _positive, which names the limit
+    # Exact only now: Fraction expands the exponent of 1e-999999999 to all its digits.
+    exact = Fraction(text) * scale
+    if exact.denominator != 1 and (unit == "b" or exact < SMALLEST_ROUNDED_BYTES):
+        low = math.floor(exact)
+        raise ValueError(
+            f"budget {written!r} is {float(exact):g} bytes, not a whole number of bytes: "
+            f"write {low}B or {low + 1}B"
+        )
+    return math.floor(exact)
 
 
 def _finite(value: int | float, written: int | float | str) -> int | float:

@@ -61,6 +61,32 @@ def test_a_fraction_needs_the_keep_all_peak() -> None:
         parse_budget(0.5)
 
 
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("1.5B", "is 1.5 bytes, not a whole number of bytes: write 1B or 2B"),
+        ("16.9B", "is 16.9 bytes, not a whole number of bytes: write 16B or 17B"),
+        ("1000.5B", "write 1000B or 1001B"),
+        ("1e-9GiB", "is 1.07374 bytes, not a whole number of bytes: write 1B or 2B"),
+        ("0.33KiB", "is 337.92 bytes, not a whole number of bytes: write 337B or 338B"),
+        ("0.9B", "less than one byte; a budget must be positive"),
+        ("16.000000000000001", "nor a byte count (a whole number of at least 16)"),
+    ],
+)
+def test_part_of_a_byte_is_refused_not_rounded_down(written: str, message: str) -> None:
+    """1.5B was read as 1 B and 1e-9GiB as 1 B, where a bare 1.5 is refused."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_budget(written, keep_all_peak_bytes=1000)
+
+
+def test_a_larger_unit_that_is_not_whole_bytes_is_rounded_down() -> None:
+    """As least feasible budgets are shown (3.11 GiB): a peak is whole bytes, so rounding the
+    budget down lets in the same plans."""
+    assert parse_budget("3.11GiB") == 3339337072  # 3339337072.64 B
+    assert parse_budget("0.3GiB") == 322122547
+    assert parse_budget("1.5KiB") == 1536
+
+
 def test_format_bytes_picks_the_largest_binary_unit() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
