@@ -179,6 +179,12 @@ class Chain:
                 f"0..{len(self.stages) - 1} (at least the last stage trains)"
             )
         object.__setattr__(self, "stages", tuple(self.stages))
+        total = self.total_bytes
+        if total > LARGEST_BYTES:
+            raise ChainFormatError(
+                f"chain: its sizes add up to {shown_number(total)} bytes, more than any device "
+                f"holds (at most {LARGEST_BYTES} in all): give sizes in bytes"
+            )
         seen: set[str] = set()
         for index, stage in enumerate(self.stages, start=1):
             if stage.name in seen:
@@ -215,6 +221,15 @@ class Chain:
     def saved_bytes(self, i: int) -> int:
         """x̄_i, what a grad-enabled forward of stage i keeps until its backward."""
         return self.stage(i).saved_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Every size of the chain added up (a backward's temporaries where positive): no plan
+        holds more at once, so no peak, least budget or sum a solver forms is larger."""
+        stages = sum(
+            sum(max(getattr(stage, attr), 0) for attr in STAGE_BYTE_FIELDS) for stage in self.stages
+        )
+        return stages + self.input_bytes + self.input_grad_bytes + self.held_bytes
 
     @property
     def compute_time_s(self) -> float:
@@ -345,8 +360,10 @@ class Chain:
         return cls.from_json(Path(path).read_text())
 
 
-LARGEST_BYTES = 2**60
-"""One exbibyte: no memory a chain describes is larger, and sizes stay exact integers."""
+LARGEST_BYTES = 2**50
+"""One pebibyte: no size, no chain's sizes added up and no budget is larger. So every peak and
+least budget a solver finds is a budget that can be asked for, and sums of sizes stay exact
+where a solver keeps them in floats (below 2**53)."""
 
 LONGEST_SECONDS = 1e9
 """About 30 years: no stage's forward or backward takes longer, and sums of times stay far

@@ -414,12 +414,51 @@ def test_a_budget_larger_than_any_device_is_refused() -> None:
             parse_budget(budget)
 
 
-def test_a_plan_whose_peak_passes_the_largest_tensor_size_is_read_back() -> None:
-    """Four stages of 2**59 bytes each are a valid chain; its keep-all plan peaks above 2**60."""
-    from solvers.baselines import keep_all
-    from solvers.simulator import score
+def test_a_chain_whose_sizes_add_up_past_any_memory_is_refused() -> None:
+    """Four stages of 2**59 bytes each were a valid chain whose keep-all peak, past 2**60, no
+    budget could be asked for; past 2**53 the solvers' sums were no longer exact."""
+    from solvers.chain import LARGEST_BYTES, ChainFormatError
 
-    chain = Chain("big", 0, tuple(Stage(f"s{i}", 1.0, 1.0, 2**59, 2**59) for i in range(4)))
-    plan = score(keep_all(chain), chain, None)
-    assert plan.predicted_peak_bytes > 2**60
-    assert Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ChainFormatError, match=r"sizes add up to \d+ bytes, more than any"):
+        Chain("big", 0, tuple(Stage(f"s{i}", 1.0, 1.0, 2**48, 2**48) for i in range(4)))
+    with pytest.raises(ChainFormatError, match=r"'out_bytes' is .* more than any device"):
+        Stage("s", 1.0, 1.0, LARGEST_BYTES + 1, LARGEST_BYTES + 1)
+
+
+@pytest.mark.parametrize("solver", ["dp", "checkmate", "milp"])
+def test_the_least_budget_of_a_chain_at_the_size_limit_is_a_budget_with_a_plan(solver) -> None:
+    """Sizes near 2**56, then allowed, are refused: dp named a least budget 14 B below its
+    plan's peak and then raised "a bug in offremat"; checkmate and milp died on an
+    AssertionError. The same chain at 1/1024 of that size has exact least budgets."""
+    from solvers.budget import InfeasibleBudgetError, parse_budget
+    from solvers.chain import ChainFormatError
+    from solvers.registry import solve
+
+    times = ((0.0, 1.0), (1e9, 1e-3), (0.0, 1e-12))
+    sizes = ((14287178951329,) * 2, (57981288628987, 170467783220619), (1, 277035322039679))
+    stages = tuple(
+        Stage(f"s{i}", *time, *size)
+        for i, (time, size) in enumerate(zip(times, sizes, strict=True))
+    )
+    with pytest.raises(ChainFormatError, match="'out_bytes' is 14630071246161271 bytes, more than"):
+        Chain("x", 626053460838, (Stage("s1", 0.0, 1.0, 14630071246161271, 14630071246161271),))
+    chain = Chain("x", 626053460838, stages)
+    options = {} if solver == "dp" else {"time_limit_s": 3}
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        solve(chain, 16, solver, **options)
+    least = refused.value.min_budget_bytes
+    plan = solve(chain, parse_budget(str(least)), solver, **options)
+    assert plan.feasible and plan.predicted_peak_bytes <= least
+
+
+def test_a_long_chain_whose_groups_pass_the_size_limit_is_still_solved_by_milp() -> None:
+    """A group counts the held output twice, so the chain of groups of a chain near the size
+    limit passed it: milp raised ChainFormatError where the chain itself was valid."""
+    from solvers.chain import LARGEST_BYTES
+    from solvers.registry import solve
+
+    held = LARGEST_BYTES * 3 // 5
+    stages = tuple(Stage(f"s{i}", 1.0, 1.0, 2**20, 2**21) for i in range(50))
+    chain = Chain("long", 2**20, stages, held_bytes=held)
+    plan = solve(chain, held + 2**26, "milp", time_limit_s=3)
+    assert plan.feasible
