@@ -9,7 +9,13 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from solvers.chain import LARGEST_BYTES, SLOWEST_LINK_BYTES_PER_S, Link, shown_number
+from solvers.chain import (
+    FASTEST_LINK_BYTES_PER_S,
+    LARGEST_BYTES,
+    SLOWEST_LINK_BYTES_PER_S,
+    Link,
+    shown_number,
+)
 
 
 class InfeasibleBudgetError(ValueError):
@@ -239,10 +245,10 @@ def _bytes_per_second(value: Any) -> float:
         rate = float(value)
     else:
         raise ValueError(f"bandwidth {value!r} is not a rate in bytes per second")
-    if not math.isfinite(rate) or rate < SLOWEST_LINK_BYTES_PER_S:
+    if not SLOWEST_LINK_BYTES_PER_S <= rate <= FASTEST_LINK_BYTES_PER_S:  # NaN too
         raise ValueError(
-            f"bandwidth {value!r} is not a usable rate: give a finite number of bytes per "
-            f"second of at least {SLOWEST_LINK_BYTES_PER_S:g} (25GB/s, 2.5e10)"
+            f"bandwidth {value!r} is not a usable rate: give a number of bytes per second "
+            f"from {SLOWEST_LINK_BYTES_PER_S:g} to {FASTEST_LINK_BYTES_PER_S:g} (25GB/s, 2.5e10)"
         )
     if not unit_written and rate < SLOWEST_BARE_RATE:
         raise ValueError(

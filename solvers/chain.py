@@ -106,6 +106,10 @@ class Stage:
 SLOWEST_LINK_BYTES_PER_S = 1.0
 """Below one byte per second a copy of any activation takes longer than a solver can count."""
 
+FASTEST_LINK_BYTES_PER_S = 1e15
+"""A petabyte per second, far past any device's own memory: the MILPs' coefficients of copy
+time, bytes over rate in their unit of time, overflow to infinity from 1e300 B/s."""
+
 
 @dataclass(frozen=True)
 class Link:
@@ -122,6 +126,11 @@ class Link:
                 raise ChainFormatError(
                     f"link: field {attr!r} must be positive and at least "
                     f"{SLOWEST_LINK_BYTES_PER_S:g} byte per second, got {value}"
+                )
+            if value > FASTEST_LINK_BYTES_PER_S:
+                raise ChainFormatError(
+                    f"link: field {attr!r} is {value:g} bytes per second, faster than any "
+                    f"link (at most {FASTEST_LINK_BYTES_PER_S:g}): give bytes per second"
                 )
             object.__setattr__(self, attr, float(value))
 

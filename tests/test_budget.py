@@ -115,3 +115,10 @@ def test_a_link_in_bits_is_refused_not_read_as_bytes() -> None:
     with pytest.raises(ValueError, match=re.escape("reads as bits")):
         parse_bandwidth("25Gb/s")
     assert parse_bandwidth("25GB/s").d2h_bytes_per_s == 25e9
+
+
+@pytest.mark.parametrize("written", ["1e300", 1e300, "nan"])
+def test_a_link_faster_than_any_is_refused(written: object) -> None:
+    """A chain took 1e300 B/s, and milp died in PuLP dividing by the infinite rate."""
+    with pytest.raises(ValueError, match=re.escape("bytes per second from 1 to 1e+15")):
+        parse_bandwidth(written)

@@ -179,6 +179,8 @@ def test_a_misspelled_required_field_is_named_with_the_field_it_misspells(
         (_set(("link", "d2h_latency_s"), 1e-5), ["link", "d2h_latency_s", "unknown"]),
         (_set(("name",), 7), ["chain", "name", "string"]),
         (_set(("stages", 0, "fwd_s"), 1e308), ["stage 1", "fwd_s", "longer than any"]),
+        # milp's copy times, bytes over 1e300 B/s in its unit of time, made PuLP raise.
+        (_set(("link", "d2h_bytes_per_s"), 1e300), ["d2h_bytes_per_s", "faster than any link"]),
     ],
 )
 def test_validation_error_names_the_stage_and_field(
