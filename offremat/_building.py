@@ -56,7 +56,9 @@ def build(
     refuse_kv_cache(call.args, call.kwargs)
     found = ModelChain.find(model, call, blocks)
     chain, plan = request.example_plan(
-        call, lambda: profile_model_chain(model, call, found, stages, bandwidth)
+        call,
+        lambda: profile_model_chain(model, call, found, stages, bandwidth),
+        functools.partial(model_chain_stages, found),
     )
     modules = model_chain_stages(found, chain)
     check_model_chain_output(model, call, found, modules)
@@ -133,6 +135,7 @@ def _build_sequential(
         lambda: profile_model(
             sequential, example_input, stages=request.stages, bandwidth=request.bandwidth
         ),
+        functools.partial(stage_modules, sequential),
     )
     modules = stage_modules(sequential, chain)
     check_chain_output(

@@ -6,9 +6,11 @@ shapes, dtypes and ``requires_grad``), the versions of torch and of offremat's o
 device, the budget as given, the solver and its options, the example batch's signature and
 the signature of the input shape planned. A file
 that cannot be read, is truncated, has another format or another key, or holds a plan that
-does not validate against its chain or does not fit its budget there is logged and ignored:
-never fatal, never trusted. Files are written to a temporary name in the same folder and
-renamed over the target, so two processes writing the same entry leave one whole file.
+does not validate against its chain or does not fit its budget there, or whose chain the
+caller cannot use, is logged and ignored: never fatal, never trusted. A plan read is scored on
+its chain again, so its predictions are the simulator's, not the file's. Files are written to
+a temporary name in the same folder and renamed over the target, so two processes writing the
+same entry leave one whole file.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import os
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +35,9 @@ from torch import nn
 
 from offremat._blocks import output_capture_hooks
 from solvers.chain import Chain
+from solvers.json_text import parse_json
 from solvers.plan import Plan, validate
-from solvers.simulator import simulate
+from solvers.simulator import score
 
 logger = logging.getLogger(__name__)
 
@@ -315,13 +319,16 @@ class PlanCache:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         return key, self.directory / f"{digest[:32]}.json"
 
-    def load(self, signature: str) -> tuple[Chain, Plan] | None:
-        """The cached chain and plan for ``signature``, or None (a bad file is logged)."""
+    def load(
+        self, signature: str, check: Callable[[Chain, Plan], object] | None = None
+    ) -> tuple[Chain, Plan] | None:
+        """The cached chain and plan for ``signature``, or None (a bad file is logged).
+        ``check`` raises ValueError, KeyError or TypeError where the caller cannot use them."""
         key, path = self._entry(signature)
         if not path.exists():
             return None
         try:
-            data = json.loads(path.read_text())
+            data = parse_json(path.read_text(), "plan cache file")
             if not isinstance(data, dict) or data.get("format") != FORMAT:
                 raise ValueError(f"not an {FORMAT} file")
             if data.get("key") != key:
@@ -333,12 +340,14 @@ class PlanCache:
                 raise ValueError("; ".join(problems))
             if plan.budget_bytes is None and key.get("budget") != repr(None):
                 raise ValueError("its plan has no budget, but one was asked for")
-            simulation = simulate(plan, chain, plan.budget_bytes)
-            if not simulation.feasible:
+            plan = score(plan, chain, plan.budget_bytes)
+            if not plan.feasible:
                 raise ValueError(
-                    f"its plan peaks at {simulation.peak_bytes} B on its chain, over its "
+                    f"its plan peaks at {plan.predicted_peak_bytes} B on its chain, over its "
                     f"budget of {plan.budget_bytes} B"
                 )
+            if check is not None:
+                check(chain, plan)
         except (OSError, ValueError, KeyError, TypeError) as error:
             logger.warning("ignoring plan cache file %s: %s", path, error)
             return None

@@ -64,10 +64,17 @@ class Request:
     solver_options: dict[str, Any]
     disk: PlanCache | None
 
-    def example_plan(self, example: Any, profile: Callable[[], Chain]) -> tuple[Chain, Plan]:
-        """The example batch's chain and plan: from the disk cache, else made and stored."""
+    def example_plan(
+        self,
+        example: Any,
+        profile: Callable[[], Chain],
+        stages_of: Callable[[Chain], object],
+    ) -> tuple[Chain, Plan]:
+        """The example batch's chain and plan: from the disk cache, else made and stored.
+        ``stages_of`` gives the model's stages for a chain, and refuses one it cannot."""
         signature = repr(input_signature(example))
-        cached = None if self.disk is None else self.disk.load(signature)
+        check = functools.partial(self._check_cached, stages_of)
+        cached = None if self.disk is None else self.disk.load(signature, check)
         if cached is not None:
             return cached
         if self.chain is None:
@@ -78,6 +85,17 @@ class Request:
         if self.disk is not None:
             self.disk.store(signature, chain, plan)
         return chain, plan
+
+    def _check_cached(self, stages_of: Callable[[Chain], object], chain: Chain, plan: Plan) -> None:
+        """Refuse a cached entry this request does not make: a chain of other stages, a plan
+        for another budget (files are edited; the key says only what was asked)."""
+        stages_of(chain)
+        if self.budget is not None:
+            asked = parse_budget(self.budget, keep_all_peak(chain))
+            if plan.budget_bytes != asked:
+                raise ValueError(
+                    f"its plan's budget is {plan.budget_bytes} B where {asked} B is asked for"
+                )
 
     def plans(
         self,

@@ -198,7 +198,7 @@ class ShapePlans:
             disk = self._disk()
             again = signature in self.unprofiled
             self.unprofiled.discard(signature)
-            cached = None if disk is None or again else disk.load(repr(signature))
+            cached = None if disk is None or again else disk.load(repr(signature), self._like)
             if cached is not None:
                 chain, plan = cached
                 self.cache.from_disk += 1
@@ -212,6 +212,19 @@ class ShapePlans:
             executor = self._install(signature, chain, plan, began, "planned")
         self.last = executor
         return executor
+
+    def _like(self, chain: Chain, plan: Plan) -> None:
+        """Refuse a cached entry (an edited file) whose stages or budget are not those of the
+        plans made here: every shape runs these stages, at one budget in bytes."""
+        made = self.last
+        if made is not None and (made.chain.length, made.plan.budget_bytes) != (
+            chain.length,
+            plan.budget_bytes,
+        ):
+            raise ValueError(
+                f"it has {chain.length} stages at a budget of {plan.budget_bytes} B, where this "
+                f"model's plans have {made.chain.length} at {made.plan.budget_bytes} B"
+            )
 
     def for_chain_input(self, batch: Any, executor: PlanExecutor, value: Any) -> PlanExecutor:
         """The executor for the blocks' input ``value`` in a step on ``batch`` that

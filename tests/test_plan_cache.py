@@ -7,6 +7,7 @@ import multiprocessing
 from typing import Any
 
 import pytest
+import torch
 
 from offremat._plan_cache import PlanCache
 from solvers.chain import Chain, Stage
@@ -113,3 +114,102 @@ def test_a_cache_dir_that_is_a_file_is_refused(tmp_path) -> None:
     for directory in (blocker, blocker / "inside"):
         with pytest.raises(ValueError, match="is a file, or inside one"):
             PlanCache(directory, {"model": "m"})
+
+
+def test_a_file_of_json_nested_too_deep_is_ignored(tmp_path, caplog) -> None:
+    """It raised RecursionError out of optimize, where the README says it is ignored."""
+    chain = small_chain()
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, solve(chain, 900))
+    (path,) = tmp_path.glob("*.json")
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with caplog.at_level("WARNING"):
+        assert cache.load("(64,)") is None
+    assert "nested too deeply" in caplog.text
+
+
+def test_a_plan_read_back_has_the_simulator_s_predictions_not_the_file_s(tmp_path) -> None:
+    """A file whose predicted peak was edited to 1 B was trusted: the plan reported 1 B."""
+    chain = small_chain()
+    plan = solve(chain, 900)
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, plan)
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["plan"].update(predicted_peak_bytes=1, predicted_time_s=0.001)
+    path.write_text(json.dumps(data))
+    loaded = cache.load("(64,)")
+    assert loaded is not None
+    assert loaded[1].predicted_peak_bytes == plan.predicted_peak_bytes > 1
+    assert loaded[1].predicted_time_s == plan.predicted_time_s
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+        for _ in range(4)
+    ]
+    return torch.nn.Sequential(*blocks)
+
+
+def _edit_entry(path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _regroup(data: dict[str, Any]) -> None:
+    data["chain"]["metadata"]["grouping"] = {"x": 5}
+
+
+def _rebudget(data: dict[str, Any]) -> None:
+    data["plan"]["budget_bytes"] *= 4
+
+
+@pytest.mark.parametrize("change", [_regroup, _rebudget], ids=["grouping", "budget"])
+def test_an_entry_the_request_does_not_make_is_ignored_by_optimize(
+    tmp_path, caplog, change
+) -> None:
+    """An edited grouping raised "the chain groups blocks []" out of optimize, with no word
+    of the cache; an edited budget ran the plan at it, past the budget asked for."""
+    import offremat
+
+    x = torch.randn(64, 32)
+    fresh = offremat.optimize(_mlp(), x, budget=0.8, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    _edit_entry(path, change)
+    with caplog.at_level("WARNING"):
+        again = offremat.optimize(_mlp(), x, budget=0.8, cache_dir=tmp_path)
+    assert "ignoring plan cache file" in caplog.text
+    assert again.plan.budget_bytes == fresh.plan.budget_bytes
+    assert again.cache_info()["from_disk"] == 0
+
+
+def test_another_shape_s_entry_of_other_stages_is_ignored(tmp_path, caplog) -> None:
+    """An edited entry for a second shape, of two stages where the model has four, raised
+    "the plan has 2 stages, the chain 2 and the model 4" from the step."""
+    import offremat
+
+    x, y = torch.randn(64, 32), torch.randn(48, 32)
+    model = offremat.optimize(_mlp(), x, budget=0.8, cache_dir=tmp_path)
+    first = set(tmp_path.glob("*.json"))
+    model(y).sum().backward()
+    (path,) = set(tmp_path.glob("*.json")) - first
+
+    def two_stages(data: dict[str, Any]) -> None:
+        data["chain"]["stages"] = data["chain"]["stages"][:2]
+        data["plan"]["stages"] = data["plan"]["stages"][:2]
+        data["plan"]["ops"] = [
+            {"op": "F_all", "index": 1},
+            {"op": "F_all", "index": 2},
+            {"op": "B", "index": 2},
+            {"op": "B", "index": 1},
+        ]
+
+    _edit_entry(path, two_stages)
+    again = offremat.optimize(_mlp(), x, budget=0.8, cache_dir=tmp_path)
+    with caplog.at_level("WARNING"):
+        again(y).sum().backward()
+    assert "ignoring plan cache file" in caplog.text
+    assert "it has 2 stages" in caplog.text
