@@ -227,33 +227,46 @@ def parse_bandwidth(value: Any) -> Link:
 def _bytes_per_second(value: Any) -> float:
     unit_written = False
     if isinstance(value, str):
-        text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip())
+        text = re.sub(r"\s*/\s*s(ec)?\s*$", "", value.strip(), flags=re.IGNORECASE)
         try:
             rate = float(text)
         except ValueError:
             unit_written = True
-            try:
-                rate = float(parse_budget(text))
-            except BitsUnitError as error:
-                raise BitsUnitError(value, error.unit, "bandwidth ") from None
-            except ValueError:
-                raise ValueError(
-                    f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
-                    "size per second (25GB/s, 12GiB/s)"
-                ) from None
+            rate = _rate_with_unit(text, value)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         rate = float(value)
     else:
         raise ValueError(f"bandwidth {value!r} is not a rate in bytes per second")
+    if rate <= 0:
+        raise ValueError(
+            f"bandwidth {value!r} must be positive: give bytes per second (2.5e10) or a size "
+            "per second (25GB/s)"
+        )
     if not SLOWEST_LINK_BYTES_PER_S <= rate <= FASTEST_LINK_BYTES_PER_S:  # NaN too
         raise ValueError(
             f"bandwidth {value!r} is not a usable rate: give a number of bytes per second "
             f"from {SLOWEST_LINK_BYTES_PER_S:g} to {FASTEST_LINK_BYTES_PER_S:g} (25GB/s, 2.5e10)"
         )
     if not unit_written and rate < SLOWEST_BARE_RATE:
+        # The unit that puts the number among real links' rates, 1e9 to 1e12 bytes a second.
+        unit = "GB/s" if rate <= 1000 else "MB/s"
         raise ValueError(
             f"bandwidth {value!r} reads as {rate:g} bytes per second, slower than any link "
-            f"between a device and its host: write the unit ({rate:g}GB/s) or the bytes "
+            f"between a device and its host: write the unit ({rate:g}{unit}) or the bytes "
             "per second (2.5e10)"
         )
     return rate
+
+
+def _rate_with_unit(text: str, value: str) -> float:
+    """Bytes per second from a size per second without its ``/s`` (``25GB``), where a rate
+    need not be whole bytes."""
+    match = _SIZE.match(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"bandwidth {value!r} is not a rate: write bytes per second (2.5e10) or a "
+            "size per second (25GB/s, 12GiB/s)"
+        )
+    if _BITS.match(match.group(2)):
+        raise BitsUnitError(value, match.group(2), "bandwidth ")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]

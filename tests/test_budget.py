@@ -122,3 +122,26 @@ def test_a_link_faster_than_any_is_refused(written: object) -> None:
     """A chain took 1e300 B/s, and milp died in PuLP dividing by the infinite rate."""
     with pytest.raises(ValueError, match=re.escape("bytes per second from 1 to 1e+15")):
         parse_bandwidth(written)
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("999999", "write the unit (999999MB/s)"),  # was 999999GB/s, a petabyte a second
+        ("25", "write the unit (25GB/s)"),
+        ("0GB/s", "bandwidth '0GB/s' must be positive"),  # was "not a rate"
+        ("0", "bandwidth '0' must be positive"),
+    ],
+)
+def test_a_link_rate_refused_says_what_to_write(written: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_bandwidth(written)
+
+
+@pytest.mark.parametrize(
+    ("written", "rate"),
+    [("10GB/S", 1e10), ("10gb/s", 1e10), ("10GB/Sec", 1e10), ("1KB/s", 1e3), ("1.5B/s", 1.5)],
+)
+def test_a_link_rate_is_read_whatever_the_case_of_its_per_second(written: str, rate: float) -> None:
+    """10GB/S was refused where 10gb/s was read; 1.5B/s was rounded down to 1 B/s."""
+    assert parse_bandwidth(written).d2h_bytes_per_s == rate
