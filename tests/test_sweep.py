@@ -188,3 +188,16 @@ def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):
         ("dp", {}),
         ("checkmate", {"time_limit_s": sweep.DEFAULT_MILP_TIME_LIMIT_S}),
     ]
+
+
+def test_a_sweep_of_one_budget_names_it_once(tmp_path, capsys):
+    """A chain whose least feasible budget is its keep-all peak printed "1 budgets from
+    7.82 KiB to 7.81 KiB", the one budget rounded up and then down."""
+    from offremat.cli import main
+
+    chain = Chain("t", 1000, (Stage("s1", 0.001, 0.002, 1000, 5000),), Link(1e9, 1e9))
+    chain_path = tmp_path / "chain.json"
+    chain.save(chain_path)
+    argv = ["sweep", str(chain_path), "--out", str(tmp_path / "out"), "--methods", "keep-all"]
+    assert main(argv) == 0
+    assert "t: 1 stages, 1 budget, 7.81 KiB (8000 B)," in capsys.readouterr().err

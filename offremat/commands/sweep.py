@@ -132,12 +132,15 @@ def run(args: argparse.Namespace) -> int:
         )
     budgets = budget_range(chain, args.points)
     console = Console(stderr=True, highlight=False)
+    # One budget, the keep-all peak, shown rounded up and down read as two.
+    span = (
+        f"1 budget, {format_bytes(budgets[0])} ({budgets[0]} B)"
+        if len(budgets) == 1
+        else f"{len(budgets)} budgets from {format_bytes(budgets[0], round_up=True)} to "
+        f"{format_bytes(budgets[-1])}"
+    )
     console.print(
-        Text(
-            f"{chain.name}: {chain.length} stages, {len(budgets)} budgets from "
-            f"{format_bytes(budgets[0], round_up=True)} to {format_bytes(budgets[-1])}, "
-            f"methods {', '.join(methods)}"
-        )
+        Text(f"{chain.name}: {chain.length} stages, {span}, methods {', '.join(methods)}")
     )
     if chain.link is None:
         console.print("no host link: offload-all has no plan and milp only recomputes")
