@@ -295,6 +295,15 @@ class Residency:
         self.live_bytes -= record.nbytes
         del self.records[record.key]
 
+    def let_go(self, refs: Iterable[TensorRef | None]) -> None:
+        """A plan tensor made of ``refs`` is gone from the step for good: its references
+        stop counting among those :meth:`unpacked` waits for. A storage it shared (a block
+        that returns a view of its input) then goes when the other tensor's are taken."""
+        for ref in refs:
+            record = ref.record if ref is not None else None
+            if record is not None and any(held is ref for held in record.refs):
+                record.refs = [held for held in record.refs if held is not ref]
+
     def use(self, records: Iterable[StorageRecord]) -> None:
         """Make the compute stream wait until prefetched bytes it is about to read are there."""
         if self.streams is None:

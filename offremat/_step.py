@@ -315,6 +315,7 @@ class _Step(Compute):
             )
             if previous is not None and previous is not tensor:
                 self.residency.drop(previous.records, resident=False)
+                self.residency.let_go(previous.refs)
             self.on_host[key] = tensor
             self.offloaded_by[position] = tensor
         elif op.kind == PREFETCH:
@@ -331,6 +332,8 @@ class _Step(Compute):
         away = self.on_host.pop(key, None)
         if away is not None:
             self.residency.drop(away.records, resident=False)
+            if self.on_device.get(key) is not away:
+                self.residency.let_go(away.refs)
         self._drop_resident(key)
 
     def _source(self, i: int) -> PlanTensor:
@@ -346,6 +349,8 @@ class _Step(Compute):
         tensor = self.on_device.pop(key, None)
         if tensor is not None:
             self.residency.drop(tensor.records, resident=True)
+            if self.on_host.get(key) is not tensor:  # gone for good: no rebuild to come
+                self.residency.let_go(tensor.refs)
 
     def _mark(self) -> None:
         # On CUDA the step's compute stream is the current one (set as each half starts).
