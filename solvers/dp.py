@@ -29,7 +29,9 @@ own forwards. With one temporary for both, as design.md has it, the two readings
 
 Sizes are rounded up to multiples of budget/slots, as rotor does; the plan is therefore
 feasible in exact bytes as well. Rounding can hide that plain autograd fits: when it does in
-exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it directly.
+exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it directly. It can
+hide faster plans too, all of them at rotor's exact least memory: where quick, the same
+recurrence in exact bytes (:mod:`solvers.dp_exact`) answers instead.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 from solvers.baselines import keep_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
+from solvers.dp_exact import ExactTable
 from solvers.dp_table import FORWARD_ALL, Sizes, Table, operations, single_stage_times
 from solvers.frozen import least_budget, lift, trained_part, with_frozen_prefix
 from solvers.plan import Plan
@@ -103,14 +106,16 @@ def solve_dp(
 ) -> Plan:
     """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
 
-    Sizes are rounded up to ``budget_bytes / slots``; where that rounding alone leaves no
-    plan, above rotor's exact least memory, a finer DP or the least-memory plan answers
-    (:func:`_near_least_memory`), so every budget from :func:`memory_need` up has a plan.
-    With a ``tolerance`` above 0, the plan that needs the least memory among those at most
-    that fraction slower than the fastest: the table holds the optimum for every smaller
-    budget, so this costs nothing more. When plain autograd fits, it is the answer whatever
-    the tolerance. Raises :class:`InfeasibleBudgetError`, naming the least feasible budget,
-    when none fits.
+    The DP in exact bytes answers where it takes at most :data:`EXACT_SECONDS` (``info``
+    has ``exact``); else sizes are rounded up to ``budget_bytes / slots``, and where that
+    rounding alone leaves no plan, above rotor's exact least memory, a finer DP or the
+    least-memory plan answers (:func:`_near_least_memory`), so every budget from
+    :func:`memory_need` up has a plan. With a ``tolerance`` above 0, the plan that needs the
+    least memory among those at most that fraction slower than the fastest, both at
+    ``slots``: the table holds the optimum for every smaller budget, so this costs nothing
+    more (the exact DP answers only where the table has no plan). When plain autograd fits,
+    it is the answer whatever the tolerance. Raises :class:`InfeasibleBudgetError`, naming
+    the least feasible budget, when none fits.
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
@@ -118,23 +123,62 @@ def solve_dp(
         raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
+    return score(_solve(chain, budget_bytes, slots, tolerance), chain, budget_bytes)
+
+
+def _solve(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Plan:
+    """:func:`solve_dp`'s plan (unscored)."""
     if chain.frozen_stages:
-        plan = with_frozen_prefix(
-            chain, budget_bytes, lambda part, room: solve_dp(part, room, slots, tolerance)
+        return with_frozen_prefix(
+            chain, budget_bytes, lambda part, room: _solve(part, room, slots, tolerance)
         )
-        return score(plan, chain, budget_bytes)
     check_table_size(chain, slots)
     plain = keep_all(chain)
     if simulate(plain, chain, budget_bytes).feasible:
-        plan = Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})
-        return score(plan, chain, budget_bytes)
-    plan = _table_plan(chain, budget_bytes, slots, tolerance) if budget_bytes > 0 else None
+        return Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})
+    # With a tolerance the table's optimum at every smaller budget is needed, which the DP in
+    # exact bytes does not give.
+    exact = budget_bytes > 0 and not tolerance
+    plan = _exact_plan(chain, budget_bytes) if exact else None
+    if plan is None and budget_bytes > 0:
+        plan = _table_plan(chain, budget_bytes, slots, tolerance)
     if plan is None:
         least = memory_need(chain)
         if budget_bytes < least:
             raise InfeasibleBudgetError(budget_bytes, least, "dp")
-        plan = _near_least_memory(chain, budget_bytes, slots)
-    return score(plan, chain, budget_bytes)
+        plan = _near_least_memory(chain, budget_bytes, slots, exact_tried=exact)
+    return plan
+
+
+EXACT_SECONDS = 0.5
+"""The most time the DP in exact bytes may take (then the rounded table answers instead):
+enough for every budget of the shipped chains (llama7b's worst took 0.26 s)."""
+
+LEAST_MEMORY_SECONDS_PER_CELL = 2e-7
+"""The time of :func:`_least_memory` per stage cubed, measured on a 2-core machine (50, 100
+and 200 stages took 0.033, 0.19 and 1.45 s: 2.6e-7, 1.9e-7 and 1.8e-7 s)."""
+
+EXACT_SECONDS_PER_CELL = 4e-7
+"""The exact DP's time per state and stage (its splits), measured on a 2-core machine
+(llama7b, 23,080 states: 3.3e-7 s; random chains of 50 and 200 stages: 3.6e-7 and 4.1e-7)."""
+
+
+def _exact_plan(chain: Chain, budget_bytes: int) -> Plan | None:
+    """The DP's plan in exact bytes (:mod:`solvers.dp_exact`) where it takes at most about
+    :data:`EXACT_SECONDS`; None where it would take longer or nothing fits."""
+    length = chain.length
+    left = EXACT_SECONDS - LEAST_MEMORY_SECONDS_PER_CELL * length**3
+    limit = int(left / (EXACT_SECONDS_PER_CELL * length))
+    if limit < 1:
+        return None
+    sizes, need, _ = _least_memory(chain)
+    table = ExactTable(chain, sizes, need)
+    room = budget_bytes - int(sizes.activation[0])
+    optimum = table.solve(1, length, room, limit)
+    if optimum is None or not np.isfinite(optimum):
+        return None
+    info = {"exact": True, "states": len(table.best), "dp_time_s": float(optimum)}
+    return Plan(tuple(table.ops(1, length, room)), chain.stage_names, "dp", info=info)
 
 
 def _table_plan(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Plan | None:
@@ -169,10 +213,14 @@ FINER_TABLE_BYTES = 2**28
 """The most memory a finer DP's tables may take (a fallback should not cost more)."""
 
 
-def _near_least_memory(chain: Chain, budget_bytes: int, slots: int) -> Plan:
+def _near_least_memory(chain: Chain, budget_bytes: int, slots: int, exact_tried: bool) -> Plan:
     """A plan for a budget between rotor's exact least memory, where some plan always fits,
     and the least the DP at ``slots`` finds one at (sizes rounded up cost it those plans):
-    the DP with finer slots where that is quick, else the least-memory plan."""
+    the DP in exact bytes (unless ``exact_tried``), else with finer slots, where that is
+    quick; else the least-memory plan."""
+    exact = None if exact_tried else _exact_plan(chain, budget_bytes)
+    if exact is not None:
+        return exact
     quick = max(FINER_SECONDS, 2 * estimated_seconds(chain.length, slots))
     for factor in FINER_SLOTS:
         count = slots * factor

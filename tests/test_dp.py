@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from solvers import dp
 from solvers.baselines import keep_all as keep_all_plan
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Stage
@@ -246,8 +247,11 @@ def test_with_a_tolerance_the_plan_holds_the_least_memory_of_those_within_it(see
     assert validate(plan, chain) == []
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "table"])
 @pytest.mark.parametrize("seed", range(10))
-def test_dp_equals_the_recurrence(seed: int) -> None:
+def test_dp_equals_the_recurrence(seed: int, exact: bool, monkeypatch) -> None:
+    if not exact:  # no time for the DP in exact bytes: the table at one-byte slots answers
+        monkeypatch.setattr(dp, "EXACT_SECONDS", 0.0)
     rng = random.Random(100 + seed)
     chain = random_chain(rng, length=rng.randint(2, 9))
     need = memory_need(chain)
@@ -288,7 +292,10 @@ def test_rotors_literal_recurrence_can_exceed_its_budget() -> None:
     assert dp_time(chain, 104) == exhaustive_optimum(chain, 104) == 4.0
 
 
-def test_infeasible_budget_names_the_least_feasible_one() -> None:
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "table"])
+def test_infeasible_budget_names_the_least_feasible_one(exact: bool, monkeypatch) -> None:
+    if not exact:
+        monkeypatch.setattr(dp, "EXACT_SECONDS", 0.0)
     rng = random.Random(7)
     chain = random_chain(rng, length=6)
     need = memory_need(chain)
@@ -296,8 +303,9 @@ def test_infeasible_budget_names_the_least_feasible_one() -> None:
         solve_dp(chain, need - 1, slots=need - 1)
     assert error.value.min_budget_bytes == need
     assert str(error.value.min_budget_bytes) in str(error.value)
-    # The named budget has a plan at every resolution: rounding sizes up to few slots leaves
-    # the table without one there, and a finer DP or the least-memory plan answers.
+    # The named budget has a plan at every resolution: the DP in exact bytes finds it, and
+    # without time for that, where rounding sizes up to few slots leaves the table without
+    # one, a finer DP or the least-memory plan answers.
     for slots in (3, 50, 500):
         assert solve_dp(chain, need, slots=slots).predicted_peak_bytes <= need
     for nothing in (0, -need):
@@ -362,7 +370,8 @@ def test_keep_all_is_returned_whenever_it_fits_in_exact_bytes() -> None:
     plan = solve_dp(chain, keep_all_peak, slots=5)
     assert plan.predicted_time_s == chain.compute_time_s
     assert plan.predicted_peak_bytes == keep_all_peak
-    # A byte less, the table at 5 slots fits nothing: the finer DP answers, recomputing.
+    # A byte less, the table at 5 slots fits nothing: the DP in exact bytes answers,
+    # recomputing.
     tighter = solve_dp(chain, keep_all_peak - 1, slots=5)
     assert tighter.predicted_peak_bytes < keep_all_peak
     assert tighter.predicted_time_s > chain.compute_time_s
