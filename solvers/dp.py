@@ -31,7 +31,8 @@ Sizes are rounded up to multiples of budget/slots, as rotor does; the plan is th
 feasible in exact bytes as well. Rounding can hide that plain autograd fits: when it does in
 exact bytes, its time is the floor Σf + Σb, so :func:`solve_dp` returns it directly. It can
 hide faster plans too, all of them at rotor's exact least memory: where quick, the same
-recurrence in exact bytes (:mod:`solvers.dp_exact`) answers instead.
+recurrence in exact bytes (:mod:`solvers.dp_exact`) answers instead, and the answer is never
+slower than a fixed plan of the family that fits (:mod:`solvers.dp_family`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from solvers.baselines import keep_all
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.dp_exact import ExactTable
+from solvers.dp_family import fastest_fitting
 from solvers.dp_table import FORWARD_ALL, Sizes, Table, operations, single_stage_times
 from solvers.frozen import least_budget, lift, trained_part, with_frozen_prefix
 from solvers.plan import Plan
@@ -110,12 +112,13 @@ def solve_dp(
     has ``exact``); else sizes are rounded up to ``budget_bytes / slots``, and where that
     rounding alone leaves no plan, above rotor's exact least memory, a finer DP or the
     least-memory plan answers (:func:`_near_least_memory`), so every budget from
-    :func:`memory_need` up has a plan. With a ``tolerance`` above 0, the plan that needs the
-    least memory among those at most that fraction slower than the fastest, both at
-    ``slots``: the table holds the optimum for every smaller budget, so this costs nothing
-    more (the exact DP answers only where the table has no plan). When plain autograd fits,
-    it is the answer whatever the tolerance. Raises :class:`InfeasibleBudgetError`, naming
-    the least feasible budget, when none fits.
+    :func:`memory_need` up has a plan. A fixed plan of the family that fits and is faster
+    (:func:`solvers.dp_family.fastest_fitting`) then replaces the DP's, ``info`` naming it.
+    With a ``tolerance`` above 0, the plan that needs the least memory among those at most
+    that fraction slower than the fastest, both at ``slots``: the table holds the optimum for
+    every smaller budget, so this costs nothing more (the exact DP answers only where the
+    table has no plan). When plain autograd fits, it is the answer whatever the tolerance.
+    Raises :class:`InfeasibleBudgetError`, naming the least feasible budget, when none fits.
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
@@ -123,11 +126,14 @@ def solve_dp(
         raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
-    return score(_solve(chain, budget_bytes, slots, tolerance), chain, budget_bytes)
+    plan = _solve(chain, budget_bytes, slots, tolerance)
+    if tolerance:  # the plan is the least memory within the tolerance, a baseline is not
+        return score(plan, chain, budget_bytes)
+    return fastest_fitting(plan, chain, budget_bytes)
 
 
 def _solve(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Plan:
-    """:func:`solve_dp`'s plan (unscored)."""
+    """:func:`solve_dp`'s plan before the baselines are compared (unscored)."""
     if chain.frozen_stages:
         return with_frozen_prefix(
             chain, budget_bytes, lambda part, room: _solve(part, room, slots, tolerance)
