@@ -104,7 +104,11 @@ def check_table_size(chain: Chain, slots: int) -> None:
 
 
 def solve_dp(
-    chain: Chain, budget_bytes: int, slots: int = DEFAULT_SLOTS, tolerance: float = 0.0
+    chain: Chain,
+    budget_bytes: int,
+    slots: int = DEFAULT_SLOTS,
+    tolerance: float = 0.0,
+    exact: bool = True,
 ) -> Plan:
     """The fastest recompute-only plan within ``budget_bytes`` (rotor's persistent DP).
 
@@ -117,8 +121,10 @@ def solve_dp(
     With a ``tolerance`` above 0, the plan that needs the least memory among those at most
     that fraction slower than the fastest, both at ``slots``: the table holds the optimum for
     every smaller budget, so this costs nothing more (the exact DP answers only where the
-    table has no plan). When plain autograd fits, it is the answer whatever the tolerance.
-    Raises :class:`InfeasibleBudgetError`, naming the least feasible budget, when none fits.
+    table has no plan). With ``exact`` False the exact DP runs only where the table has no
+    plan (the MILP's warm starts, which solve many budgets in a time limit). When plain
+    autograd fits, it is the answer whatever the tolerance. Raises
+    :class:`InfeasibleBudgetError`, naming the least feasible budget, when none fits.
     """
     if slots < 1:
         raise ValueError(f"slots must be positive, got {slots}")
@@ -126,17 +132,17 @@ def solve_dp(
         raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance!r}")
-    plan = _solve(chain, budget_bytes, slots, tolerance)
+    plan = _solve(chain, budget_bytes, slots, tolerance, exact)
     if tolerance:  # the plan is the least memory within the tolerance, a baseline is not
         return score(plan, chain, budget_bytes)
     return fastest_fitting(plan, chain, budget_bytes)
 
 
-def _solve(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Plan:
+def _solve(chain: Chain, budget_bytes: int, slots: int, tolerance: float, first: bool) -> Plan:
     """:func:`solve_dp`'s plan before the baselines are compared (unscored)."""
     if chain.frozen_stages:
         return with_frozen_prefix(
-            chain, budget_bytes, lambda part, room: _solve(part, room, slots, tolerance)
+            chain, budget_bytes, lambda part, room: _solve(part, room, slots, tolerance, first)
         )
     check_table_size(chain, slots)
     plain = keep_all(chain)
@@ -144,7 +150,7 @@ def _solve(chain: Chain, budget_bytes: int, slots: int, tolerance: float) -> Pla
         return Plan(plain.ops, chain.stage_names, "dp", info={"slots": slots, "keep_all": True})
     # With a tolerance the table's optimum at every smaller budget is needed, which the DP in
     # exact bytes does not give.
-    exact = budget_bytes > 0 and not tolerance
+    exact = first and budget_bytes > 0 and not tolerance
     plan = _exact_plan(chain, budget_bytes) if exact else None
     if plan is None and budget_bytes > 0:
         plan = _table_plan(chain, budget_bytes, slots, tolerance)

@@ -80,9 +80,12 @@ def warm_start_candidates(
     # Quick, small and below the DP's own warning, or not at all: it is only a warm start.
     seconds = min(FINER_WARM_SHARE * (deadline - time.monotonic()), WARN_SECONDS)
     quick = estimated_seconds(chain.length, finer) <= seconds
-    if found and quick and table_bytes(chain.length, finer) <= FINER_WARM_TABLE_BYTES:
+    exact = bool(found) and found[0][1].info.get("exact", False)  # no finer grid can beat it
+    small = table_bytes(chain.length, finer) <= FINER_WARM_TABLE_BYTES
+    if found and not exact and quick and small:
         with contextlib.suppress(InfeasibleBudgetError, ValueError):
-            found.append((f"dp ({finer} slots)", solve_dp(chain, budget_bytes, finer)))
+            plan = solve_dp(chain, budget_bytes, finer, exact=False)
+            found.append((f"dp ({finer} slots)", plan))
     for name, build in BASELINES.items():
         if name == "offload-all" and not offload:
             continue
@@ -136,7 +139,8 @@ def _offloaded_prefix_plan(
                 if time.monotonic() > stop:
                     return best
                 try:
-                    rest = solve_dp(suffix, budget_bytes - reserve * largest, coarse)
+                    room = budget_bytes - reserve * largest
+                    rest = solve_dp(suffix, room, coarse, exact=False)
                 except InfeasibleBudgetError:
                     continue
                 for lead in _PREFIX_LEADS:
