@@ -1,6 +1,7 @@
 """offremat's mathematics: chains, plans, the simulator and the solvers. Never imports torch."""
 
-from solvers.chain import Chain, ChainFormatError, Link, Stage
+from solvers.chain import Chain, Link, Stage
+from solvers.chain_limits import ChainFormatError
 from solvers.plan import Op, Plan, PlanError, validate
 from solvers.simulator import Simulation, score, simulate
 

@@ -9,11 +9,11 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from solvers.chain import (
+from solvers.chain import Link
+from solvers.chain_limits import (
     FASTEST_LINK_BYTES_PER_S,
     LARGEST_BYTES,
     SLOWEST_LINK_BYTES_PER_S,
-    Link,
     shown_number,
 )
 

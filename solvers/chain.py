@@ -7,18 +7,26 @@ Indices follow Herrmann, Beaumont et al., "Optimal checkpointing for heterogeneo
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from solvers.chain_limits import (
+    FASTEST_LINK_BYTES_PER_S,
+    LARGEST_BYTES,
+    LONGEST_SECONDS,
+    SHORTEST_SECONDS,
+    SLOWEST_LINK_BYTES_PER_S,
+    STAGE_BYTE_FIELDS,
+    STAGE_FIELDS,
+    ChainFormatError,
+    check_bytes,
+    check_number,
+    shown_number,
+)
 from solvers.json_text import check_fields, non_finite_at, parse_json
 
 CHAIN_FORMAT = "offremat.chain/1"
-
-
-class ChainFormatError(ValueError):
-    """A chain file or value breaks the ``offremat.chain/1`` format; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class Stage:
             raise ChainFormatError(f"stage field 'name' must be a string, got {self.name!r}")
         where = f"stage {self.name!r}"
         for attr in ("fwd_s", "bwd_s"):
-            _check_number(getattr(self, attr), f"{where}: field {attr!r}")
+            check_number(getattr(self, attr), f"{where}: field {attr!r}")
             if getattr(self, attr) > LONGEST_SECONDS:
                 raise ChainFormatError(
                     f"{where}: field {attr!r} is {getattr(self, attr)} s, longer than any "
@@ -68,7 +76,7 @@ class Stage:
                 )
         if self.refill_s is None:
             object.__setattr__(self, "refill_s", self.fwd_s)
-        _check_number(self.refill_s, f"{where}: field 'refill_s'")
+        check_number(self.refill_s, f"{where}: field 'refill_s'")
         for attr in ("fwd_s", "bwd_s", "refill_s"):
             if 0 < getattr(self, attr) < SHORTEST_SECONDS:
                 raise ChainFormatError(
@@ -88,27 +96,19 @@ class Stage:
         for attr in STAGE_BYTE_FIELDS:
             if attr != "bwd_tmp_bytes":
                 object.__setattr__(
-                    self, attr, _check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
+                    self, attr, check_bytes(getattr(self, attr), f"{where}: field {attr!r}")
                 )
         least = -self.saved_bytes
         object.__setattr__(
             self,
             "bwd_tmp_bytes",
-            _check_bytes(self.bwd_tmp_bytes, f"{where}: field 'bwd_tmp_bytes'", least),
+            check_bytes(self.bwd_tmp_bytes, f"{where}: field 'bwd_tmp_bytes'", least),
         )
         if self.saved_bytes < self.out_bytes:
             raise ChainFormatError(
                 f"{where}: field 'saved_bytes' ({self.saved_bytes}) is smaller than 'out_bytes' "
                 f"({self.out_bytes}); the saved set always contains the stage's output"
             )
-
-
-SLOWEST_LINK_BYTES_PER_S = 1.0
-"""Below one byte per second a copy of any activation takes longer than a solver can count."""
-
-FASTEST_LINK_BYTES_PER_S = 1e15
-"""A petabyte per second, far past any device's own memory: the MILPs' coefficients of copy
-time, bytes over rate in their unit of time, overflow to infinity from 1e300 B/s."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Link:
     def __post_init__(self) -> None:
         for attr in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
             value = getattr(self, attr)
-            _check_number(value, f"link: field {attr!r}")
+            check_number(value, f"link: field {attr!r}")
             if value < SLOWEST_LINK_BYTES_PER_S:
                 raise ChainFormatError(
                     f"link: field {attr!r} must be positive and at least "
@@ -158,17 +158,17 @@ class Chain:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "input_bytes", _check_bytes(self.input_bytes, "chain: field 'input_bytes'")
+            self, "input_bytes", check_bytes(self.input_bytes, "chain: field 'input_bytes'")
         )
         if self.input_grad_bytes is None:
             object.__setattr__(self, "input_grad_bytes", self.input_bytes)
         object.__setattr__(
             self,
             "input_grad_bytes",
-            _check_bytes(self.input_grad_bytes, "chain: field 'input_grad_bytes'"),
+            check_bytes(self.input_grad_bytes, "chain: field 'input_grad_bytes'"),
         )
         object.__setattr__(
-            self, "held_bytes", _check_bytes(self.held_bytes, "chain: field 'held_bytes'")
+            self, "held_bytes", check_bytes(self.held_bytes, "chain: field 'held_bytes'")
         )
         if not self.stages:
             raise ChainFormatError("chain: field 'stages' is empty; a chain needs a stage")
@@ -316,7 +316,7 @@ class Chain:
             if "name" in raw:
                 where = f"stage {index} ({raw['name']!r})"
             required = ("name", "fwd_s", "bwd_s", "out_bytes", "saved_bytes")
-            check_fields(raw, required, _STAGE_FIELDS, where, ChainFormatError)
+            check_fields(raw, required, STAGE_FIELDS, where, ChainFormatError)
             try:
                 stages.append(Stage(**raw))
             except ChainFormatError as error:
@@ -367,77 +367,3 @@ class Chain:
     def load(cls, path: str | Path) -> Chain:
         """Read a chain from a JSON file."""
         return cls.from_json(Path(path).read_text())
-
-
-LARGEST_BYTES = 2**50
-"""One pebibyte: no size, no chain's sizes added up and no budget is larger. So every peak and
-least budget a solver finds is a budget that can be asked for, and sums of sizes stay exact
-where a solver keeps them in floats (below 2**53)."""
-
-LONGEST_SECONDS = 1e9
-"""About 30 years: no stage's forward or backward takes longer, and sums of times stay far
-from overflowing."""
-
-SHORTEST_SECONDS = 1e-12
-"""A compute op takes at least this long in the simulator: a chain may say 0 s (a stage too
-quick to time), and ops that end when they start would share their instant with their
-neighbours, whose order within it then decides the peak. At a picosecond each op has its own
-instants, as the DP's and the MILP's memory models have them, and no predicted time moves
-visibly. A time between 0 and this is refused: no timer measures it, and the simulator
-would count the op a picosecond, far longer than the chain says."""
-
-STAGE_BYTE_FIELDS = (
-    "out_bytes",
-    "saved_bytes",
-    "fwd_tmp_bytes",
-    "bwd_tmp_bytes",
-    "nograd_fwd_tmp_bytes",
-    "grad_bytes",
-)
-"""The sizes a stage gives, in bytes."""
-
-_STAGE_FIELDS = {"name", "fwd_s", "bwd_s", "refill_s", *STAGE_BYTE_FIELDS}
-
-
-def _check_number(value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ChainFormatError(f"{where} must be a number, got {value!r}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        raise ChainFormatError(
-            f"{where} is too large, got a {len(str(value))}-digit number"
-        ) from None
-    if not finite:
-        raise ChainFormatError(f"{where} must be finite, got {value}")
-    if value < 0:
-        raise ChainFormatError(f"{where} must be non-negative, got {value}")
-
-
-def _check_bytes(value: Any, where: str, least: int = 0) -> int:
-    """The value as an int of bytes, at least ``least``; integral floats such as 1024.0 are
-    accepted."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ChainFormatError(f"{where} must be an integer number of bytes, got {value!r}")
-    if value < least:
-        bound = "non-negative" if least == 0 else f"at least {least} (minus the saved set)"
-        raise ChainFormatError(f"{where} must be {bound}, got {value}")
-    if value > LARGEST_BYTES:
-        raise ChainFormatError(
-            f"{where} is {shown_number(value)} bytes, more than any device holds (at most "
-            f"{LARGEST_BYTES}): give sizes in bytes"
-        )
-    return value
-
-
-def shown_number(value: int | float) -> str:
-    """A number for a message: an integer of up to 20 digits whole, else ``1.2e+21``, or
-    ``about 1e400`` past a float's range."""
-    if isinstance(value, int) and abs(value) < 10**20:
-        return str(value)
-    try:
-        return f"{value:.3g}"
-    except OverflowError:
-        return f"about 1e{len(str(abs(int(value)))) - 1}"

@@ -23,7 +23,8 @@ from typing import Any
 
 from solvers.bounds import MEETS_BOUND, lower_bound_s
 from solvers.budget import InfeasibleBudgetError
-from solvers.chain import Chain, ChainFormatError
+from solvers.chain import Chain
+from solvers.chain_limits import ChainFormatError
 from solvers.coarsen import balanced_groups, coarsen, expand
 from solvers.dp import DEFAULT_SLOTS, memory_need
 from solvers.frozen import least_budget, with_frozen_prefix

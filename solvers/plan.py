@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from solvers import semantics
-from solvers.chain import LARGEST_BYTES, Chain, shown_number
+from solvers.chain import Chain
+from solvers.chain_limits import LARGEST_BYTES, shown_number
 from solvers.json_text import check_fields, non_finite_at, parse_json
 from solvers.ops import (
     ACTIVATION,

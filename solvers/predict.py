@@ -45,7 +45,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from solvers.chain import STAGE_BYTE_FIELDS, Chain, Stage
+from solvers.chain import Chain, Stage
+from solvers.chain_limits import STAGE_BYTE_FIELDS
 
 MIN_POINTS = 2
 """Profiled sizes needed before predicting between them: two points determine a line."""

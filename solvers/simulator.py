@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solvers.chain import SHORTEST_SECONDS, Chain
+from solvers.chain import Chain
+from solvers.chain_limits import SHORTEST_SECONDS
 from solvers.host import HostAction, OpTimes, host_actions
 from solvers.plan import (
     BACKWARD,

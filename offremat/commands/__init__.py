@@ -17,7 +17,8 @@ from typing import Any
 
 from offremat import examples
 from solvers.budget import parse_bandwidth, parse_budget
-from solvers.chain import Chain, ChainFormatError, Link
+from solvers.chain import Chain, Link
+from solvers.chain_limits import ChainFormatError
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak
 
