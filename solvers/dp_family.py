@@ -10,10 +10,11 @@ a baseline that fits to the byte, and so can the least-memory plan.
 
 from __future__ import annotations
 
+import functools
+
 from solvers.baselines import checkpoint_sequential_plan, min_peak
 from solvers.chain import Chain
 from solvers.plan import Plan
-from solvers.semantics import duration_s, refills
 from solvers.simulator import score
 
 MARGIN = 1e-9
@@ -28,28 +29,30 @@ def family_baselines(chain: Chain) -> list[Plan]:
     return [min_peak(chain)] + [checkpoint_sequential_plan(chain, count) for count in counts]
 
 
-def compute_time_s(plan: Plan, chain: Chain) -> float:
-    """The time of a recompute-only plan: one compute stream that never waits, so the sum of
-    its operations' durations (what the simulator replays, without its bookkeeping)."""
-    refilled = refills(plan.ops)
-    return sum(duration_s(op, chain, n in refilled) for n, op in enumerate(plan.ops))
-
-
 def fastest_fitting(plan: Plan, chain: Chain, budget_bytes: int) -> Plan:
     """``plan`` (scored), or the fastest of :func:`family_baselines` that fits ``budget_bytes``
-    where one is faster, as a dp plan whose ``info`` names it and the DP's own time."""
+    where one is faster, as a dp plan whose ``info`` names it and the DP's own time. A plan of
+    the DP in exact bytes is the family's fastest already, and is returned as it is."""
     plan = score(plan, chain, budget_bytes)
     own = plan.predicted_time_s
     assert own is not None
-    # Only a baseline faster than the DP's plan needs the simulator, fastest first.
-    timed = [(compute_time_s(candidate, chain), candidate) for candidate in family_baselines(chain)]
-    faster = sorted(
-        (item for item in timed if item[0] < own * (1 - MARGIN)), key=lambda item: item[0]
-    )
-    for _, candidate in faster:
-        scored = score(candidate, chain, budget_bytes)
-        if scored.feasible and scored.predicted_time_s < own * (1 - MARGIN):
+    if plan.info.get("exact"):
+        return plan
+    for time_s, peak_bytes, candidate in _scored_baselines(chain):
+        if time_s >= own * (1 - MARGIN):
+            break
+        if peak_bytes <= budget_bytes:
             info = {**candidate.info, "baseline": candidate.solver, "dp_plan_time_s": own}
             chosen = Plan(candidate.ops, chain.stage_names, "dp", chain_name=chain.name, info=info)
             return score(chosen, chain, budget_bytes)
     return plan
+
+
+@functools.lru_cache(maxsize=8)
+def _scored_baselines(chain: Chain) -> tuple[tuple[float, int, Plan], ...]:
+    """Each of :func:`family_baselines` with its simulated time and peak, fastest first: they
+    do not depend on the budget, and a sweep or the MILP's warm starts solve many budgets of
+    one chain."""
+    scored = [score(candidate, chain, None) for candidate in family_baselines(chain)]
+    figures = [(p.predicted_time_s, p.predicted_peak_bytes, p) for p in scored]
+    return tuple(sorted(figures, key=lambda item: item[0]))
