@@ -179,23 +179,25 @@ def record_calls(
 
 def checkpointed_by_caller(module: nn.Module) -> bool:
     """Whether the code that called ``module`` wrapped the call in ``torch.utils.checkpoint``
-    (``h = checkpoint(block, h)`` in a model's loop), called from the module's forward
-    pre-hook.
+    (``h = checkpoint(block, h)`` in a model's loop, or through a closure, a lambda or a
+    method that calls blocks), called from the module's forward pre-hook.
 
     Such checkpointing is the caller's, and a chain's stage calls the block itself, without
     it. Checkpointing inside the module's own call (Hugging Face's
     ``GradientCheckpointingLayer``) stays with the block: the first frame outside torch
-    above the checkpoint's is then a method of the module itself.
+    above the checkpoint's is then a method of the module itself. The walk ends at the
+    recorder's own frame, :func:`record_calls`, which runs the model.
     """
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:  # the recorder's hooks
         frame = frame.f_back
     through_checkpoint = False
-    while frame is not None:
+    while frame is not None and frame.f_code.co_filename != __file__:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR):
-            return through_checkpoint and frame.f_locals.get("self") is not module
-        through_checkpoint = through_checkpoint or filename == _CHECKPOINT_FILE
+        if filename == _CHECKPOINT_FILE:
+            through_checkpoint = True
+        elif through_checkpoint and not filename.startswith(_TORCH_DIR):
+            return frame.f_locals.get("self") is not module
         frame = frame.f_back
     return False
 

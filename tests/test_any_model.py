@@ -619,8 +619,49 @@ class StateOnlyBlocksCheckpointed(zoo.StateOnlyNet):
         return self.head(h)
 
 
+class CheckpointsThroughAClosure(CheckpointsItsBlocks):
+    """Older Hugging Face models' form: checkpoint(create_custom_forward(layer), ...)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = self.scale * 0.5
+        for block in self.blocks:
+
+            def custom_forward(*inputs, block=block):
+                return block(*inputs)
+
+            h = torch.utils.checkpoint.checkpoint(
+                custom_forward, h, scale, use_reentrant=self.use_reentrant
+            )
+        return self.head(h)
+
+
+class CheckpointsPairsOfBlocks(CheckpointsItsBlocks):
+    """A hand-written checkpoint_sequential: a method that runs two blocks, checkpointed."""
+
+    def pair(self, h: torch.Tensor, scale: torch.Tensor, first: int) -> torch.Tensor:
+        return self.blocks[first + 1](self.blocks[first](h, scale), scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        scale = self.scale * 0.5
+        for first in range(0, len(self.blocks), 2):
+            h = torch.utils.checkpoint.checkpoint(
+                self.pair, h, scale, first, use_reentrant=self.use_reentrant
+            )
+        return self.head(h)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize("model_class", [CheckpointsItsBlocks, StateOnlyBlocksCheckpointed])
+@pytest.mark.parametrize(
+    "model_class",
+    [
+        CheckpointsItsBlocks,
+        StateOnlyBlocksCheckpointed,
+        CheckpointsThroughAClosure,
+        CheckpointsPairsOfBlocks,
+    ],
+)
 def test_a_models_own_checkpointing_of_its_blocks_is_refused(model_class, use_reentrant) -> None:
     # The stages call the blocks themselves: the model's checkpoint around each call would be
     # gone (and with it the peak a fraction of keep-all was meant to be taken of), or wrap the
