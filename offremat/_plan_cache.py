@@ -233,6 +233,9 @@ def _code(function: Any) -> str:
     with contextlib.suppress(ValueError):  # a cycle of __wrapped__
         function = inspect.unwrap(function)
     code = getattr(function, "__code__", None)
+    if code is None:
+        call = inspect.getattr_static(type(function), "__call__", None)
+        code = getattr(call, "__code__", None)  # a callable object: its class's __call__
     if code is None:  # a builtin or a wrapper without one
         return type(function).__qualname__
     return hashlib.sha256(_code_text(code).encode()).hexdigest()[:16]

@@ -382,6 +382,16 @@ def _keep_last(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
     module.last = output  # logging code keeping each block's activation
 
 
+class _Keeps:
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module.last = output
+
+
+class _Counts:
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        module.calls = getattr(module, "calls", 0) + 1
+
+
 def test_a_cached_plan_is_not_read_for_a_model_with_other_hooks(tmp_path) -> None:
     # A forward hook that keeps an activation changes what a step holds: a plan cached
     # without it must not be read with it (its first step measured 1.28 times its budget).
@@ -396,6 +406,11 @@ def test_a_cached_plan_is_not_read_for_a_model_with_other_hooks(tmp_path) -> Non
 
     assert model_fingerprint(hooked(None)) != model_fingerprint(hooked(_keep_last))
     assert model_fingerprint(hooked(_keep_last)) == model_fingerprint(hooked(_keep_last))
+    # A callable object is known by its class's __call__ (here two classes of one name, as
+    # one class before and after an edit): keeping or not is in the key.
+    keeps = type("Hook", (), {"__call__": _Keeps.__call__})
+    counts = type("Hook", (), {"__call__": _Counts.__call__})
+    assert model_fingerprint(hooked(keeps())) != model_fingerprint(hooked(counts()))
     x = torch.randn(32, 64)
     offremat.optimize(hooked(None), x, budget=0.6, cache_dir=tmp_path)
     om = offremat.optimize(hooked(_keep_last), x, budget=0.6, cache_dir=tmp_path)
