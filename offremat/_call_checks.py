@@ -74,12 +74,13 @@ def refuse_other_attention(planned: tuple[bool, ...], now: tuple[bool, ...]) -> 
 def refuse_compiled_model(model: Any) -> None:
     """Refuse ``optimize(torch.compile(model))``: the step calls the model's blocks itself,
     so the whole-model graph would never run, and the compile would be silently lost."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None  # .compile()
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or compiled_in_place:
         raise TypeError(
             "offremat.optimize was given a torch.compile'd model; its training step runs the "
             "model's blocks itself, so that compiled graph would never run. Pass the model "
-            "(compiled._orig_mod) and compile its blocks instead: "
-            "`for block in blocks: block.compile()`"
+            "uncompiled (compiled._orig_mod, or without model.compile()) and compile its "
+            "blocks instead: `for block in blocks: block.compile()`"
         )
 
 

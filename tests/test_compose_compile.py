@@ -143,3 +143,9 @@ def test_a_compiled_model_given_to_optimize_is_refused_saying_to_compile_the_blo
     model = build_gpt(config)
     with pytest.raises(TypeError, match=r"block\.compile\(\)"):
         offremat.optimize(torch.compile(model, backend="eager"), gpt_batch(config, 2), budget=1.0)
+    model.compile(backend="eager")  # in place: the module's own call compiled
+    try:
+        with pytest.raises(TypeError, match=r"block\.compile\(\)"):
+            offremat.optimize(model, gpt_batch(config, 2), budget=1.0)
+    finally:
+        torch._dynamo.reset()
