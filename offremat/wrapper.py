@@ -162,8 +162,10 @@ class OptimizedModule(nn.Module):
                 now = AutocastState.capture(planned.device_type)
                 if not planned.runs_as(now):
                     refuse_autocast(planned, now)
-            if (kernels := attention_kernels()) != self._attention:
-                refuse_other_attention(self._attention, kernels)
+            # A model pickled before the kernels were recorded has no record: not checked.
+            planned_kernels = self.__dict__.get("_attention")
+            if planned_kernels is not None and (kernels := attention_kernels()) != planned_kernels:
+                refuse_other_attention(planned_kernels, kernels)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
