@@ -36,6 +36,13 @@ from torch import nn
 
 from offremat._block_values import cache_in, hidden_output, side_inputs_of
 from offremat._blocks import NotAChainError
+from offremat._discover_refusals import (
+    end_of,
+    position_of,
+    refuse_callers_checkpoint,
+    refuse_other_readers,
+    refuse_random_runs,
+)
 from offremat._record import RecordedCall, capture_call, record_calls
 from offremat._tensors import Structure, same_structure
 
@@ -113,7 +120,7 @@ def find_block_run(
 ) -> BlockRun:
     """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
     records, returned = record_calls(model, run_model)
-    # Run again, the random generators moved on: see _refuse_random_runs.
+    # Run again, the random generators moved on: see refuse_random_runs.
     again, _ = record_calls(model, run_model)
     if blocks is not None:
         container = _container(model, blocks)
@@ -142,9 +149,9 @@ def find_block_run(
         starts = [k for k, r in enumerate(prefix) if r.output in returned]
         prefix = prefix[starts[-1] + 1 :] if starts else prefix
     members = [*prefix, *best, *suffix]
-    _refuse_random_runs(model, best, records, again)
-    _refuse_other_readers(records, members)
-    _refuse_callers_checkpoint(members)
+    refuse_random_runs(model, best, records, again)
+    refuse_other_readers(records, members)
+    refuse_callers_checkpoint(members)
     added = {id(r) for r in (*prefix, *suffix)}
     calls = tuple(
         BlockCall(
@@ -189,80 +196,6 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
     return (hidden, *side)
 
 
-def _refuse_random_runs(
-    model: nn.Module,
-    run: list[RecordedCall],
-    records: list[RecordedCall],
-    again: list[RecordedCall],
-) -> None:
-    """Refuse blocks that another call on the same batch runs otherwise: a model that skips
-    blocks at random (LayerDrop) would be planned as a chain of one draw's blocks. The calls
-    compared are those of the modules beside the run's blocks in their containers; calls
-    inside a block may differ (the experts a router picks)."""
-    containers = {_parent(r.path) for r in run}
-    first = [r.path for r in records if _parent(r.path) in containers]
-    second = [r.path for r in again if _parent(r.path) in containers]
-    if first != second:
-        differ = next(
-            (a for a, b in zip(first, second, strict=False) if a != b), (first + second)[-1]
-        )
-        raise NotAChainError(
-            f"{type(model).__name__} ran another sequence of blocks when called again on the "
-            f"same batch (the two runs part at {differ}): a model whose run of blocks depends "
-            "on random draws (LayerDrop, stochastic depth that skips a block) is no fixed "
-            "chain and cannot be planned; turn that off for training under offremat "
-            "(config.layerdrop = 0.0, say)"
-        )
-
-
-def _refuse_callers_checkpoint(members: list[RecordedCall]) -> None:
-    """Refuse blocks that the model's own code calls under ``torch.utils.checkpoint``: the
-    chain calls them itself, without it, so that checkpointing would be silently gone (and
-    a fraction of the keep-all peak would not be one of the model's own peak), while the
-    model's call of the checkpoint would wrap the planned step."""
-    checkpointed = [r.path for r in members if r.checkpointed]
-    if checkpointed:
-        where = checkpointed[0]
-        if len(checkpointed) > 1:
-            where += f" .. {checkpointed[-1]}"
-        raise NotAChainError(
-            f"the model calls {where} under torch.utils.checkpoint itself (a gradient "
-            "checkpointing flag of its own); offremat's plan decides what is recomputed, "
-            "and calls the blocks itself: turn the model's checkpointing off before "
-            "offremat.optimize (an older Hugging Face model: "
-            "model.gradient_checkpointing_disable())"
-        )
-
-
-def _parent(path: str) -> str:
-    return path.rpartition(".")[0]
-
-
-def _refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall]) -> None:
-    """Refuse a run whose intermediate states other calls read: the chain never hands them on.
-
-    Inside a training step the model sees each block return the chain's final state, so a
-    call outside the blocks that reads an intermediate one (a U-Net's skip) would read
-    another tensor.
-    """
-    produced = {r.output: r for r in members[:-1] if r.output is not None}
-    positions = {_index(records, member) for member in members}
-    inside: set[int] = set()
-    for start in positions:
-        inside.update(range(start, _after(records, records[start])))
-    for index, record in enumerate(records):
-        # The blocks' own calls, and the containers that hand the state on to them.
-        if index in inside or any(index < k < _after(records, record) for k in positions):
-            continue
-        for token in (record.hidden, *record.side[0]):
-            if token in produced:
-                raise NotAChainError(
-                    f"{record.path} reads {produced[token].path}'s output, which a chain does "
-                    "not keep for anything but the next block; name a run of blocks whose "
-                    "outputs only feed each other with blocks="
-                )
-
-
 def _no_values(structure: Structure) -> bool:
     """Whether side arguments hold nothing but empty containers."""
     if structure.kind == "value":
@@ -274,7 +207,7 @@ def _stem(records: list[RecordedCall], first: RecordedCall) -> list[RecordedCall
     """The calls before ``first`` that make its input, outermost first, each from the last."""
     chosen: list[RecordedCall] = []
     target = first.hidden
-    end = _index(records, first)
+    end = position_of(records, first)
     while target is not None:
         producers = [
             (-r.depth, k)
@@ -286,7 +219,7 @@ def _stem(records: list[RecordedCall], first: RecordedCall) -> list[RecordedCall
         # The outermost call, and of those the last: an in-place call returns its input.
         producer = records[max(producers)[1]]
         chosen.insert(0, producer)
-        end = _index(records, producer)
+        end = position_of(records, producer)
         target = producer.hidden
     while chosen and chosen[0].in_place:  # a chain input is never changed in place
         chosen.pop(0)
@@ -297,27 +230,15 @@ def _tail(records: list[RecordedCall], last: RecordedCall) -> list[RecordedCall]
     """The calls after ``last`` that take its output, each the previous one's."""
     chosen: list[RecordedCall] = []
     target = last.output
-    start = _after(records, last)
+    start = end_of(records, last)
     while target is not None:
         taker = next((r for r in records[start:] if r.state_only and r.hidden == target), None)
         if taker is None:
             break
         chosen.append(taker)
         target = taker.output
-        start = _after(records, taker)
+        start = end_of(records, taker)
     return chosen
-
-
-def _index(records: list[RecordedCall], record: RecordedCall) -> int:
-    return next(k for k, r in enumerate(records) if r is record)
-
-
-def _after(records: list[RecordedCall], record: RecordedCall) -> int:
-    """The index just past ``record`` and the calls made inside it."""
-    k = _index(records, record) + 1
-    while k < len(records) and records[k].depth > record.depth:
-        k += 1
-    return k
 
 
 def _container(model: nn.Module, path: str) -> nn.Module:

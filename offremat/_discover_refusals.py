@@ -1,0 +1,96 @@
+"""What ends the search for a chain in a model's recorded calls: the refusals of a run of
+blocks that a chain would not run as the model does (see :mod:`offremat._discover`), and the
+positions of calls in the record."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from offremat._blocks import NotAChainError
+from offremat._record import RecordedCall
+
+
+def refuse_random_runs(
+    model: nn.Module,
+    run: list[RecordedCall],
+    records: list[RecordedCall],
+    again: list[RecordedCall],
+) -> None:
+    """Refuse blocks that another call on the same batch runs otherwise: a model that skips
+    blocks at random (LayerDrop) would be planned as a chain of one draw's blocks. The calls
+    compared are those of the modules beside the run's blocks in their containers; calls
+    inside a block may differ (the experts a router picks)."""
+    containers = {_parent(r.path) for r in run}
+    first = [r.path for r in records if _parent(r.path) in containers]
+    second = [r.path for r in again if _parent(r.path) in containers]
+    if first != second:
+        differ = next(
+            (a for a, b in zip(first, second, strict=False) if a != b), (first + second)[-1]
+        )
+        raise NotAChainError(
+            f"{type(model).__name__} ran another sequence of blocks when called again on the "
+            f"same batch (the two runs part at {differ}): a model whose run of blocks depends "
+            "on random draws (LayerDrop, stochastic depth that skips a block) is no fixed "
+            "chain and cannot be planned; turn that off for training under offremat "
+            "(config.layerdrop = 0.0, say)"
+        )
+
+
+def refuse_callers_checkpoint(members: list[RecordedCall]) -> None:
+    """Refuse blocks that the model's own code calls under ``torch.utils.checkpoint``: the
+    chain calls them itself, without it, so that checkpointing would be silently gone (and
+    a fraction of the keep-all peak would not be one of the model's own peak), while the
+    model's call of the checkpoint would wrap the planned step."""
+    checkpointed = [r.path for r in members if r.checkpointed]
+    if checkpointed:
+        where = checkpointed[0]
+        if len(checkpointed) > 1:
+            where += f" .. {checkpointed[-1]}"
+        raise NotAChainError(
+            f"the model calls {where} under torch.utils.checkpoint itself (a gradient "
+            "checkpointing flag of its own); offremat's plan decides what is recomputed, "
+            "and calls the blocks itself: turn the model's checkpointing off before "
+            "offremat.optimize (an older Hugging Face model: "
+            "model.gradient_checkpointing_disable())"
+        )
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall]) -> None:
+    """Refuse a run whose intermediate states other calls read: the chain never hands them on.
+
+    Inside a training step the model sees each block return the chain's final state, so a
+    call outside the blocks that reads an intermediate one (a U-Net's skip) would read
+    another tensor.
+    """
+    produced = {r.output: r for r in members[:-1] if r.output is not None}
+    positions = {position_of(records, member) for member in members}
+    inside: set[int] = set()
+    for start in positions:
+        inside.update(range(start, end_of(records, records[start])))
+    for index, record in enumerate(records):
+        # The blocks' own calls, and the containers that hand the state on to them.
+        if index in inside or any(index < k < end_of(records, record) for k in positions):
+            continue
+        for token in (record.hidden, *record.side[0]):
+            if token in produced:
+                raise NotAChainError(
+                    f"{record.path} reads {produced[token].path}'s output, which a chain does "
+                    "not keep for anything but the next block; name a run of blocks whose "
+                    "outputs only feed each other with blocks="
+                )
+
+
+def position_of(records: list[RecordedCall], record: RecordedCall) -> int:
+    return next(k for k, r in enumerate(records) if r is record)
+
+
+def end_of(records: list[RecordedCall], record: RecordedCall) -> int:
+    """The index just past ``record`` and the calls made inside it."""
+    k = position_of(records, record) + 1
+    while k < len(records) and records[k].depth > record.depth:
+        k += 1
+    return k
