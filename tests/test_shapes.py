@@ -959,25 +959,26 @@ class GlobalHeadsBlock(nn.Module):
         return x + (scores @ v).transpose(1, 2).reshape(b, t, c)
 
 
+def global_heads_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
+
+
 def test_a_cached_plan_measured_over_its_budget_is_profiled_again(tmp_path, monkeypatch) -> None:
     """The key cannot see every setting (a module global here). A plan read from disk has its
     first step measured; over its budget, its shape is profiled at the next step."""
 
-    def build() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
-
     x = torch.randn(4, 32, 32)
-    budget = offremat.optimize(build(), x, budget=0.6).plan.budget_bytes
-    offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    budget = offremat.optimize(global_heads_model(), x, budget=0.6).plan.budget_bytes
+    offremat.optimize(global_heads_model(), x, budget=budget, cache_dir=tmp_path)
     # A plan read from disk that fits is kept, though its first step makes the gradients.
-    fresh = offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    fresh = offremat.optimize(global_heads_model(), x, budget=budget, cache_dir=tmp_path)
     for _ in range(2):
         fresh(x).sum().backward()
     assert fresh.cache_info()["misses"] == 0 and fresh.stats.measured_peak_bytes is None
     monkeypatch.setitem(globals(), "HEADS", 8)  # as if the file had been edited
     for switched in (False, True):
-        om = offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+        om = offremat.optimize(global_heads_model(), x, budget=budget, cache_dir=tmp_path)
         assert om.cache_info()["from_disk"] == 1
         om(x).sum().backward()
         assert om.stats.measured_peak_bytes > budget  # the stale plan's step, measured
@@ -996,15 +997,11 @@ def test_a_stale_keep_all_plan_read_from_disk_is_measured_and_profiled_again(
     """A keep-all plan runs as plain autograd, and its first step's forward is measured: a
     stale one (2.7 times its budget at every step, unseen) is planned again at the next."""
 
-    def build() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
-
     x = torch.randn(4, 32, 32)
-    budget = offremat.optimize(build(), x, budget=1.0).plan.budget_bytes
-    offremat.optimize(build(), x, budget=budget, cache_dir=tmp_path)
+    budget = offremat.optimize(global_heads_model(), x, budget=1.0).plan.budget_bytes
+    offremat.optimize(global_heads_model(), x, budget=budget, cache_dir=tmp_path)
     monkeypatch.setitem(globals(), "HEADS", 8)  # four times the scores, as if edited
-    model = build()
+    model = global_heads_model()
     om = offremat.optimize(model, x, budget=budget, cache_dir=tmp_path)
     assert om.cache_info()["from_disk"] == 1
     assert set(om.plan.decisions.values()) == {"keep"}
