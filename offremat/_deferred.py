@@ -48,7 +48,6 @@ from offremat._tensors import (
     storage_key,
     tensor_kind,
     version_of,
-    version_owner,
 )
 
 
@@ -65,8 +64,9 @@ class Placeholder:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.ref: TensorRef | None = None
-        self.kind = tensor_kind(tensor)
-        self.original = weakref.ref(version_owner(tensor))
+        # tensor_kind and version_owner, inlined: this runs for every saved tensor.
+        self.kind = (tensor.dtype, tensor.shape, tensor.device)
+        self.original = weakref.ref(tensor if tensor._base is None else tensor._base)
         self.version = version_of(tensor)
 
     @property
@@ -138,21 +138,21 @@ class DeferringPacker(SavedTensorPacker):
         packed = super().pack(tensor)
         if not isinstance(packed, Placeholder):
             self.slots.append(None)
-        self._arm()
+        if len(self.slots) == self.expected_packs and not self.changed_after_saving:
+            self._arm()
         return packed
 
-    def _hold(self, tensor: torch.Tensor) -> Any:
+    def _hold(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
         """A saved tensor the step would hold goes as a placeholder, filled by the refill."""
-        storage = tensor.untyped_storage()
-        self.saved.setdefault(storage._cdata, StorageWeakRef(storage))
+        if storage._cdata not in self.saved:
+            self.saved[storage._cdata] = StorageWeakRef(storage)
         placeholder = Placeholder(tensor)
         self.slots.append(placeholder)
         return placeholder
 
     def _arm(self) -> None:
-        if self.changed_after_saving:
-            return
-        if len(self.slots) == self.expected_packs and self.armed is None:
+        """Start the watch: the last tensor the stage saves is packed."""
+        if self.armed is None:
             self.armed = MutationWatch(self)
             self.armed.__enter__()
 
@@ -189,14 +189,33 @@ class MutationWatch(EagerDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         packer = self.packer
-        if packer.saved and not packer.changed_after_saving and func._schema.is_mutable:
-            for position, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is None or not argument.alias_info.is_write:
-                    continue
-                value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if packer.saved and not packer.changed_after_saving:
+            for position, name in written_arguments(func):
+                value = args[position] if position < len(args) else kwargs.get(name)
                 if isinstance(value, torch.Tensor) and storage_key(value) in packer.saved:
                     packer.changed_after_saving = True
         return func(*args, **kwargs)
+
+
+# Per operator, the positions and names of the arguments it writes to: read from its schema
+# once, for the watch sees every operation of the watched part of each forward.
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """The (position, name) of each argument that the operator ``func`` writes in place."""
+    found = _WRITTEN.get(func)
+    if found is None:
+        schema = func._schema
+        found = tuple(
+            (position, argument.name)
+            for position, argument in enumerate(schema.arguments)
+            if schema.is_mutable
+            and argument.alias_info is not None
+            and argument.alias_info.is_write
+        )
+        _WRITTEN[func] = found
+    return found
 
 
 class StopRecomputation(Exception):
@@ -236,7 +255,7 @@ class Refill:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
         self.position += 1
         if slot is not None:
-            if tensor_kind(tensor) != slot.kind:
+            if (tensor.dtype, tensor.shape, tensor.device) != slot.kind:  # tensor_kind
                 raise self.mismatch(slot.kind, tensor)
             ref = TensorRef(tensor.detach(), original=tensor)
             slot.ref = ref

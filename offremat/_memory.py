@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 
 from offremat._host import CudaStreams, HostArena
-from offremat._tensors import byte_view, storage_key, tensor_over, version_of, version_owner
+from offremat._tensors import byte_view, storage_key, tensor_over, version_of
 
 
 class TensorRef:
@@ -54,45 +54,59 @@ class TensorRef:
 
     ``original`` is a weak reference to the tensor as autograd or the stage produced it (to
     its base, if a view: :func:`offremat._tensors.version_owner`), so an in-place change made
-    through it after an offload is still seen.
+    through it after an offload is still seen. The layout a rebuild needs (offset, strides,
+    the lazy conjugate and negative bits) is read only when the step lets go of the tensor for
+    an offload (:meth:`release`): most references are never rebuilt, and a step makes a few
+    hundred of them.
     """
 
     __slots__ = (
-        "conj",
         "dtype",
-        "neg",
-        "offset",
+        "layout",
         "original",
         "rebuilt",
         "record",
         "size",
-        "stride",
         "taken",
         "tensor",
         "version",
     )
 
     def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
+        owner = tensor if original is None else original
+        if owner._base is not None:  # version_owner, inlined: this runs per saved tensor
+            owner = owner._base
         self.tensor: torch.Tensor | None = tensor
-        self.original = weakref.ref(version_owner(tensor if original is None else original))
+        self.original = weakref.ref(owner)
         self.version = version_of(tensor)
         self.dtype = tensor.dtype
-        self.offset = tensor.storage_offset()
-        self.size = tuple(tensor.size())
-        self.stride = tuple(tensor.stride())
-        self.conj = tensor.is_conj()
-        self.neg = tensor.is_neg()
+        self.size = tensor.shape
+        self.layout: tuple[int, tuple[int, ...], bool, bool] | None = None
         self.record: StorageRecord | None = None
         self.rebuilt = False
         self.taken = False
+
+    def release(self) -> None:
+        """Let go of the tensor, keeping what rebuilding it over another storage needs."""
+        tensor = self.tensor
+        if tensor is not None:
+            if self.layout is None:
+                self.layout = (
+                    tensor.storage_offset(),
+                    tuple(tensor.stride()),
+                    tensor.is_conj(),
+                    tensor.is_neg(),
+                )
+            self.tensor = None
 
     def get(self) -> torch.Tensor:
         """The tensor, over the storage resident now."""
         if self.tensor is None:
             assert self.record is not None and self.record.storage is not None
-            storage = self.record.storage
+            assert self.layout is not None, "a tensor let go without release() is not rebuilt"
+            offset, stride, conj, neg = self.layout
             self.tensor = tensor_over(
-                storage, self.dtype, self.offset, self.size, self.stride, self.conj, self.neg
+                self.record.storage, self.dtype, offset, tuple(self.size), stride, conj, neg
             )
             self.rebuilt = True
         return self.tensor
@@ -372,7 +386,7 @@ class Residency:
         if record.movable:
             record.storage = None
             for ref in record.refs:
-                ref.tensor = None
+                ref.release()
             record.on_device = False
             self.live_bytes -= record.nbytes
             del self.records[record.key]

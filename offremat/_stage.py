@@ -208,9 +208,10 @@ class SavedTensorPacker:
     def pack(self, tensor: torch.Tensor) -> Any:
         """Describe input aliases; hold the rest through a :class:`TensorRef`."""
         try:
-            key = storage_key(tensor)
+            storage = tensor.untyped_storage()
         except NotImplementedError as error:  # a sparse tensor: no storage to count or move
             raise storageless_tensor_error(self.stage, tensor) from error
+        key = storage._cdata  # storage_key, inlined: this runs for every saved tensor
         index = self.input_of_storage.get(key)
         if index is not None:
             return InputView(
@@ -224,12 +225,12 @@ class SavedTensorPacker:
                 tensor.is_conj(),
                 tensor.is_neg(),
             )
-        if key not in self.excluded and tensor.untyped_storage().nbytes() > 0:
-            return self._hold(tensor)
+        if key not in self.excluded and storage.nbytes() > 0:
+            return self._hold(tensor, storage)
         return _alias(tensor)
 
-    def _hold(self, tensor: torch.Tensor) -> Any:
-        """Pack a tensor of the saved set, which the step holds."""
+    def _hold(self, tensor: torch.Tensor, storage: torch.UntypedStorage) -> Any:
+        """Pack a tensor of the saved set (over ``storage``), which the step holds."""
         ref = _alias(tensor)
         self.refs.append(ref)
         return ref

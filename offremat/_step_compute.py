@@ -8,7 +8,7 @@ plan's tensors as the step holds it.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 
 import torch
@@ -142,13 +142,7 @@ class Compute:
                 _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
-                stack.enter_context(self._registered(i))
-                # The copies of the statistics and buffers a recomputation runs against are
-                # saved like activations: a kept F_ck or F_none graph lets them go, and its
-                # refill makes them again (see _stage and _buffers).
-                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                stack.enter_context(self._replayed_buffers(i, name))
-                stack.enter_context(self._replayed_attributes(i, refill=False))
+                self._enter_replay(stack, i, name, refill=False)
             for state in self.autocast:
                 state.enter(stack)
             # F_ck and F_none keep their graph without its saved tensors (see _deferred).
@@ -238,29 +232,26 @@ class Compute:
             upstream and is_differentiable(t) and storage_key(t) not in constant for t in outputs
         ]
 
-    def _registered(self, i: int) -> AbstractContextManager[None]:
-        """The context of a recomputation of stage i: the parameters and buffers its first
-        forward used (``torch.func.functional_call`` puts the module's own back before the
-        backward). Entered before the others, which read the modules' buffers."""
+    def _enter_replay(self, stack: ExitStack, i: int, name: str, refill: bool) -> None:
+        """Enter the context of a recomputation of stage i, in this order: the parameters and
+        buffers its first forward used (``torch.func.functional_call`` puts the module's own
+        back before the backward), which the others read; copies of its moving norms'
+        running statistics and of its buffers as its first forward found them (its parameters
+        as that forward used them, else refused); its modules' attributes as that forward
+        found them (see offremat._buffers). The copies are saved like activations: a kept
+        F_ck or F_none graph lets them go, and its refill makes them again (see _stage)."""
         first_forward = self.first_forwards.get(i)
-        return nullcontext() if first_forward is None else reinstated(first_forward.registered)
-
-    def _replayed_buffers(self, i: int, name: str) -> AbstractContextManager[list[torch.Tensor]]:
-        """The context of a recomputation of stage i: its buffers as its first forward found
-        them, its parameters as that forward used them (else refused)."""
-        first_forward = self.first_forwards.get(i)
-        if first_forward is None:
-            return replayed_buffers({})
-        first_forward.check_recomputable(name)
-        return replayed_buffers(first_forward.copies)
-
-    def _replayed_attributes(self, i: int, refill: bool) -> AbstractContextManager[None]:
-        """The context of a recomputation of stage i: its modules' attributes as its first
-        forward found them (see offremat._buffers)."""
-        first_forward = self.first_forwards.get(i)
+        if first_forward is not None:
+            stack.enter_context(reinstated(first_forward.registered))
+        if self.norms[i - 1]:
+            stack.enter_context(frozen_running_stats(self.norms[i - 1]))
+        if first_forward is not None:
+            first_forward.check_recomputable(name)
+            if first_forward.copies:
+                stack.enter_context(replayed_buffers(first_forward.copies))
         modules = self.modules[i - 1]
         seen = attribute_values(modules) if first_forward is None else first_forward.attributes
-        return replayed_attributes(seen, refill)
+        stack.enter_context(replayed_attributes(seen, refill))
 
     def _refill(self, i: int) -> None:
         """F_all(i) right before B(i), on the graph an earlier forward kept: see _deferred."""
@@ -277,10 +268,7 @@ class Compute:
                 _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
-                stack.enter_context(self._registered(i))
-                stack.enter_context(frozen_running_stats(self.norms[i - 1]))
-                stack.enter_context(self._replayed_buffers(i, name))
-                stack.enter_context(self._replayed_attributes(i, refill=True))
+                self._enter_replay(stack, i, name, refill=True)
                 for state in self.autocast:
                     state.enter(stack)
                 stack.enter_context(torch.enable_grad())
