@@ -112,7 +112,9 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
     hooks (one that logs activations keeps them, which the profile measures) and the
     implementations its ``config`` picks (a Hugging Face model's attention
     implementation, which decides what attention saves); and each module's training
-    flag. Not buffers: one may follow the input's shape (a mask cached for the last
+    flag; and a Hugging Face layer's ``gradient_checkpointing`` flag, which
+    ``gradient_checkpointing_disable`` clears alone (the profile measured what checkpointing
+    saves). Not buffers: one may follow the input's shape (a mask cached for the last
     length), which each shape's own plan covers."""
     modules, modes = [], []
     configs: set[int] = set()
@@ -120,6 +122,9 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
         for module in stage.modules():
             modes.append(module.training)
             modules.append(type(module))
+            checkpointing = module.__dict__.get("gradient_checkpointing")
+            if checkpointing is not None:
+                modules.append(("gradient_checkpointing", checkpointing))
             modules.extend(
                 (p.shape, p.dtype, p.device, p.requires_grad)
                 for p in module._parameters.values()
