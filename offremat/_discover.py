@@ -149,6 +149,8 @@ def find_block_run(
         starts = [k for k, r in enumerate(prefix) if r.output in returned]
         prefix = prefix[starts[-1] + 1 :] if starts else prefix
     members = [*prefix, *best, *suffix]
+    if blocks is None:
+        _warn_of_a_partial_run(by_type[type(first.module)], members)
     refuse_random_runs(model, best, records, again)
     refuse_other_readers(records, members)
     refuse_callers_checkpoint(members)
@@ -314,6 +316,31 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
             "attention); every block of a chain takes the same ones"
         )
     return None
+
+
+def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:
+    """Say so when the chain leaves out calls of its block type: they run outside the chain
+    and keep all their activations, which no budget can change."""
+    inside = [k for k, record in enumerate(group) if any(record is m for m in members)]
+    if len(inside) == len(group):
+        return
+    first, last = inside[0], inside[-1]
+    # The break next to the chain: before its first block, else after its last.
+    previous, record = (group[first - 1], group[first]) if first else group[last : last + 2]
+    logger.warning(
+        "the chain holds %d of the model's %d calls of %s (%s .. %s): the run breaks "
+        "between %s and %s, where %s. The calls outside the chain keep all their "
+        "activations. Name the container of the blocks you mean with blocks= to plan those "
+        "instead",
+        len(inside),
+        len(group),
+        type(record.module).__name__,
+        group[first].path,
+        group[last].path,
+        previous.path,
+        record.path,
+        _break(previous, record),
+    )
 
 
 def _preference(run: list[RecordedCall]) -> tuple[bool, int, int]:

@@ -387,6 +387,33 @@ def test_a_named_container_that_is_no_chain_says_what_breaks_it(per_layer, why) 
         offremat.optimize(model, x, budget=1.0, blocks="blocks")
 
 
+class _LastBlockScaled(_AuxModel):
+    """Blocks of one type, the last called with an argument of its own (as a model whose
+    every third layer attends globally): a chain of the first two."""
+
+    def __init__(self) -> None:
+        super().__init__(per_layer=True)
+
+    def forward(self, x):
+        for block in self.blocks[:2]:
+            x = block(x)
+        return self.blocks[2](x, scale=2.0).pow(2).mean()
+
+
+def test_a_chain_of_part_of_the_blocks_says_where_the_run_breaks(caplog) -> None:
+    with caplog.at_level("WARNING", logger="offremat"):
+        om = offremat.optimize(_LastBlockScaled(), torch.randn(8, 16), budget=1.0)
+    assert [stage.name for stage in om.chain.stages[:2]] == ["blocks.0", "blocks.1"]
+    assert "the chain holds 2 of the model's 3 calls of _AuxBlock (blocks.0 .. blocks.1)" in (
+        caplog.text
+    )
+    assert "between blocks.1 and blocks.2, where blocks.2 takes other side" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offremat"):
+        offremat.optimize(zoo.ResidualNet(depth=3), torch.randn(8, 16), budget=1.0)
+    assert "the chain holds" not in caplog.text
+
+
 class _KeywordStateModel(_AuxModel):
     """Blocks handed their state under a keyword of their own (``block(x=h)``)."""
 
