@@ -40,6 +40,7 @@ from offremat._discover_refusals import (
     end_of,
     position_of,
     refuse_callers_checkpoint,
+    refuse_layer_drop,
     refuse_other_readers,
     refuse_random_runs,
 )
@@ -151,6 +152,7 @@ def find_block_run(
     members = [*prefix, *best, *suffix]
     if blocks is None:
         _warn_of_a_partial_run(by_type[type(first.module)], members)
+    refuse_layer_drop(model, best)
     refuse_random_runs(model, best, records, again)
     refuse_other_readers(records, members)
     refuse_callers_checkpoint(members)

@@ -457,6 +457,36 @@ def test_blocks_skipped_at_random_are_refused_when_optimized() -> None:
         offremat.optimize(LayerDropNet(), torch.randn(4, 16), budget=0.5)
 
 
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_hugging_face_layerdrop_is_refused_by_its_setting_whatever_the_draw(seed) -> None:
+    # Refused before by whichever check one draw tripped first, three messages, one of
+    # which named no random draw.
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 4),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        num_labels=4,
+        layerdrop=0.1,
+        mask_time_prob=0.0,
+    )
+    model = Wav2Vec2ForSequenceClassification(config).train()
+    batch = {"input_values": torch.randn(4, 1600), "labels": torch.tensor([0, 1, 2, 3])}
+    torch.manual_seed(seed)
+    with pytest.raises(offremat.NotAChainError, match=r"at random in training \(layerdrop=0.1\)"):
+        offremat.optimize(model, batch, budget=0.7)
+    config.layerdrop = 0.0
+    assert offremat.optimize(model, batch, budget=1.0).chain.length == 6
+
+
 class ResidualBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
