@@ -38,23 +38,69 @@ def side_inputs_of(
     return hidden, (safe_args, safe_kwargs)
 
 
-def hidden_of(output: Any, path: str) -> torch.Tensor:
-    """The hidden state a block returned; refuse other tensors, which the chain cannot carry."""
+def hidden_of(output: Any, path: str, expected: Structure) -> torch.Tensor:
+    """The hidden state a block returned (its first tensor), the structure of its output
+    checked against the one it had when the chain was found (``expected``)."""
     tensors, _ = flatten(output)
     if not tensors or not isinstance(tensors[0], torch.Tensor):
         raise NotAChainError(f"block {path} returned no tensor: a block must return its output")
-    if len(tensors) > 1:
+    if len(tensors) != _tensor_count(expected):
         raise NotAChainError(
-            f"block {path} returned {len(tensors)} tensors (attention weights or a cache, say); "
-            "offremat chains blocks that return their hidden state alone: call the model "
+            f"block {path} returned {len(tensors)} tensors where it returned "
+            f"{_tensor_count(expected)} when the chain was found (attention weights or a "
+            "cache, say): offremat hands on a block's hidden state alone; call the model "
             "without output_attentions and with use_cache=False"
         )
     return tensors[0]
 
 
-def block_output(output: Structure, hidden: torch.Tensor) -> Any:
-    """What a block whose output has structure ``output`` returns, with ``hidden`` in it."""
-    return unflatten([hidden], output)
+def block_output(output: Structure, hidden: torch.Tensor, path: str) -> Any:
+    """What the block at ``path``, whose output has structure ``output``, returns to the
+    model: ``hidden`` in its place, and in place of its other tensors, which the chain
+    drops, :class:`Dropped` stand-ins."""
+    count = _tensor_count(output)
+    dropped = [Dropped.of(path, k + 2, count) for k in range(count - 1)]
+    return unflatten([hidden, *dropped], output)
+
+
+class Dropped(torch.Tensor):
+    """What the model gets for a block's output other than its hidden state (the attention
+    weights a layer returns whether asked for or not), which the chain does not keep: found
+    unread when the chain was found, any use raises, rather than compute with a stand-in."""
+
+    path: str
+    position: int
+    count: int
+
+    @staticmethod
+    def of(path: str, position: int, count: int) -> Dropped:
+        dropped = torch.Tensor._make_subclass(Dropped, torch.empty(0))
+        dropped.path, dropped.position, dropped.count = path, position, count
+        return dropped
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        dropped = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Dropped))
+        # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
+        # operators such as +, and the message would be lost.
+        raise DroppedOutputError(
+            f"the model used output {dropped.position} of the {dropped.count} tensors "
+            f"{dropped.path} returns ({getattr(func, '__name__', func)}), which offremat does "
+            "not keep: the chain hands on each block's hidden state alone. A block must return "
+            "its hidden state alone, or other tensors the model drops (attention weights it "
+            "did not ask for); an auxiliary loss must come from the blocks' outputs"
+        )
+
+
+class DroppedOutputError(RuntimeError):
+    """A use of a block output that the chain drops (see :class:`Dropped`)."""
+
+
+def hidden_output(output: Structure) -> Structure:
+    """A block's output structure, checked to hold a tensor (the first is the hidden state)."""
+    if _tensor_count(output) == 0:
+        raise NotAChainError("the blocks return no tensor; a block must return its output")
+    return output
 
 
 def _safe_value(value: Any, name: str, path: str) -> Any:
@@ -86,18 +132,6 @@ def _is_kv_cache(value: Any) -> bool:
         cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
         for cls in type(value).__mro__
     )
-
-
-def hidden_output(output: Structure) -> Structure:
-    """A block's output structure, checked to hold the hidden state as its only tensor."""
-    count = _tensor_count(output)
-    if count != 1:
-        raise NotAChainError(
-            f"the blocks return {count} tensors; offremat chains blocks that return their "
-            "hidden state alone: call the model without output_attentions and with "
-            "use_cache=False"
-        )
-    return output
 
 
 def _tensor_count(structure: Structure) -> int:

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from offremat._blocks import chain_blocks, check_chain_output, check_device, refuse_own_hooks
+from offremat._block_values import DroppedOutputError
+from offremat._blocks import (
+    NotAChainError,
+    chain_blocks,
+    check_chain_output,
+    check_device,
+    refuse_own_hooks,
+)
 from offremat._call_checks import recorded_output_flags, refuse_kv_cache, refuse_recorded_outputs
 from offremat._discover import BlockRun, Call, call_of
 from offremat._model_chain import (
@@ -55,13 +62,16 @@ def build(
     refuse_recorded_outputs(model, recorded_output_flags(model), call.kwargs)
     refuse_kv_cache(call.args, call.kwargs)
     found = ModelChain.find(model, call, blocks)
-    chain, plan = request.example_plan(
-        call,
-        lambda: profile_model_chain(model, call, found, stages, bandwidth),
-        functools.partial(model_chain_stages, found),
-    )
-    modules = model_chain_stages(found, chain)
-    check_model_chain_output(model, call, found, modules)
+    try:  # the first runs of the model with its blocks as a chain
+        chain, plan = request.example_plan(
+            call,
+            lambda: profile_model_chain(model, call, found, stages, bandwidth),
+            functools.partial(model_chain_stages, found),
+        )
+        modules = model_chain_stages(found, chain)
+        check_model_chain_output(model, call, found, modules)
+    except DroppedOutputError as error:  # the model reads a block output the chain drops
+        raise NotAChainError(str(error)) from error
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -121,6 +121,7 @@ def find_block_run(
 ) -> BlockRun:
     """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
     records, returned = record_calls(model, run_model)
+    records = _extras_marked(records, returned)
     # Run again, the random generators moved on: see refuse_random_runs.
     again, _ = record_calls(model, run_model)
     if blocks is not None:
@@ -294,11 +295,12 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
     """Why ``record`` does not continue a chain after ``previous``, or None if it does."""
     if previous.depth != record.depth:
         return f"{record.path} is called at another depth of the model than {previous.path}"
-    if previous.output_tensors != 1:
+    if previous.extras_read:
         return (
-            f"{previous.path} returns {previous.output_tensors} tensors; a block must return "
-            "its hidden state alone (blocks that also return an auxiliary loss or a position "
-            "bias cannot be a chain)"
+            f"{previous.path} returns {previous.output_tensors} tensors, and the model reads "
+            "the others; a block must return its hidden state alone, or others the model "
+            "drops (blocks that also return an auxiliary loss or a position bias for the next "
+            "block cannot be a chain)"
         )
     if record.hidden is None or record.hidden != previous.output:
         rule = (
@@ -318,6 +320,25 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
             "attention); every block of a chain takes the same ones"
         )
     return None
+
+
+def _extras_marked(records: list[RecordedCall], returned: frozenset[int]) -> list[RecordedCall]:
+    """``records``, each that returns more than one tensor marked where the model returns one
+    of the others, or a call after it reads one (the calls inside it made them)."""
+    marked = []
+    for k, record in enumerate(records):
+        if record.extra_outputs:
+            extras = set(record.extra_outputs)
+            end = k + 1
+            while end < len(records) and records[end].depth > record.depth:
+                end += 1
+            read = not extras.isdisjoint(returned) or any(
+                later.hidden in extras or not extras.isdisjoint(later.side[0])
+                for later in records[end:]
+            )
+            record = replace(record, extras_read=read)
+        marked.append(record)
+    return marked
 
 
 def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:

@@ -52,12 +52,10 @@ from offremat._tensors import byte_view, storage_key, tensor_over, version_of
 class TensorRef:
     """One tensor the step holds, rebuilt over its storage's current device copy.
 
-    ``original`` is a weak reference to the tensor as autograd or the stage produced it (to
-    its base, if a view: :func:`offremat._tensors.version_owner`), so an in-place change made
-    through it after an offload is still seen. The layout a rebuild needs (offset, strides,
-    the lazy conjugate and negative bits) is read only when the step lets go of the tensor for
-    an offload (:meth:`release`): most references are never rebuilt, and a step makes a few
-    hundred of them.
+    ``original`` weakly references the tensor as autograd or the stage made it (its base, if
+    a view: :func:`offremat._tensors.version_owner`), so an in-place change made through it
+    after an offload is still seen. The layout a rebuild needs is read only when an offload
+    lets the tensor go (:meth:`release`): a step makes hundreds of references, rebuilds few.
     """
 
     __slots__ = (

@@ -48,6 +48,11 @@ class RecordedCall:
     side: tuple[tuple[int, ...], Structure]
     returns_input: bool = False
     checkpointed: bool = False
+    # The tokens of its output's other tensors, and whether a call after it reads one or the
+    # model returns one (else the model drops them: attention weights it did not ask for),
+    # which the search for a chain marks (offremat._discover).
+    extra_outputs: tuple[int, ...] = ()
+    extras_read: bool = False
 
     @property
     def in_place(self) -> bool:
@@ -146,6 +151,7 @@ class _Recorder:
         call["returns_input"] = first is not None and first is split_hidden(args, kwargs)[0]
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
+        call["extra_outputs"] = tuple(self.tokens.of(t) for t in tensors[1:])
         call["state_only"] = call["state_only"] and len(tensors) == 1
 
 

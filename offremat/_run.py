@@ -58,7 +58,7 @@ class RunBlock(nn.Module):
                 output = call.module(hidden, *args, **kwargs)
             else:
                 output = call.module(*args, **{call.hidden_keyword: hidden}, **kwargs)
-            hidden = hidden_of(output, call.path)
+            hidden = hidden_of(output, call.path, call.output)
         return hidden, args, kwargs
 
     def extra_repr(self) -> str:
@@ -174,7 +174,7 @@ class RunInterception:
             self.handed = self.result
         else:
             self.handed = HandedOn.of(self.result, expected.path)
-        return block_output(expected.output, self.handed)
+        return block_output(expected.output, self.handed, expected.path)
 
 
 class HandedOn(torch.Tensor):

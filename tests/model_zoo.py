@@ -56,6 +56,37 @@ def qwen2() -> nn.Module:
     return Qwen2ForCausalLM(Qwen2Config(**_DECODER))
 
 
+# Decoders whose layers return their attention weights beside the hidden state, asked for or
+# not, and the model drops them (older Hugging Face families).
+def gpt_neo() -> nn.Module:
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    config = GPTNeoConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_heads=4,
+        vocab_size=96,
+        attention_types=[[["global", "local"], 2]],
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    return GPTNeoForCausalLM(config)
+
+
+def bloom() -> nn.Module:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(n_layer=4, hidden_size=64, n_head=4, vocab_size=96))
+
+
+def mpt() -> nn.Module:
+    from transformers import MptConfig, MptForCausalLM
+
+    return MptForCausalLM(MptConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=96))
+
+
 def vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

@@ -375,16 +375,21 @@ class _AuxModel(torch.nn.Module):
         return x.pow(2).mean() + total
 
 
-@pytest.mark.parametrize(
-    ("per_layer", "why"),
-    [(False, "blocks.0 returns 2 tensors"), (True, "takes other side arguments")],
-)
-def test_a_named_container_that_is_no_chain_says_what_breaks_it(per_layer, why) -> None:
-    model, x = _AuxModel(per_layer), torch.randn(8, 16)
+def test_a_named_container_that_is_no_chain_says_what_breaks_it() -> None:
+    model, x = _AuxModel(per_layer=True), torch.randn(8, 16)
     with pytest.raises(offremat.NotAChainError, match="the error then says what breaks"):
         offremat.optimize(model, x, budget=1.0)
-    with pytest.raises(offremat.NotAChainError, match=why):
+    with pytest.raises(offremat.NotAChainError, match="takes other side arguments"):
         offremat.optimize(model, x, budget=1.0, blocks="blocks")
+
+
+@pytest.mark.parametrize("blocks", [None, "blocks"])
+def test_an_auxiliary_loss_a_block_returns_is_refused_when_the_model_reads_it(blocks) -> None:
+    # The chain hands on hidden states alone: a loss term summed outside the blocks would
+    # be lost, so its first use by the model is refused.
+    model, x = _AuxModel(per_layer=False), torch.randn(8, 16)
+    with pytest.raises(offremat.NotAChainError, match=r"output 2 of the 2 tensors blocks\.0"):
+        offremat.optimize(model, x, budget=1.0, blocks=blocks)
 
 
 class _LastBlockScaled(_AuxModel):
@@ -412,6 +417,34 @@ def test_a_chain_of_part_of_the_blocks_says_where_the_run_breaks(caplog) -> None
     with caplog.at_level("WARNING", logger="offremat"):
         offremat.optimize(zoo.ResidualNet(depth=3), torch.randn(8, 16), budget=1.0)
     assert "the chain holds" not in caplog.text
+
+
+@pytest.mark.parametrize("builder", [zoo.gpt_neo, zoo.bloom, zoo.mpt])
+def test_layers_that_also_return_attention_weights_the_model_drops_train_exactly(
+    builder,
+) -> None:
+    # Refused before: the layers return (hidden, attention weights) and the model keeps the
+    # first alone. Reading the weights (output_attentions=True) is refused.
+    torch.manual_seed(0)
+    model = builder().train()
+    reference = copy.deepcopy(model)
+    om = offremat.optimize(model, LM_BATCH, budget=0.5, solver="dp")
+    assert om.chain.length == 4 and "recompute" in om.plan.decisions.values()
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=LM_BATCH) as memory:
+        loss = om(**LM_BATCH).loss
+        loss.backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    plain = reference(**LM_BATCH, use_cache=False).loss
+    plain.backward()
+    assert torch.equal(loss, plain)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(
+        offremat.NotAChainError, match="output_attentions=True asks for every block's"
+    ):
+        om(**LM_BATCH, output_attentions=True)
 
 
 class _KeywordStateModel(_AuxModel):
