@@ -27,7 +27,7 @@ from offremat._rng import (
     restore_host_random,
 )
 from offremat._scan import module_generators
-from offremat._tensors import flatten
+from offremat._tensors import bitwise_equal, flatten
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def check_chain_output(model: nn.Module, stages: Sequence[nn.Module], example_in
     outputs = model_and_chain_outputs(model, device, lambda: model(example_input), run_chain)
     (model_tensors, model_structure), (chain_tensors, chain_structure) = outputs
     same = model_structure == chain_structure and all(
-        torch.equal(a, b) for a, b in zip(model_tensors, chain_tensors, strict=True)
+        bitwise_equal(a, b) for a, b in zip(model_tensors, chain_tensors, strict=True)
     )
     if not same:
         raise NotAChainError(

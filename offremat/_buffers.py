@@ -62,7 +62,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from offremat._tensors import storage_key
+from offremat._tensors import bitwise_equal, storage_key
 
 # A buffer: the module that holds it and its name there.
 BufferSlot = tuple[nn.Module, str]
@@ -110,7 +110,7 @@ class FirstForward:
             )
         for slot, state in self.before.items():
             copy = self.copies[slot]
-            if _same(slot, state) and _bitwise_equal(copy, state[0]):
+            if _same(slot, state) and state[0] is not None and bitwise_equal(copy, state[0]):
                 del self.copies[slot]
                 self.unchanged[slot] = state
         self.before = {}
@@ -147,18 +147,6 @@ def _same(slot: BufferSlot, state: tuple[torch.Tensor | None, int]) -> bool:
     """Whether the buffer is still the tensor ``state`` holds, at its version there."""
     tensor, version = _state(slot)
     return tensor is not None and tensor is state[0] and version == state[1]
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether two tensors hold the same bits (a NaN equals itself), without allocating."""
-    if b is None or a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INTEGER:
-        a, b = (t.view(_SAME_SIZE_INTEGER[a.element_size()]) for t in (a, b))
-    return torch.equal(a, b)
-
-
-_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def shared_buffer_keys(stages: Sequence[Sequence[BufferSlot]]) -> frozenset[int]:

@@ -32,7 +32,7 @@ from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
 from offremat._signatures import chain_input_kind
-from offremat._tensors import flatten, is_differentiable, storage_bytes, unflatten
+from offremat._tensors import bitwise_equal, flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import profile_model, stage_modules
 from solvers.chain import Chain
@@ -185,7 +185,7 @@ def check_model_chain_output(
         model, _device(model, batch), lambda: call_model(model, batch), run_chain
     )
     if len(plain) != len(chained_output) or not all(
-        torch.equal(a, b) for a, b in zip(plain, chained_output, strict=True)
+        bitwise_equal(a, b) for a, b in zip(plain, chained_output, strict=True)
     ):
         difference = _rounding_difference(plain, chained_output)
         if difference is not None:
@@ -216,7 +216,7 @@ def _rounding_difference(
     for a, b in zip(plain, chained, strict=True):
         if a.shape != b.shape or a.dtype != b.dtype:
             return None
-        if torch.equal(a, b):
+        if bitwise_equal(a, b):
             continue
         if not a.is_floating_point() or not torch.allclose(a, b, rtol=1e-4, atol=1e-6):
             return None

@@ -210,6 +210,8 @@ class SavedTensorPacker:
         try:
             storage = tensor.untyped_storage()
         except NotImplementedError as error:  # a sparse tensor: no storage to count or move
+            if storage_key(tensor) in self.excluded:
+                return _alias(tensor)  # a sparse parameter or buffer: never moved
             raise storageless_tensor_error(self.stage, tensor) from error
         key = storage._cdata  # storage_key, inlined: this runs for every saved tensor
         index = self.input_of_storage.get(key)

@@ -111,7 +111,7 @@ class _Step(Compute):
         # one's storage, whose address a saved tensor could then take and be mistaken for a
         # parameter: held to the end of the step, they keep their addresses.
         self.fixed_alive = [
-            tensor.untyped_storage()
+            tensor
             for scan in scans
             for tensor in (*scan.parameters, *(m._buffers[n] for m, n in scan.buffers))
         ]

@@ -116,6 +116,23 @@ def is_differentiable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits: a NaN equals itself (``torch.equal`` says it
+    does not), -0.0 differs from 0.0; sparse ones, part by part. Compared without
+    allocating."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
+        return False
+    if a.layout != torch.strided:
+        parts = zip(_strided_parts(a), _strided_parts(b), strict=True)
+        return all(bitwise_equal(x, y) for x, y in parts)
+    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INTEGER:
+        a, b = (t.view(_SAME_SIZE_INTEGER[a.element_size()]) for t in (a, b))
+    return torch.equal(a, b)
+
+
+_SAME_SIZE_INTEGER = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def version_of(tensor: torch.Tensor) -> int:
     """The tensor's version counter; 0 for an inference tensor (made under
     ``torch.inference_mode``), which has none and cannot change in place outside it."""
@@ -147,18 +164,35 @@ def version_owner(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """An identity for the tensor's storage that survives resizing it (and views of it)."""
-    return tensor.untyped_storage()._cdata
+    """An identity for the tensor's storage that survives resizing it (and views of it); for
+    a sparse tensor, which has none of its own, its values' storage."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except NotImplementedError:
+        values = tensor._values() if tensor.layout == torch.sparse_coo else tensor.values()
+        return values.untyped_storage()._cdata
 
 
 def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
     """The distinct non-empty storages behind ``tensors``, by :func:`storage_key`."""
     found: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() > 0:
-            found.setdefault(storage._cdata, storage)
+        for part in _strided_parts(tensor):
+            storage = part.untyped_storage()
+            if storage.nbytes() > 0:
+                found.setdefault(storage._cdata, storage)
     return found
+
+
+def _strided_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensor, or the strided tensors a sparse one is made of (a sparse buffer)."""
+    if tensor.layout == torch.strided:
+        return (tensor,)
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

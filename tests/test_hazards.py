@@ -828,3 +828,61 @@ def test_saved_views_with_lazy_conjugate_or_negative_bits_stay_so(
         forward(x).abs().pow(2).mean().backward()
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class MeanSquare(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).mean()
+
+
+class SparseAdjacency(nn.Module):
+    """A graph convolution: a constant sparse adjacency matrix as a buffer."""
+
+    def __init__(self, adjacency: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("adjacency", adjacency.clone())
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(torch.sparse.mm(self.adjacency, x)))
+
+
+@pytest.mark.parametrize("solver", ["dp", "milp"])
+def test_a_sparse_buffer_is_never_moved_and_trains_exactly(solver: str) -> None:
+    # Crashed in optimize: a sparse tensor has no storage to key the module's state by.
+    from offremat.measure import StepMemory
+
+    generator = torch.Generator().manual_seed(3)
+    adjacency = (torch.rand(ROWS, ROWS, generator=generator) < 0.1).float().to_sparse()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SparseAdjacency(adjacency) for _ in range(5)], MeanSquare())
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    options = {"bandwidth": "1GB/s"} if solver == "milp" else {}
+    om = offremat.optimize(model, x, budget=0.6, solver=solver, **options)
+    assert set(om.plan.decisions.values()) != {"keep"}
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=x) as memory:
+        loss = om(x)
+        loss.backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    plain = reference(x)
+    plain.backward()
+    assert torch.equal(loss, plain)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+class ScoresWithANaN(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = x.sum(-1).clone()
+        scores[0] = float("nan")  # a padded row
+        return x.pow(2).mean(), scores
+
+
+def test_an_output_holding_a_nan_is_the_models_own() -> None:
+    # Refused before as "does not give the model's own output": NaN != NaN under torch.equal.
+    model = nn.Sequential(*blocks(4), ScoresWithANaN())
+    om = offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=0.7, solver="dp")
+    assert om.chain.length == 5
