@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import output_capture_hooks
+from offremat._signatures import global_hooks
 from solvers.chain import Chain
 from solvers.json_text import parse_json
 from solvers.plan import Plan, validate
@@ -57,6 +58,7 @@ def model_fingerprint(model: nn.Module) -> str:
         f":{_hooks(module)}"
         for path, module in model.named_modules()
     ]
+    parts.append(f"global hooks:{_global_hooks()}")
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         parts.extend(
             f"{kind}:{name}:{tuple(tensor.shape)}:{tensor.dtype}:{tensor.requires_grad}"
@@ -77,6 +79,12 @@ def _hooks(module: nn.Module) -> str:
         module._backward_hooks,
     )
     return repr([[_named(_unwrapped(h)) for k, h in d.items() if k not in inert] for d in hooks])
+
+
+def _global_hooks() -> str:
+    """The hooks registered for every module (``register_module_forward_hook`` and the like),
+    each named with its code, as a module's own are."""
+    return repr([[_named(_unwrapped(h)) for h in d.values()] for d in global_hooks()])
 
 
 def library_versions() -> str:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.utils.module_tracker import ModuleTracker
 
 from offremat._blocks import output_capture_hooks
 from offremat._tensors import Structure, flatten
@@ -115,8 +117,12 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
     flag; and a Hugging Face layer's ``gradient_checkpointing`` flag, which
     ``gradient_checkpointing_disable`` clears alone (the profile measured what checkpointing
     saves). Not buffers: one may follow the input's shape (a mask cached for the last
-    length), which each shape's own plan covers."""
+    length), which each shape's own plan covers. The hooks registered for every module
+    (``register_module_forward_hook`` and the like) count as each module's own do."""
     modules, modes = [], []
+    hooks = global_hooks()
+    if any(hooks):  # by handle id, as a module's own
+        modules.append(("global hooks", *(tuple(h) for h in hooks)))
     configs: set[int] = set()
     for stage in stages:
         for module in stage.modules():
@@ -147,6 +153,27 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
                 configs.add(id(config))
                 modules.append(("config", implementations(config)))
     return tuple(modules), tuple(modes)
+
+
+def global_hooks() -> tuple[dict[int, Any], ...]:
+    """The hooks torch runs for every module (``register_module_forward_hook`` and the like),
+    by kind (forward pre-hooks, forward hooks, backward pre-hooks, backward hooks), each a
+    dict from handle id to hook; empty when there are none. Left out: those of torch's
+    ``ModuleTracker`` (``FlopCounterMode``'s), which note module names and keep no tensor,
+    and which each use registers anew: counting a step's flops would plan it again."""
+    kinds = (
+        torch_module._global_forward_pre_hooks,
+        torch_module._global_forward_hooks,
+        torch_module._global_backward_pre_hooks,
+        torch_module._global_backward_hooks,
+    )
+    if not any(kinds):
+        return ()
+    return tuple({k: h for k, h in hooks.items() if not _tracks_modules(h)} for hooks in kinds)
+
+
+def _tracks_modules(hook: Any) -> bool:
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
 
 
 def implementations(config: Any) -> tuple[tuple[str, Any], ...]:

@@ -1,0 +1,149 @@
+"""Hooks registered for every module (``register_module_forward_hook`` and the like) are part
+of the state a plan is made for, as a module's own hooks are: an activation logger registered
+after ``optimize`` gets a plan that counts what it keeps. Oracles: plain autograd on a copy,
+and the step's memory measured independently of the executor (``StepMemory``)."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+    register_module_full_backward_hook,
+)
+from torch.utils.flop_counter import FlopCounterMode
+
+import offremat
+from offremat.measure import StepMemory
+from solvers.budget import InfeasibleBudgetError
+
+
+class Widening(nn.Module):
+    """A residual MLP block: its wide activation is what a logger keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MeanSquare(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.pow(2).mean()
+
+
+def setup(budget: float):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Widening() for _ in range(7)], MeanSquare())
+    x = torch.randn(512, 64)
+    om = offremat.optimize(model, x, budget=budget)
+    reference = copy.deepcopy(model)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    return model, reference, om, x
+
+
+@contextmanager
+def registered(*handles) -> Iterator[None]:
+    """Global hooks outlive a test unless removed: remove them whatever happens."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _keep_wide_outputs(logged: dict):
+    def hook(module: nn.Module, args, output) -> None:
+        if isinstance(module, nn.Linear) and module.out_features == 256:
+            logged[module] = output.detach()  # the last activation of each wide layer
+
+    return hook
+
+
+@pytest.mark.parametrize("budget", [0.7, 0.8])
+def test_a_global_activation_logger_gets_a_plan_that_counts_what_it_keeps(budget) -> None:
+    """Reused, the plan made without it measured 1.18 and 1.10 times its budget."""
+    model, reference, om, x = setup(budget)
+    logged: dict[nn.Module, torch.Tensor] = {}
+    with registered(register_module_forward_hook(_keep_wide_outputs(logged))):
+        with StepMemory("cpu", x) as memory:
+            om(x).backward()
+        reference(x).backward()
+        assert om.cache_info()["misses"] == 1  # planned again
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
+    om(x).backward()  # without it, the first plan again
+    assert om.cache_info()["misses"] == 1
+
+
+def test_a_global_logger_that_keeps_more_than_the_budget_is_refused() -> None:
+    _, _, om, x = setup(0.6)
+    logged: list[torch.Tensor] = []
+    hook = register_module_forward_hook(lambda module, args, output: logged.append(output))
+    with registered(hook), pytest.raises(InfeasibleBudgetError, match="least feasible budget"):
+        om(x).backward()
+
+
+def test_the_disk_cache_tells_plans_made_under_a_global_logger_apart(tmp_path) -> None:
+    x = torch.randn(512, 64)
+    logged: dict[nn.Module, torch.Tensor] = {}
+    with registered(register_module_forward_hook(_keep_wide_outputs(logged))):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Widening() for _ in range(7)], MeanSquare())
+        offremat.optimize(model, x, budget=0.8, cache_dir=tmp_path)
+    again = offremat.optimize(copy.deepcopy(model), x, budget=0.8, cache_dir=tmp_path)
+    assert again.cache_info()["from_disk"] == 0
+    with StepMemory("cpu", x) as memory:
+        again(x).backward()
+    assert memory.peak_bytes <= again.plan.budget_bytes
+
+
+def test_counting_flops_does_not_plan_again() -> None:
+    """FlopCounterMode registers global hooks anew at each use; they keep nothing."""
+    _, _, om, x = setup(0.8)
+    om(x).backward()
+    counted = []
+    for _ in range(2):
+        with FlopCounterMode(display=False) as flops:
+            om(x).backward()
+        counted.append(flops.get_total_flops())
+    assert om.cache_info()["misses"] == 0
+    assert counted[0] == counted[1] > 0
+
+
+def test_a_recomputed_stage_runs_global_hooks_as_it_runs_its_modules_own() -> None:
+    """Forward pre-hooks run again when a stage is recomputed, a module's own and global ones
+    alike (as under torch.utils.checkpoint); full backward hooks run once per module, as in
+    plain autograd."""
+    model, reference, om, x = setup(0.6)
+    modules = list(model.modules())[1:]  # not the container, which a step never calls
+    own, everyone, backward = Counter(), Counter(), Counter()
+    handles = [
+        register_module_forward_pre_hook(lambda m, args: everyone.update([m])),
+        register_module_full_backward_hook(lambda m, gi, go: backward.update([m])),
+        *(m.register_forward_pre_hook(lambda m, args: own.update([m])) for m in modules),
+    ]
+    with registered(*handles):
+        om(x).backward()  # planned again for the new hooks
+        for counter in (own, everyone, backward):
+            counter.clear()
+        om(x).backward()
+        ours = backward.copy()
+        backward.clear()
+        reference(x).backward()
+    assert "recompute" in om.plan.decisions.values()
+    assert own == Counter({m: everyone[m] for m in modules})
+    assert max(own.values()) == 2  # the recomputed stages' modules
+    theirs = dict(zip(modules, list(reference.modules())[1:], strict=True))
+    assert {m: ours[m] for m in modules} == {m: backward[theirs[m]] for m in modules}
