@@ -252,7 +252,7 @@ def _same_values(a: Any, b: Any) -> bool:
 
 
 def _refuse_hooks(run: BlockRun) -> None:
-    global_hooks = module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+    _refuse_global_hooks()
     for call in run.calls:
         module = call.module
         own = (
@@ -260,7 +260,7 @@ def _refuse_hooks(run: BlockRun) -> None:
             - sharding_hooks(module)
             - output_capture_hooks(module)
         )
-        if global_hooks or own:
+        if own:
             raise NotAChainError(
                 f"block {call.path} has forward hooks (output_hidden_states or "
                 "output_attentions, say); under offremat they would see one block's output "
@@ -271,6 +271,30 @@ def _refuse_hooks(run: BlockRun) -> None:
                 f"block {call.path} has a backward hook or pre-hook, which would wrap the "
                 "block's output that offremat hands to the next block as it runs the chain: "
                 "put the hook on a module inside the block, or on the model"
+            )
+
+
+# Hooks torch runs for every module, by the function that registers them.
+_GLOBAL_HOOKS = (
+    ("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
+    ("register_module_forward_hook", "_global_forward_hooks"),
+    ("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
+    ("register_module_full_backward_hook", "_global_backward_hooks"),
+)
+
+
+def _refuse_global_hooks() -> None:
+    """Hooks registered for every module run on the blocks too, as a block's own do: refused
+    alike, with the function that registered them (a global backward hook raised an error
+    about the model using a block's output for more than calling the next block)."""
+    for function, name in _GLOBAL_HOOKS:
+        if getattr(module_globals, name):
+            raise NotAChainError(
+                f"a hook registered for every module ({function}) runs on the model's calls "
+                "of its blocks, which offremat answers by handing one block's output on: it "
+                "would see that output at every block, or wrap it. Remove it for training "
+                "steps (hooks registered on the modules inside the blocks work), or run that "
+                "call without offremat"
             )
 
 

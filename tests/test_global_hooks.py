@@ -147,3 +147,34 @@ def test_a_recomputed_stage_runs_global_hooks_as_it_runs_its_modules_own() -> No
     assert max(own.values()) == 2  # the recomputed stages' modules
     theirs = dict(zip(modules, list(reference.modules())[1:], strict=True))
     assert {m: ours[m] for m in modules} == {m: backward[theirs[m]] for m in modules}
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda: register_module_forward_hook(lambda m, args, output: None),
+        lambda: register_module_full_backward_hook(lambda m, gi, go: None),
+    ],
+    ids=["forward", "backward"],
+)
+def test_global_hooks_on_a_run_of_blocks_are_refused_as_the_blocks_own(register) -> None:
+    """A model's run of blocks (a Hugging Face decoder) is run by answering the model's calls
+    of its blocks: a block's own hooks are refused, and so are global ones, saying so (a
+    global backward hook raised that the model used a block's output for more than calling
+    the next block)."""
+    pytest.importorskip("transformers")
+    from tests import model_zoo as zoo
+
+    ids = torch.randint(0, 96, (4, 64), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    om = offremat.optimize(model, {"input_ids": ids, "labels": ids}, budget=0.5)
+    reference = copy.deepcopy(model)
+    with registered(register()), pytest.raises(offremat.NotAChainError, match="every module"):
+        om(input_ids=ids, labels=ids).loss.backward()
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = None
+    om(input_ids=ids, labels=ids).loss.backward()  # without it, trained as before
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine.grad, theirs.grad)
