@@ -300,12 +300,13 @@ class _PlanFunction(torch.autograd.Function):
     accumulation node after this backward, with no gradient: harmless without hooks (it
     returns at once), but it would run a parameter's ``register_hook`` with None and its
     ``register_post_accumulate_grad_hook`` (an optimizer step in the backward) a second time.
-    So a parameter with such hooks when the forward starts gets no edge (the caller's backward
-    asking for it alone is the one case still unseen; README), and one that gets hooks between
-    the forward and the backward is refused. Hooks on the accumulation node itself (DDP's
-    readiness hooks) do run once more, with no gradient; DDP ignores a call after its reduction.
-    A parameter with hooks that the rest of the graph also reaches (a weight penalty) would
-    run its hooks twice: refused.
+    So a parameter with such hooks when the forward starts gets no edge (a backward asking for
+    it is not seen, even beside other tensors: the engine leaves a tensor it cannot reach out
+    of what it runs; nor is one asking for a parameter behind weights computed per call; both
+    in README), and one that gets hooks between the forward and the backward is refused.
+    Hooks on the accumulation node itself (DDP's readiness hooks) do run once more, with no
+    gradient; DDP ignores a call after its reduction. A parameter with hooks that the rest of
+    the graph also reaches (a weight penalty) would run its hooks twice: refused.
     """
 
     @classmethod
