@@ -59,15 +59,16 @@ def test_an_attention_implementation_set_after_optimize_is_planned_again() -> No
     assert torch.equal(loss, plain_step(reference)) and same_gradients(model, reference)
 
 
-def test_hugging_face_gradient_checkpointing_disabled_after_optimize_is_planned_again() -> None:
-    # gradient_checkpointing_disable() clears each layer's flag and nothing else (enabling
-    # also hooks the input embeddings): the plan made with it on measured 2.6 times its
-    # budget with it off.
+def test_hugging_face_activation_checkpointing_disabled_after_optimize_is_planned_again() -> None:
+    # activation_checkpointing_disable() (gradient_checkpointing_disable() before
+    # transformers 6) clears each layer's gradient_checkpointing flag and nothing else
+    # (enabling also hooks the input embeddings): the plan made with it on measured 2.6 times
+    # its budget with it off.
     torch.manual_seed(0)
     model = zoo.llama().train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     om = offremat.optimize(model, BATCH, budget=0.9)
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     reference = copy.deepcopy(model)
     peak, loss = step(om, model)
     assert om.cache_info()["misses"] == 1  # planned again
