@@ -8,6 +8,7 @@ KV caches are dropped (and ``use_cache`` set False), as its gradient checkpointi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,13 +55,23 @@ def hidden_of(output: Any, path: str, expected: Structure) -> torch.Tensor:
     return tensors[0]
 
 
-def block_output(output: Structure, hidden: torch.Tensor, path: str) -> Any:
+def block_output(
+    output: Structure,
+    hidden: torch.Tensor,
+    path: str,
+    passed: Sequence[int | None] = (),
+    side: Sequence[torch.Tensor] = (),
+) -> Any:
     """What the block at ``path``, whose output has structure ``output``, returns to the
-    model: ``hidden`` in its place, and in place of its other tensors, which the chain
-    drops, :class:`Dropped` stand-ins."""
+    model: ``hidden`` in its place, and for its other tensors the side input it handed back
+    (``passed``: its index in ``side``, this call's side input tensors), else a
+    :class:`Dropped` stand-in: the chain drops them."""
     count = _tensor_count(output)
-    dropped = [Dropped.of(path, k + 2, count) for k in range(count - 1)]
-    return unflatten([hidden, *dropped], output)
+    others = [
+        Dropped.of(path, k + 2, count) if index is None else side[index]
+        for k, index in enumerate(passed or [None] * (count - 1))
+    ]
+    return unflatten([hidden, *others], output)
 
 
 class Dropped(torch.Tensor):

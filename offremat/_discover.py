@@ -55,8 +55,11 @@ class BlockCall:
     """One call of the chain: the module, its path, and how it takes and returns the state.
 
     ``hidden_keyword`` is the keyword the hidden state was passed under (None: the first
-    positional argument); ``output`` is the structure of what the module returns, with the
-    hidden state as its one tensor; ``side`` says whether it takes the run's side inputs.
+    positional argument); ``output`` is the structure of what the module returns, the hidden
+    state its first tensor; ``side`` says whether it takes the run's side inputs;
+    ``passed`` says, for each of its output's other tensors, which of its side input tensors
+    it is (a position bias handed on, as T5's blocks return theirs), or None: one the model
+    drops.
     """
 
     path: str
@@ -64,6 +67,7 @@ class BlockCall:
     hidden_keyword: str | None
     output: Structure
     side: bool
+    passed: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ def find_block_run(
             r.hidden_keyword,
             hidden_output(r.output_structure),
             id(r) not in added,
+            tuple(r.side[0].index(t) if t in r.side[0] else None for t in r.extra_outputs),
         )
         for r in members
     )
@@ -324,11 +329,13 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
 
 def _extras_marked(records: list[RecordedCall], returned: frozenset[int]) -> list[RecordedCall]:
     """``records``, each that returns more than one tensor marked where the model returns one
-    of the others, or a call after it reads one (the calls inside it made them)."""
+    of the others, or a call after it reads one (the calls inside it made them), but for
+    side inputs it returns as they came."""
     marked = []
     for k, record in enumerate(records):
-        if record.extra_outputs:
-            extras = set(record.extra_outputs)
+        # A side input handed back (a position bias) is no output the chain must keep.
+        extras = set(record.extra_outputs) - set(record.side[0])
+        if extras:
             end = k + 1
             while end < len(records) and records[end].depth > record.depth:
                 end += 1
@@ -354,7 +361,7 @@ def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall
         "the chain holds %d of the model's %d calls of %s (%s .. %s): the run breaks "
         "between %s and %s, where %s. The calls outside the chain keep all their "
         "activations. Name the container of the blocks you mean with blocks= to plan those "
-        "instead",
+        "instead, where they form a chain",
         len(inside),
         len(group),
         type(record.module).__name__,

@@ -174,7 +174,9 @@ class RunInterception:
             self.handed = self.result
         else:
             self.handed = HandedOn.of(self.result, expected.path)
-        return block_output(expected.output, self.handed, expected.path)
+        return block_output(
+            expected.output, self.handed, expected.path, expected.passed, flatten(side)[0]
+        )
 
 
 class HandedOn(torch.Tensor):

@@ -87,6 +87,26 @@ def mpt() -> nn.Module:
     return MptForCausalLM(MptConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=96))
 
 
+def t5() -> nn.Module:
+    """T5: the first block of each stack computes the position bias the others take and hand
+    back; dropout on."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        num_layers=2,
+        num_decoder_layers=5,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_heads=4,
+        vocab_size=96,
+        decoder_start_token_id=0,
+        use_cache=False,
+        dropout_rate=0.1,
+    )
+    return T5ForConditionalGeneration(config)
+
+
 def vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

@@ -447,6 +447,34 @@ def test_layers_that_also_return_attention_weights_the_model_drops_train_exactly
         om(**LM_BATCH, output_attentions=True)
 
 
+def test_blocks_that_hand_back_a_side_input_train_exactly(caplog) -> None:
+    # T5's blocks take the position bias the first block computes and return it beside their
+    # hidden state, and the model hands it to the next block: refused before.
+    torch.manual_seed(0)
+    model = zoo.t5().train()
+    reference = copy.deepcopy(model)
+    ids = IDS[:, :16].contiguous()
+    batch = {"input_ids": ids, "labels": ids}
+    with caplog.at_level("WARNING", logger="offremat"):
+        om = offremat.optimize(model, batch, budget=0.9, solver="dp")
+    assert om.chain.stage_names[0] == "decoder.block.1" and om.chain.length == 4
+    assert "between decoder.block.0 and decoder.block.1" in caplog.text
+    assert "recompute" in om.plan.decisions.values()
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = om(**batch).loss
+        loss.backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    torch.manual_seed(1)
+    plain = reference(**batch).loss
+    plain.backward()
+    assert torch.equal(loss, plain)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
 class _KeywordStateModel(_AuxModel):
     """Blocks handed their state under a keyword of their own (``block(x=h)``)."""
 
