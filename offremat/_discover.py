@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -125,7 +125,6 @@ def find_block_run(
 ) -> BlockRun:
     """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
     records, returned = record_calls(model, run_model)
-    records = _extras_marked(records, returned)
     # Run again, the random generators moved on: see refuse_random_runs.
     again, _ = record_calls(model, run_model)
     if blocks is not None:
@@ -325,27 +324,6 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
             "attention); every block of a chain takes the same ones"
         )
     return None
-
-
-def _extras_marked(records: list[RecordedCall], returned: frozenset[int]) -> list[RecordedCall]:
-    """``records``, each that returns more than one tensor marked where the model returns one
-    of the others, or a call after it reads one (the calls inside it made them), but for
-    side inputs it returns as they came."""
-    marked = []
-    for k, record in enumerate(records):
-        # A side input handed back (a position bias) is no output the chain must keep.
-        extras = set(record.extra_outputs) - set(record.side[0])
-        if extras:
-            end = k + 1
-            while end < len(records) and records[end].depth > record.depth:
-                end += 1
-            read = not extras.isdisjoint(returned) or any(
-                later.hidden in extras or not extras.isdisjoint(later.side[0])
-                for later in records[end:]
-            )
-            record = replace(record, extras_read=read)
-        marked.append(record)
-    return marked
 
 
 def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:

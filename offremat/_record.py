@@ -8,6 +8,7 @@ intermediate of the call alive: a whole keep-all forward, more than a budget all
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import weakref
@@ -49,8 +50,7 @@ class RecordedCall:
     returns_input: bool = False
     checkpointed: bool = False
     # The tokens of its output's other tensors, and whether a call after it reads one or the
-    # model returns one (else the model drops them: attention weights it did not ask for),
-    # which the search for a chain marks (offremat._discover).
+    # model returns one (else the model drops them: attention weights it did not ask for).
     extra_outputs: tuple[int, ...] = ()
     extras_read: bool = False
 
@@ -180,7 +180,29 @@ def record_calls(
     finally:
         for handle in handles:
             handle.remove()
-    return [RecordedCall(**call) for call in recorder.calls if "output" in call], returned
+    records = [RecordedCall(**call) for call in recorder.calls if "output" in call]
+    return _extras_marked(records, returned), returned
+
+
+def _extras_marked(records: list[RecordedCall], returned: frozenset[int]) -> list[RecordedCall]:
+    """``records``, each that returns more than one tensor marked where the model returns one
+    of the others, or a call after it reads one (the calls inside it made them), but for
+    side inputs it returns as they came."""
+    marked = []
+    for k, record in enumerate(records):
+        # A side input handed back (a position bias) is no output the chain must keep.
+        extras = set(record.extra_outputs) - set(record.side[0])
+        if extras:
+            end = k + 1
+            while end < len(records) and records[end].depth > record.depth:
+                end += 1
+            read = not extras.isdisjoint(returned) or any(
+                later.hidden in extras or not extras.isdisjoint(later.side[0])
+                for later in records[end:]
+            )
+            record = dataclasses.replace(record, extras_read=read)
+        marked.append(record)
+    return marked
 
 
 def checkpointed_by_caller(module: nn.Module) -> bool:
