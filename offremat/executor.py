@@ -57,11 +57,6 @@ from offremat._call_checks import (
     refuse_outer_saved_tensor_hooks,
 )
 from offremat._host import CudaStreams, DeviceResources, HostArena
-from offremat._parameter_edges import (
-    refuse_hooks_since_the_forward,
-    refuse_parameters_asked_for,
-    unhooked_parameters,
-)
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
@@ -288,45 +283,25 @@ class _PlanFunction(torch.autograd.Function):
     so B(i) accumulates parameter gradients into ``.grad`` as plain autograd does.
     ``torch.autograd.grad(loss, x)`` and ``backward(inputs=[x])`` run only the nodes on the way
     to ``x``: the engine then does not run the anchor's node, and B(i) computes the gradients
-    of the stage inputs alone, leaving ``.grad`` untouched. ``create_graph=True`` is refused.
-
-    The parameters. B(i) reaches them in engine calls of its own, so the engine running the
-    caller's backward would not know that this function leads to them: asked for a parameter
-    alone (``backward(inputs=[p])``, ``torch.autograd.grad(loss, p)``) it would run nothing
-    and leave ``.grad`` as it was, silently. So the trainable leaf parameters of the stages are
-    inputs too, and the engine reaches this function whenever one is asked for; B(i) then
-    cannot do what was asked (it accumulates into every parameter's ``.grad``), so the backward
-    is refused with what to do. The edges cost the engine a call of each parameter's
-    accumulation node after this backward, with no gradient: harmless without hooks (it
-    returns at once), but it would run a parameter's ``register_hook`` with None and its
-    ``register_post_accumulate_grad_hook`` (an optimizer step in the backward) a second time.
-    So a parameter with such hooks when the forward starts gets no edge (a backward asking for
-    it is not seen, even beside other tensors: the engine leaves a tensor it cannot reach out
-    of what it runs; nor is one asking for a parameter behind weights computed per call; both
-    in README), and one that gets hooks between the forward and the backward is refused.
-    Hooks on the accumulation node itself (DDP's readiness hooks) do run once more, with no
-    gradient; DDP ignores a call after its reduction. A parameter with hooks that the rest of
-    the graph also reaches (a weight penalty) would run its hooks twice: refused.
+    of the stage inputs alone, leaving ``.grad`` untouched. The parameters are not inputs of
+    this function, and nothing of its graph reaches them: an edge to a parameter would make the
+    engine run the parameter's accumulation node once more after the plan's backward, with no
+    gradient, and run its hooks again (``register_hook`` with None, an optimizer step in
+    ``register_post_accumulate_grad_hook`` twice, DDP's readiness hooks twice). So the engine
+    sees no use of the parameters outside B(i): ``torch.autograd.grad`` with respect to them
+    reports them unused, as for a reentrant checkpoint. ``create_graph=True`` is refused.
     """
-
-    @classmethod
-    def apply(cls, step: _Step, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        """Run the forward half; the parameters without hooks join the inputs (see above)."""
-        edged = unhooked_parameters(step)
-        return super().apply(step, anchor, len(tensors), *tensors, *edged)
 
     @staticmethod
     def forward(
         ctx: Any,
         step: _Step,
         anchor: torch.Tensor,
-        count: int,
         *tensors: torch.Tensor,
     ) -> Any:
         outputs = step.run_forward()
         ctx.step = step
         ctx.anchor_node = get_gradient_edge(anchor).node
-        ctx.edged = tensors[count:]
         ctx.set_materialize_grads(False)
         # An output that carries no gradient in plain autograd (a model computed under
         # no_grad) carries none here: its backward raises as plain autograd's does.
@@ -349,7 +324,6 @@ class _PlanFunction(torch.autograd.Function):
         runs = torch._C._will_engine_execute_node
         accumulate = runs(ctx.anchor_node)
         if accumulate:
-            refuse_hooks_since_the_forward(step, ctx.edged)
             # The rest of the graph accumulates into these too: a second run of their hooks.
             hooked = [p for p in step.hooked_parameters() if runs(get_gradient_edge(p).node)]
             if hooked:
@@ -361,8 +335,6 @@ class _PlanFunction(torch.autograd.Function):
                     "from the plan's backward and from the rest of the graph, so its hooks "
                     "would run twice. Move that use into the chain, or remove the hooks"
                 )
-        else:
-            refuse_parameters_asked_for(step)
         if torch.is_grad_enabled():
             step.abandon()
             raise RuntimeError(
@@ -370,5 +342,4 @@ class _PlanFunction(torch.autograd.Function):
                 "supported through an offremat-optimized model: its plan frees activations "
                 "as the backward goes. Compute the penalty on a model run without offremat"
             )
-        no_grads = [None] * len(ctx.edged)
-        return (None, None, None, *step.run_backward(grads, accumulate), *no_grads)
+        return (None, None, *step.run_backward(grads, accumulate))

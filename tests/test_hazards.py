@@ -325,13 +325,21 @@ def test_gradients_with_respect_to_the_input_leave_parameter_grads_alone(solver:
         assert torch.equal(a.grad, b.grad)
 
 
-def test_gradients_of_gradients_are_refused() -> None:
-    # Gradients with respect to parameters: tests/test_parameter_requests.py.
+def test_gradients_with_respect_to_parameters_are_reported_unused_and_of_gradients_refused() -> (
+    None
+):
     model, _, om, x = input_gradient_setup("dp")
+    parameters = list(model.parameters())
+    # Nothing of the plan's graph reaches the parameters (see _PlanFunction): torch reports
+    # them unused, never a wrong value.
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(om(x).sum(), parameters)
+    unused = torch.autograd.grad(om(x).sum(), parameters, allow_unused=True)
+    assert all(g is None for g in unused)
     x = x.requires_grad_()
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(om(x).sum(), x, create_graph=True)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in parameters)
 
 
 @pytest.mark.parametrize("solver", ["dp", "checkpoint-every-stage", "offload-all"])
