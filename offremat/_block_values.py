@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from offremat._blocks import NotAChainError
 from offremat._record import split_hidden
@@ -91,16 +92,28 @@ class Dropped(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        dropped = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Dropped))
+        dropped = stand_in(Dropped, args, kwargs)
+        where = (
+            "an output a block returns beside its hidden state"
+            if dropped is None
+            else f"output {dropped.position} of the {dropped.count} tensors {dropped.path} returns"
+        )
         # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
         # operators such as +, and the message would be lost.
         raise DroppedOutputError(
-            f"the model used output {dropped.position} of the {dropped.count} tensors "
-            f"{dropped.path} returns ({getattr(func, '__name__', func)}), which offremat does "
+            f"the model used {where} ({getattr(func, '__name__', func)}), which offremat does "
             "not keep: the chain hands on each block's hidden state alone. A block must return "
             "its hidden state alone, or other tensors the model drops (attention weights it "
             "did not ask for); an auxiliary loss must come from the blocks' outputs"
         )
+
+
+def stand_in(kind: type[Any], args: Any, kwargs: Any) -> Any:
+    """The first ``kind`` among a torch function's arguments, nested ones too (the list
+    ``torch.stack`` takes), else None. A ``StopIteration`` must not escape
+    ``__torch_function__``: inside ``map()`` it would end the iteration quietly."""
+    leaves = tree_leaves((args, kwargs or {}))
+    return next((leaf for leaf in leaves if isinstance(leaf, kind)), None)
 
 
 class DroppedOutputError(RuntimeError):

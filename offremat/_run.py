@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from offremat._block_values import block_output, hidden_of, side_inputs_of
+from offremat._block_values import block_output, hidden_of, side_inputs_of, stand_in
 from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
 from offremat._discover import BlockCall, BlockRun
 from offremat._tensors import flatten, same_structure
@@ -201,11 +201,12 @@ class HandedOn(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        handed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, HandedOn))
+        handed = stand_in(HandedOn, args, kwargs)
+        path = "a block" if handed is None else handed.path
         # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
         # operators such as +, and the message would be lost.
         raise RuntimeError(
-            f"the model used {handed.path}'s output for more than calling the next block "
+            f"the model used {path}'s output for more than calling the next block "
             f"({getattr(func, '__name__', func)}); inside a chain only the last block's output "
             "exists: name a run of blocks whose outputs only feed each other with blocks=. "
             "(A run of blocks that depends on the input or on random draws, such as an "

@@ -392,6 +392,26 @@ def test_an_auxiliary_loss_a_block_returns_is_refused_when_the_model_reads_it(bl
         offremat.optimize(model, x, budget=1.0, blocks=blocks)
 
 
+class _StackedAuxModel(_AuxModel):
+    """Auxiliary losses gathered in a list and stacked: the stand-in sits inside an argument."""
+
+    def __init__(self) -> None:
+        super().__init__(per_layer=False)
+
+    def forward(self, x):
+        losses = []
+        for block in self.blocks:
+            x, aux = block(x)
+            losses.append(aux)
+        return x.pow(2).mean() + torch.stack(losses).sum()
+
+
+def test_a_dropped_output_used_inside_a_list_is_refused_by_name() -> None:
+    # Raised a bare StopIteration, which map() would have taken for its end.
+    with pytest.raises(offremat.NotAChainError, match=r"blocks\.0 returns \(stack\)"):
+        offremat.optimize(_StackedAuxModel(), torch.randn(8, 16), budget=1.0)
+
+
 class _LastBlockScaled(_AuxModel):
     """Blocks of one type, the last called with an argument of its own (as a model whose
     every third layer attends globally): a chain of the first two."""
