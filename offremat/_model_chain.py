@@ -34,7 +34,12 @@ from offremat._run import RunInterception, run_blocks
 from offremat._signatures import chain_input_kind
 from offremat._tensors import bitwise_equal, flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
-from offremat.profiler import profile_model, stage_modules
+from offremat.profiler import (
+    cover_plain_autograd,
+    profile_model,
+    raised_backward,
+    stage_modules,
+)
 from solvers.chain import Chain
 
 
@@ -140,7 +145,9 @@ def profile_blocks_on(
 
 def _with_outside(chain: Chain, outside: _Outside, paths: Any, example_input: Any) -> Chain:
     """``chain`` of the blocks with the costs of the code around them folded in."""
-    folded = list(chain.stages)
+    # B(L)'s temporary without what covers plain autograd's keep-all peak on the blocks
+    # alone: covered again below, with the code around them.
+    folded = list(raised_backward(chain, -chain.metadata.get("plain_autograd_bytes", 0)).stages)
     first = folded[0]
     folded[0] = dataclasses.replace(
         first,
@@ -157,13 +164,17 @@ def _with_outside(chain: Chain, outside: _Outside, paths: Any, example_input: An
     metadata["blocks"] = paths
     metadata["chain_input"] = chain_input_kind(example_input)
     metadata["chain_input_bytes"] = storage_bytes(flatten(example_input)[0])
-    return dataclasses.replace(
+    metadata.pop("plain_autograd_bytes", None)
+    folded_chain = dataclasses.replace(
         chain,
         input_bytes=outside.resident_bytes + chain.metadata["kept_by_modules_bytes"],
         held_bytes=outside.held_bytes + chain.metadata["shared_gradient_bytes"],
         stages=tuple(folded),
         metadata=metadata,
     )
+    # The set-up code's backward, part of B(1)'s temporary, runs beside the gradients of the
+    # leaves every stage made, under plain autograd.
+    return cover_plain_autograd(folded_chain, through_first=True)
 
 
 def model_chain_stages(found: ModelChain, chain: Chain) -> list[nn.Module]:

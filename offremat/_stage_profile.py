@@ -28,6 +28,7 @@ from offremat._scan import scan_modules
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
+    StageInput,
     check_unmodified,
     enter_stage,
     norm_statistics_bytes,
@@ -38,6 +39,7 @@ from offremat._tensors import (
     flatten,
     is_differentiable,
     storage_allocated_bytes,
+    storage_key,
     unflatten,
     unique_storages,
     version_of,
@@ -63,6 +65,11 @@ class Measured:
     # The buffers the forward changes or other stages hold, copied to the step's end when the
     # stage is recomputed.
     changed_buffer_bytes: int = 0
+    # Tensors that require grad made by the forward as leaves of its graph (an RNN cell's
+    # initial state made with requires_grad=True), which only the graph holds, and the
+    # gradients B(i) gives them (see _measure).
+    leaf_bytes: int = 0
+    leaf_grad_bytes: int = 0
 
 
 class StageProfile:
@@ -184,6 +191,35 @@ class StageProfile:
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes), handed
 
+    def _graph_leaves(self, outputs: Sequence[torch.Tensor]) -> dict[int, _Leaf]:
+        """The leaves of the forward's graph that are not the stage's inputs, parameters or
+        buffers (tensors made with requires_grad=True, which autograd's AccumulateGrad node
+        holds), by storage, held weakly."""
+        known = self.excluded | unique_storages(self.tensors).keys()
+        known.add(storage_key(self.anchor))
+        leaves: dict[int, _Leaf] = {}
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if isinstance(node, StageInput._backward_cls):
+                continue  # the stage's inputs, cut from the graph that made them
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, torch.Tensor):
+                storage = variable.untyped_storage()
+                key = storage._cdata
+                if key not in known and storage.nbytes() > 0:
+                    leaf = leaves.setdefault(
+                        key, _Leaf(weakref.ref(storage), storage_allocated_bytes(storage))
+                    )
+                    leaf.grad_bytes += gradient_bytes([variable])
+                continue
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return leaves
+
     def _unhooked_backward_temporary(self, last: bool, saved_bytes: int) -> int:
         """B(i)'s temporary after a forward without saved-tensor hooks, as autograd alone runs
         it: every storage that forward left is x̄_i or an output."""
@@ -238,6 +274,7 @@ class StageProfile:
         del buffers, before
         out_tensors = flatten(output)[0]
         refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
+        leaves = self._graph_leaves(out_tensors)
         grad_bytes = gradient_bytes(out_tensors)
         out_storages = unique_storages(out_tensors)
         out_bytes = sum(
@@ -248,9 +285,29 @@ class StageProfile:
         saved_bytes = sum(
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
         ) + norm_statistics_bytes(scan.norms)
+        unsaved_leaves = leaves.keys() - saved.keys()
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
+        # The next stage reads only values and flags: cut from this graph, so that the last
+        # stage's output no longer holds it, and what only the graph held goes.
+        handed_tensors, handed_structure = flatten(handed)
+        handed = unflatten(
+            [t.detach().requires_grad_(t.requires_grad) for t in handed_tensors],
+            handed_structure,
+        )
+        del handed_tensors
+        # Leaves that went with the graph were held by it alone (what a module still holds
+        # is counted as kept below). In a step the first forward's graph holds them whatever
+        # the plan says, to B(i) or, where a forward with autograd recomputes the stage before
+        # B(i)'s refill, to the end of the step (offremat._deferred): counted for the whole
+        # step (profiler.py). That recomputation makes them again, held to B(i): counted in
+        # x̄_i as well. Plain autograd holds them, and from B(i) their gradients, to the end.
+        gone = {key: leaf for key, leaf in leaves.items() if leaf.storage() is None}
+        leaf_bytes = sum(leaf.nbytes for leaf in gone.values())
+        leaf_grad_bytes = sum(leaf.grad_bytes for leaf in gone.values())
+        saved_bytes += sum(gone[key].nbytes for key in unsaved_leaves & gone.keys())
+        del leaves, gone, unsaved_leaves
         # What outlives the backward but for the output handed on and the modules' state is
         # kept by the modules (an attribute, a hook): held whatever the plan says. Measured
         # before another forward replaces it.
@@ -292,6 +349,8 @@ class StageProfile:
             grad_bytes,
             kept_bytes=kept,
             changed_buffer_bytes=changed_buffers,
+            leaf_bytes=leaf_bytes,
+            leaf_grad_bytes=leaf_grad_bytes,
         )
         if sizes_only:
             return sizes, handed
@@ -317,6 +376,16 @@ class StageProfile:
             "refill_s": min(statistics.median(refill_times), forward_s),
         }
         return dataclasses.replace(sizes, **timed_figures), handed
+
+
+@dataclass
+class _Leaf:
+    """A leaf of a stage's graph, made by its forward: its storage, held weakly, its bytes,
+    and the bytes of the gradients autograd gives the leaf tensors over it."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    grad_bytes: int = 0
 
 
 class _Allocations:

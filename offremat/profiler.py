@@ -15,6 +15,7 @@ statistics) and the parameters' ``.grad`` are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from offremat._tensors import (
 )
 from solvers.budget import parse_bandwidth
 from solvers.chain import Chain, Stage
+from solvers.registry import keep_all_peak
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +112,22 @@ def profile_model(
         )
         for stage_name, m, extra in zip(names, measured, added, strict=True)
     )
-    kept = sum(m.kept_bytes + m.changed_buffer_bytes for m in measured)
+    # The leaves a stage's graph holds live from its first forward to its backward in every
+    # plan (a recomputed stage's forward keeps its graph, offremat._deferred), and to the end
+    # of the step under plain autograd: resident for the whole step, like what modules keep.
+    kept = sum(m.kept_bytes + m.changed_buffer_bytes + m.leaf_bytes for m in measured)
+    leaves = {name: m.leaf_bytes for name, m in zip(names, measured, strict=True) if m.leaf_bytes}
+    if leaves:
+        logger.warning(
+            "%d stage(s) make tensors that require grad as leaves of their graph in their "
+            "forward (%s), such as an initial state made with torch.zeros(..., "
+            "requires_grad=True): autograd's graph holds them from the stage's forward to its "
+            "backward whatever the plan says, and plain autograd's, with the gradients it "
+            "gives them, to the end of the step. Counted as resident for the whole step; make "
+            "them without requires_grad=True unless their gradient is read",
+            len(leaves),
+            ", ".join(f"{name!r} {size} B" for name, size in leaves.items()),
+        )
     for stage_name, m in zip(names, measured, strict=True):
         if m.kept_bytes:
             logger.warning(
@@ -139,6 +156,10 @@ def profile_model(
         "device": str(device),
         "kept_by_modules_bytes": kept,
         "shared_gradient_bytes": shared,
+        # Of kept_by_modules_bytes: the leaves stages' graphs hold.
+        "graph_leaf_bytes": sum(leaves.values()),
+        # The gradients autograd gives them, per stage (see cover_plain_autograd).
+        "graph_leaf_grad_bytes": [m.leaf_grad_bytes for m in measured],
         "grouping": {
             stage_name: [block_name for block_name, _ in group]
             for stage_name, group in zip(names, grouped, strict=True)
@@ -157,7 +178,7 @@ def profile_model(
         link = parse_bandwidth(bandwidth)
     elif device.type == "cuda":
         link, metadata["link_measurements"] = measure_link(device)
-    return Chain(
+    chain = Chain(
         name=name or type(model).__name__,
         frozen_stages=frozen_prefix([stage_module(group) for group in grouped], input_tensors),
         # What the modules keep of their activations is resident whatever the plan says:
@@ -171,6 +192,51 @@ def profile_model(
         link=link,
         metadata=metadata,
     )
+    return cover_plain_autograd(chain)
+
+
+def cover_plain_autograd(chain: Chain, through_first: bool = False) -> Chain:
+    """``chain`` with B(L)'s temporary raised, where needed, for its keep-all peak to cover
+    plain autograd's.
+
+    A keep-all plan runs as plain autograd (:mod:`offremat._plain`), whose graph the caller's
+    loss holds to the end of the step, and with it the leaves stages make in their forward
+    and the gradients each B(i) gives them: B(i) runs beside those of the later stages
+    (``chain.metadata["graph_leaf_grad_bytes"]``; with ``through_first`` B(1) beside every
+    stage's, as the code before a model's chain does its backward in B(1)'s temporary). A
+    plan the executor runs lets them go with each stage's graph, so only the keep-all
+    schedule's peak must cover them. It is raised at the turn, where plans differ most (B(1)
+    holds about as much in every plan), by as much as that takes: nothing where the saved sets
+    the backward frees outweigh the gradients it makes. The raise is
+    ``chain.metadata["plain_autograd_bytes"]``.
+    """
+    grads = chain.metadata.get("graph_leaf_grad_bytes") or []
+    if not any(grads):
+        return chain
+    later = [sum(grads[k + 1 :]) for k in range(len(grads))]
+    if through_first:
+        later[0] += grads[0]
+    need = keep_all_peak(raised_backward(chain, later))
+    if keep_all_peak(chain) >= need:
+        return chain
+    # Raised by ``need``, B(L) is the keep-all peak (no other level reaches ``need``), which
+    # tells the level in B(L) itself.
+    at_turn = keep_all_peak(raised_backward(chain, need)) - need
+    covered = raised_backward(chain, need - at_turn)
+    covered.metadata["plain_autograd_bytes"] = need - at_turn
+    return covered
+
+
+def raised_backward(chain: Chain, extra: int | Sequence[int]) -> Chain:
+    """``chain`` with ``extra`` more bytes in B(L)'s temporary, or ``extra[k]`` in stage
+    k+1's."""
+    if isinstance(extra, int):
+        extra = [0] * (chain.length - 1) + [extra]
+    stages = tuple(
+        dataclasses.replace(stage, bwd_tmp_bytes=stage.bwd_tmp_bytes + more)
+        for stage, more in zip(chain.stages, extra, strict=True)
+    )
+    return dataclasses.replace(chain, stages=stages, metadata=dict(chain.metadata))
 
 
 def frozen_prefix(stages: Sequence[nn.Module], inputs: Sequence[torch.Tensor]) -> int:
