@@ -100,8 +100,10 @@ class StageProfile:
     ) -> tuple[Any, GradSlot, SavedTensorPacker]:
         """One forward; with ``grad``, through the executor's boundary and (unless not
         ``hooks``) pack hooks. With ``marks``, a clock mark (:func:`offremat._clock.mark`) at
-        its start and at each tensor it holds."""
-        slot = GradSlot()
+        its start and at each tensor it holds. The slot takes gradients only in
+        :meth:`backward`, as in a step: a later stage's backward that reaches this graph (a
+        tensor of this stage kept on a module and read there) raises."""
+        slot = GradSlot(self.name)
         if marks is None:
             packer = SavedTensorPacker(self.name, self.tensors, self.excluded)
         else:
@@ -133,7 +135,15 @@ class StageProfile:
     ) -> list[torch.Tensor]:
         """B(i) as in training: parameter gradients accumulate, δ_{i-1} lands in the slot."""
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            slot.receiving = True
+            try:
+                torch.autograd.backward(outputs, grads)
+            except RuntimeError as error:
+                if "backward through the graph a second time" not in str(error):
+                    raise
+                raise RuntimeError(_graph_run_before(self.name, None)) from error
+            finally:
+                slot.receiving = False
         return [g for g in slot.grads or () if g is not None]
 
     def _backward_temporary(
@@ -191,10 +201,14 @@ class StageProfile:
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes), handed
 
-    def _graph_leaves(self, outputs: Sequence[torch.Tensor]) -> dict[int, _Leaf]:
+    def _graph_leaves(self, outputs: Sequence[torch.Tensor], slot: GradSlot) -> dict[int, _Leaf]:
         """The leaves of the forward's graph that are not the stage's inputs, parameters or
         buffers (tensors made with requires_grad=True, which autograd's AccumulateGrad node
-        holds), by storage, held weakly."""
+        holds), by storage, held weakly.
+
+        Refuses a graph that reaches another stage's boundary: a tensor computed inside an
+        earlier stage and read here other than through this stage's input.
+        """
         known = self.excluded | unique_storages(self.tensors).keys()
         known.add(storage_key(self.anchor))
         leaves: dict[int, _Leaf] = {}
@@ -206,7 +220,9 @@ class StageProfile:
                 continue
             seen.add(node)
             if isinstance(node, StageInput._backward_cls):
-                continue  # the stage's inputs, cut from the graph that made them
+                if node.slot is not slot:
+                    raise RuntimeError(_graph_run_before(self.name, node.slot.stage))
+                continue  # this stage's inputs, cut from the graph that made them
             variable = getattr(node, "variable", None)
             if isinstance(variable, torch.Tensor):
                 storage = variable.untyped_storage()
@@ -274,7 +290,7 @@ class StageProfile:
         del buffers, before
         out_tensors = flatten(output)[0]
         refuse_tensors_on_ctx(self.name, out_tensors, self.excluded)
-        leaves = self._graph_leaves(out_tensors)
+        leaves = self._graph_leaves(out_tensors, slot)
         grad_bytes = gradient_bytes(out_tensors)
         out_storages = unique_storages(out_tensors)
         out_bytes = sum(
@@ -386,6 +402,32 @@ class _Leaf:
     storage: weakref.ref[torch.UntypedStorage]
     nbytes: int
     grad_bytes: int = 0
+
+
+def _graph_run_before(stage: str, source: str | None) -> str:
+    """The refusal of a stage whose graph reaches a tensor that another stage (``source``,
+    None where unknown) or an earlier call computed: another B(i) runs that graph."""
+    if source == stage:
+        made = (
+            "computed by an earlier call of this stage, kept on a module from an earlier "
+            "step's graph (a cache filled with gradients on)"
+        )
+    else:
+        where = f"stage {source!r}" if source is not None else "an earlier stage"
+        made = (
+            f"computed inside {where} and reaching it other than through its input (kept on "
+            "a module, `self.last = h`, and read by this stage, or kept by a forward hook)"
+        )
+        if source is None:
+            made += ", or kept from an earlier step's graph (a cache filled with gradients on)"
+    return (
+        f"stage {stage!r} computes with a tensor that requires grad {made}. offremat runs each "
+        "stage's backward itself, from its output, so the gradient along that path would be "
+        "lost. Pass the tensor from stage to stage with the hidden state (return it with the "
+        "block's output), compute with it inside the stage that makes it, detach it "
+        "(`self.last = h.detach()`) if no gradient should flow through it, or leave those "
+        "blocks out of the chain (blocks=)"
+    )
 
 
 class _Allocations:

@@ -676,6 +676,44 @@ def test_a_tensor_made_inside_a_stage_and_used_in_the_loss_is_refused(
         loss.backward()
 
 
+class ReadsAStash(nn.Module):
+    """Adds what an earlier stage kept on itself (``Stash.last``) to its own output."""
+
+    def __init__(self, source: Stash) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.__dict__["source"] = source  # not a submodule: the stages stay apart
+
+    def forward(self, x):
+        return self.linear(x) + self.source.last
+
+
+@pytest.mark.parametrize("position", [1, 0], ids=["after-a-stage", "first"])
+def test_a_stage_reading_a_tensor_an_earlier_stage_kept_is_refused_by_optimize(
+    position: int,
+) -> None:
+    # Plain autograd trains this; optimize raised PyTorch's "Trying to backward through the
+    # graph a second time" from the profiler, naming nothing (an independent tester's case).
+    # First, with an input that needs no gradient, the source stage has no boundary that
+    # names it: its graph was found run by the profile's backward of the reader.
+    torch.manual_seed(0)
+    stash = Stash()
+    stages = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)]
+    stages.insert(position, stash)
+    stages.insert(position + 2, ReadsAStash(stash))
+    model = nn.Sequential(*stages)
+    x = torch.randn(ROWS, WIDTH)
+    copy.deepcopy(model)(x).sum().backward()  # plain autograd trains it
+    source = f"stage '{position}'" if position else "an earlier stage"
+    with pytest.raises(RuntimeError) as refused:
+        offremat.optimize(model, x, budget=0.5, solver="dp")
+    message = str(refused.value)
+    assert message.startswith(f"stage '{position + 2}' computes with a tensor"), message
+    assert f"computed inside {source}" in message, message
+    assert "return it with the block's output" in message and "detach it" in message
+    assert "second time" not in message
+
+
 def _mlp_blocks(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
