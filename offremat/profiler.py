@@ -122,9 +122,10 @@ def profile_model(
             "%d stage(s) make tensors that require grad as leaves of their graph in their "
             "forward (%s), such as an initial state made with torch.zeros(..., "
             "requires_grad=True): autograd's graph holds them from the stage's forward to its "
-            "backward whatever the plan says, and plain autograd's, with the gradients it "
-            "gives them, to the end of the step. Counted as resident for the whole step; make "
-            "them without requires_grad=True unless their gradient is read",
+            "backward, or to the end of the step, whatever the plan says, and plain "
+            "autograd's, with the gradients it gives them, to the end of the step. Counted as "
+            "resident for the whole step and in the stage's saved set; make them without "
+            "requires_grad=True unless their gradient is read",
             len(leaves),
             ", ".join(f"{name!r} {size} B" for name, size in leaves.items()),
         )
