@@ -155,7 +155,8 @@ def find_block_run(
         prefix = prefix[starts[-1] + 1 :] if starts else prefix
     members = [*prefix, *best, *suffix]
     if blocks is None:
-        _warn_of_a_partial_run(by_type[type(first.module)], members)
+        same_depth = [r for r in by_type[type(first.module)] if r.depth == first.depth]
+        _warn_of_a_partial_run(same_depth, members)
     refuse_layer_drop(model, best)
     refuse_random_runs(model, best, records, again)
     refuse_other_readers(records, members)
@@ -327,14 +328,19 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
 
 
 def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:
-    """Say so when the chain leaves out calls of its block type: they run outside the chain
-    and keep all their activations, which no budget can change."""
+    """Say so when the chain leaves out calls of its block type at its depth (``group``):
+    they run outside the chain and keep all their activations, which no budget can change."""
     inside = [k for k, record in enumerate(group) if any(record is m for m in members)]
-    if len(inside) == len(group):
+    if not inside or len(inside) == len(group):
         return
     first, last = inside[0], inside[-1]
     # The break next to the chain: before its first block, else after its last.
-    previous, record = (group[first - 1], group[first]) if first else group[last : last + 2]
+    if first > 0:
+        previous, record = group[first - 1], group[first]
+    elif last + 1 < len(group):
+        previous, record = group[last], group[last + 1]
+    else:
+        return
     logger.warning(
         "the chain holds %d of the model's %d calls of %s (%s .. %s): the run breaks "
         "between %s and %s, where %s. The calls outside the chain keep all their "
@@ -347,7 +353,7 @@ def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall
         group[last].path,
         previous.path,
         record.path,
-        _break(previous, record),
+        _break(previous, record) or "they are not called one after the other",
     )
 
 

@@ -495,6 +495,52 @@ def test_blocks_that_hand_back_a_side_input_train_exactly(caplog) -> None:
         assert torch.equal(p.grad, q.grad)
 
 
+class _Nesting(torch.nn.Module):
+    """A block that may hold a block of its own type (called inside it)."""
+
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.inner = _Nesting(False) if nested else None
+
+    def forward(self, x):
+        x = torch.tanh(self.linear(x))
+        return x if self.inner is None else self.inner(x)
+
+
+class _NestingNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Nesting(k == 1) for k in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+class _SequentialsNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(4)]
+        )
+
+    def forward(self, x):
+        return self.blocks(x).pow(2).mean()
+
+
+def test_calls_of_the_block_type_inside_or_around_the_blocks_are_not_left_out(caplog) -> None:
+    # A block holding one of its own type crashed the warning about calls left out; a
+    # Sequential of Sequentials was warned of its container as a call left out.
+    with caplog.at_level("WARNING", logger="offremat"):
+        om = offremat.optimize(_NestingNet(), torch.randn(8, 16), budget=1.0)
+        assert om.chain.stage_names == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+        om = offremat.optimize(_SequentialsNet(), torch.randn(8, 16), budget=1.0)
+        assert om.chain.length == 4
+    assert "the chain holds" not in caplog.text
+
+
 class _KeywordStateModel(_AuxModel):
     """Blocks handed their state under a keyword of their own (``block(x=h)``)."""
 
