@@ -37,23 +37,22 @@ def refuse_random_runs(
 
 
 def refuse_layer_drop(model: nn.Module, run: list[RecordedCall]) -> None:
-    """Refuse blocks that a module on the way to them skips at random in training, told by a
-    ``layerdrop`` setting above zero (Hugging Face's LayerDrop, Fan et al. 2020) on that
-    module or its ``config``. :func:`refuse_random_runs` tells such a model only when its two
-    recorded calls draw differently; with this setting, every draw is refused alike."""
-    path = run[0].path.split(".")
-    for depth in range(len(path)):
-        where = ".".join(path[:depth])
-        module = model.get_submodule(where)
-        rate = _layer_drop(module)
-        if module.training and rate:
-            raise NotAChainError(
-                f"{where or type(model).__name__} skips each of the blocks {run[0].path} .. "
-                f"at random in training (layerdrop={rate}): its run of blocks is another "
-                "at every call, no fixed chain, so it cannot be planned; set layerdrop to 0.0 "
-                "in the model's config (config.layerdrop = 0.0, say) for training under "
-                "offremat"
-            )
+    """Refuse blocks that the module holding their container skips at random in training,
+    told by a ``layerdrop`` setting above zero (Hugging Face's LayerDrop, Fan et al. 2020) on
+    that module or its ``config``. :func:`refuse_random_runs` tells such a model only when its
+    two recorded calls draw differently; with this setting, every draw is refused alike. Only
+    that module: a config is shared by the whole model, and the other stacks it holds (a
+    feature encoder's convolutions) skip nothing."""
+    where = ".".join(run[0].path.split(".")[:-2])
+    module = model.get_submodule(where)
+    rate = _layer_drop(module)
+    if module.training and rate:
+        raise NotAChainError(
+            f"{where or type(model).__name__} skips each of the blocks {run[0].path} .. at "
+            f"random in training (layerdrop={rate}): its run of blocks is another at every "
+            "call, no fixed chain, so it cannot be planned; set layerdrop to 0.0 in the "
+            "model's config (config.layerdrop = 0.0, say) for training under offremat"
+        )
 
 
 def _layer_drop(module: nn.Module) -> float:
