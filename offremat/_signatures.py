@@ -15,6 +15,13 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.module_tracker import ModuleTracker
 
+try:  # torch's module trackers: they note module names and keep no tensor
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    _TRACKERS: tuple[type, ...] = (ModuleTracker, ModTracker)
+except ImportError:  # a torch built without distributed support
+    _TRACKERS = (ModuleTracker,)
+
 from offremat._blocks import output_capture_hooks
 from offremat._tensors import Structure, flatten
 
@@ -121,8 +128,8 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
     (``register_module_forward_hook`` and the like) count as each module's own do."""
     modules, modes = [], []
     hooks = global_hooks()
-    if any(hooks):  # by handle id, as a module's own
-        modules.append(("global hooks", *(tuple(h) for h in hooks)))
+    if any(hooks):  # by code: a tool may register its hook anew at every step
+        modules.append(("global hooks", *(tuple(map(_code, h.values())) for h in hooks)))
     configs: set[int] = set()
     for stage in stages:
         for module in stage.modules():
@@ -159,8 +166,9 @@ def global_hooks() -> tuple[dict[int, Any], ...]:
     """The hooks torch runs for every module (``register_module_forward_hook`` and the like),
     by kind (forward pre-hooks, forward hooks, backward pre-hooks, backward hooks), each a
     dict from handle id to hook; empty when there are none. Left out: those of torch's
-    ``ModuleTracker`` (``FlopCounterMode``'s), which note module names and keep no tensor,
-    and which each use registers anew: counting a step's flops would plan it again."""
+    ``ModuleTracker`` (``FlopCounterMode``'s) and ``ModTracker`` (``MemTracker``'s and
+    ``CommDebugMode``'s), which note module names and keep no tensor, and which each use
+    registers anew: counting a step's flops would plan it again, and break the tracker."""
     kinds = (
         torch_module._global_forward_pre_hooks,
         torch_module._global_forward_hooks,
@@ -173,7 +181,14 @@ def global_hooks() -> tuple[dict[int, Any], ...]:
 
 
 def _tracks_modules(hook: Any) -> bool:
-    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
+    return isinstance(getattr(hook, "__self__", None), _TRACKERS)
+
+
+def _code(hook: Any) -> Any:
+    """What a hook runs: its function's code (the same for each closure a ``def`` makes),
+    else, for a callable object, its type."""
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    return type(hook) if code is None else code
 
 
 def implementations(config: Any) -> tuple[tuple[str, Any], ...]:

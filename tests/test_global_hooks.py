@@ -122,6 +122,33 @@ def test_counting_flops_does_not_plan_again() -> None:
     assert counted[0] == counted[1] > 0
 
 
+def test_a_hook_registered_anew_at_every_step_plans_once() -> None:
+    """A tool entered per step registers its global hook anew, under a new handle id: keyed
+    by id, every step planned again (a full profile each on a real model)."""
+    _, _, om, x = setup(0.8)
+    calls = []
+
+    def count_calls(module, args, output):
+        calls.append(type(module).__name__)
+
+    for _ in range(3):
+        handle = register_module_forward_hook(count_calls)
+        with registered(handle):
+            om(x).backward()
+    assert om.cache_info()["misses"] == 1  # the hook's first step
+
+
+def test_tracking_modules_with_mod_tracker_does_not_plan_again() -> None:
+    """torch's ModTracker (MemTracker's, CommDebugMode's) keeps nothing; a plan made again
+    under it broke its tracking ('The Module hierarchy tracking is wrong')."""
+    tracker_module = pytest.importorskip("torch.distributed._tools.mod_tracker")
+    _, _, om, x = setup(0.8)
+    for _ in range(2):
+        with tracker_module.ModTracker():
+            om(x).backward()
+    assert om.cache_info()["misses"] == 0
+
+
 def test_a_recomputed_stage_runs_global_hooks_as_it_runs_its_modules_own() -> None:
     """Forward pre-hooks run again when a stage is recomputed, a module's own and global ones
     alike (as under torch.utils.checkpoint); full backward hooks run once per module, as in
