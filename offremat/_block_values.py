@@ -60,19 +60,35 @@ def block_output(
     output: Structure,
     hidden: torch.Tensor,
     path: str,
-    passed: Sequence[int | None] = (),
-    side: Sequence[torch.Tensor] = (),
+    passed: Sequence[tuple[str, Any] | None],
+    side: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> Any:
     """What the block at ``path``, whose output has structure ``output``, returns to the
-    model: ``hidden`` in its place, and for its other tensors the side input it handed back
-    (``passed``: its index in ``side``, this call's side input tensors), else a
-    :class:`Dropped` stand-in: the chain drops them."""
+    model: ``hidden`` in its place, and for its other tensors the side argument of this call
+    (``side``) it hands back (``passed``), else a :class:`Dropped` stand-in: the chain drops
+    them."""
     count = _tensor_count(output)
     others = [
-        Dropped.of(path, k + 2, count) if index is None else side[index]
-        for k, index in enumerate(passed or [None] * (count - 1))
+        Dropped.of(path, k + 2, count) if place is None else _side_argument(side, place, path)
+        for k, place in enumerate(passed)
     ]
     return unflatten([hidden, *others], output)
+
+
+def _side_argument(
+    side: tuple[tuple[Any, ...], dict[str, Any]], place: tuple[str, Any], path: str
+) -> torch.Tensor:
+    kind, key = place
+    args, kwargs = side
+    value = kwargs.get(key) if kind == "kwarg" else args[key] if key < len(args) else None
+    if not isinstance(value, torch.Tensor):
+        name = f"argument {key + 1}" if kind == "arg" else f"argument {key!r}"
+        raise NotAChainError(
+            f"{path} hands back its side {name}, which this call does not pass as a tensor "
+            "(it did when the chain was found): call the blocks with the same arguments as "
+            "the example batch did, or optimize with a batch that calls them this way"
+        )
+    return value
 
 
 class Dropped(torch.Tensor):

@@ -57,9 +57,9 @@ class BlockCall:
     ``hidden_keyword`` is the keyword the hidden state was passed under (None: the first
     positional argument); ``output`` is the structure of what the module returns, the hidden
     state its first tensor; ``side`` says whether it takes the run's side inputs;
-    ``passed`` says, for each of its output's other tensors, which of its side input tensors
-    it is (a position bias handed on, as T5's blocks return theirs), or None: one the model
-    drops.
+    ``passed`` says, for each of its output's other tensors, which of its side arguments it
+    is (("arg", position) or ("kwarg", name): a position bias handed on, as T5's blocks
+    return theirs), or None: one the model drops.
     """
 
     path: str
@@ -67,7 +67,7 @@ class BlockCall:
     hidden_keyword: str | None
     output: Structure
     side: bool
-    passed: tuple[int | None, ...] = ()
+    passed: tuple[tuple[str, Any] | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def find_block_run(
             r.hidden_keyword,
             hidden_output(r.output_structure),
             id(r) not in added,
-            tuple(r.side[0].index(t) if t in r.side[0] else None for t in r.extra_outputs),
+            r.passed,
         )
         for r in members
     )

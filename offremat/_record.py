@@ -53,6 +53,9 @@ class RecordedCall:
     # model returns one (else the model drops them: attention weights it did not ask for).
     extra_outputs: tuple[int, ...] = ()
     extras_read: bool = False
+    # For each of those, where it sits among the call's side arguments if it is one of them,
+    # handed back (("arg", position) or ("kwarg", name)), else None.
+    passed: tuple[tuple[str, Any] | None, ...] = ()
 
     @property
     def in_place(self) -> bool:
@@ -67,6 +70,19 @@ def hidden_keyword(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | bool 
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return "hidden_states"
     return False
+
+
+def side_places(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, tuple[str, Any]]:
+    """Side arguments that are tensors themselves, by ``id``: ("arg", position) or
+    ("kwarg", name)."""
+    places: dict[int, tuple[str, Any]] = {}
+    for position, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            places.setdefault(id(value), ("arg", position))
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            places.setdefault(id(value), ("kwarg", name))
+    return places
 
 
 def split_hidden(
@@ -138,6 +154,7 @@ class _Recorder:
             "hidden_keyword": hidden_keyword(tuple(args), dict(kwargs)) or None,
             "state_only": len(args) == 1 and hidden is not None and not kwargs,
             "side": (tuple(self.tokens.of(t) for t in side_tensors), side_structure),
+            "places": side_places(side_args, side_kwargs),
             "checkpointed": checkpointed_by_caller(module),
         }
         self.calls.append(call)
@@ -152,6 +169,8 @@ class _Recorder:
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
         call["extra_outputs"] = tuple(self.tokens.of(t) for t in tensors[1:])
+        places = call.pop("places")
+        call["passed"] = tuple(places.get(id(t)) for t in tensors[1:])
         call["state_only"] = call["state_only"] and len(tensors) == 1
 
 
@@ -190,8 +209,9 @@ def _extras_marked(records: list[RecordedCall], returned: frozenset[int]) -> lis
     side inputs it returns as they came."""
     marked = []
     for k, record in enumerate(records):
-        # A side input handed back (a position bias) is no output the chain must keep.
-        extras = set(record.extra_outputs) - set(record.side[0])
+        # A side argument handed back (a position bias) is no output the chain must keep.
+        pairs = zip(record.extra_outputs, record.passed, strict=True)
+        extras = {t for t, place in pairs if place is None}
         if extras:
             end = k + 1
             while end < len(records) and records[end].depth > record.depth:

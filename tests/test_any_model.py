@@ -541,6 +541,51 @@ def test_calls_of_the_block_type_inside_or_around_the_blocks_are_not_left_out(ca
     assert "the chain holds" not in caplog.text
 
 
+class _BiasedBlock(torch.nn.Module):
+    """Hands back the bias it takes, as T5's blocks do, beside optional side arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask=None, bias=None, scale=None):
+        h = torch.tanh(self.linear(x) + bias)
+        h = h if mask is None else h * mask
+        return (h if scale is None else h * scale), bias
+
+
+class _BiasedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.make_bias = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(_BiasedBlock() for _ in range(4))
+
+    def forward(self, x, mask=None, scale=None):
+        bias = self.make_bias(x).detach()
+        for block in self.blocks:
+            x, bias = block(x, mask=mask, bias=bias, scale=scale)
+        return (x + bias).pow(2).mean()
+
+
+def test_a_side_argument_handed_back_is_found_by_name_whatever_else_is_passed() -> None:
+    # Found by its position among the side tensors of the example call, the bias handed back
+    # was another tensor when an optional one before it was absent: a wrong loss, silently.
+    torch.manual_seed(0)
+    model = _BiasedNet()
+    reference = copy.deepcopy(model)
+    x, mask, scale = torch.randn(64, 16), (torch.rand(64, 16) > 0.3).float(), torch.rand(64, 16)
+    om = offremat.optimize(model, {"x": x, "mask": mask}, budget=0.9, solver="dp")
+    for call in ({"x": x, "scale": scale}, {"x": x}, {"x": x, "mask": mask, "scale": scale}):
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = None
+        loss, plain = om(**call), reference(**call)
+        loss.backward()
+        plain.backward()
+        assert torch.equal(loss, plain), sorted(call)
+        for p, q in zip(model.blocks.parameters(), reference.blocks.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), sorted(call)
+
+
 class _KeywordStateModel(_AuxModel):
     """Blocks handed their state under a keyword of their own (``block(x=h)``)."""
 
