@@ -107,6 +107,28 @@ def t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
+def wav2vec2(layerdrop: float) -> nn.Module:
+    """An audio encoder whose config sets LayerDrop for its transformer layers."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 4),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4,
+        num_labels=4,
+        layerdrop=layerdrop,
+        mask_time_prob=0.0,
+    )
+    return Wav2Vec2ForSequenceClassification(config).train()
+
+
 def vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 

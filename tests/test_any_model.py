@@ -629,27 +629,6 @@ def test_blocks_skipped_at_random_are_refused_when_optimized() -> None:
         offremat.optimize(LayerDropNet(), torch.randn(4, 16), budget=0.5)
 
 
-def _wav2vec2(layerdrop: float) -> torch.nn.Module:
-    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
-
-    torch.manual_seed(0)
-    config = Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 4),
-        conv_kernel=(10, 4),
-        num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4,
-        num_labels=4,
-        layerdrop=layerdrop,
-        mask_time_prob=0.0,
-    )
-    return Wav2Vec2ForSequenceClassification(config).train()
-
-
 AUDIO = {"input_values": torch.randn(4, 1600), "labels": torch.tensor([0, 1, 2, 3])}
 
 
@@ -657,7 +636,7 @@ AUDIO = {"input_values": torch.randn(4, 1600), "labels": torch.tensor([0, 1, 2, 
 def test_a_hugging_face_layerdrop_is_refused_by_its_setting_whatever_the_draw(seed) -> None:
     # Refused before by whichever check one draw tripped first, three messages, one of
     # which named no random draw.
-    model = _wav2vec2(layerdrop=0.1)
+    model = zoo.wav2vec2(layerdrop=0.1)
     torch.manual_seed(seed)
     with pytest.raises(offremat.NotAChainError, match=r"at random in training \(layerdrop=0.1\)"):
         offremat.optimize(model, AUDIO, budget=0.7)
@@ -668,7 +647,10 @@ def test_a_hugging_face_layerdrop_is_refused_by_its_setting_whatever_the_draw(se
 def test_a_layerdrop_setting_leaves_the_models_other_stacks_alone() -> None:
     # The config is the whole model's: the feature encoder's convolutions skip nothing.
     om = offremat.optimize(
-        _wav2vec2(layerdrop=0.1), AUDIO, budget=1.0, blocks="wav2vec2.feature_extractor.conv_layers"
+        zoo.wav2vec2(layerdrop=0.1),
+        AUDIO,
+        budget=1.0,
+        blocks="wav2vec2.feature_extractor.conv_layers",
     )
     assert om.chain.stage_names[0] == "wav2vec2.feature_extractor.conv_layers.0"
 
