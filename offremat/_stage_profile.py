@@ -24,20 +24,19 @@ from torch.autograd.graph import get_gradient_edge
 from offremat._buffers import FirstForward, buffer_copy_bytes
 from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._ctx_tensors import refuse_tensors_on_ctx
+from offremat._graph_leaves import GraphLeaf, graph_leaves, graph_run_before
 from offremat._scan import scan_modules
 from offremat._stage import (
     GradSlot,
     SavedTensorPacker,
-    StageInput,
     check_unmodified,
     enter_stage,
     norm_statistics_bytes,
 )
 from offremat._tensors import (
-    allocated_bytes,
     copied,
     flatten,
-    is_differentiable,
+    gradient_bytes,
     storage_allocated_bytes,
     storage_key,
     unflatten,
@@ -141,7 +140,7 @@ class StageProfile:
             except RuntimeError as error:
                 if "backward through the graph a second time" not in str(error):
                     raise
-                raise RuntimeError(_graph_run_before(self.name, None)) from error
+                raise RuntimeError(graph_run_before(self.name, None)) from error
             finally:
                 slot.receiving = False
         return [g for g in slot.grads or () if g is not None]
@@ -201,40 +200,14 @@ class StageProfile:
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes), handed
 
-    def _graph_leaves(self, outputs: Sequence[torch.Tensor], slot: GradSlot) -> dict[int, _Leaf]:
+    def _graph_leaves(
+        self, outputs: Sequence[torch.Tensor], slot: GradSlot
+    ) -> dict[int, GraphLeaf]:
         """The leaves of the forward's graph that are not the stage's inputs, parameters or
-        buffers (tensors made with requires_grad=True, which autograd's AccumulateGrad node
-        holds), by storage, held weakly.
-
-        Refuses a graph that reaches another stage's boundary: a tensor computed inside an
-        earlier stage and read here other than through this stage's input.
-        """
+        buffers (see :func:`offremat._graph_leaves.graph_leaves`)."""
         known = self.excluded | unique_storages(self.tensors).keys()
         known.add(storage_key(self.anchor))
-        leaves: dict[int, _Leaf] = {}
-        seen: set[Any] = set()
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if isinstance(node, StageInput._backward_cls):
-                if node.slot is not slot:
-                    raise RuntimeError(_graph_run_before(self.name, node.slot.stage))
-                continue  # this stage's inputs, cut from the graph that made them
-            variable = getattr(node, "variable", None)
-            if isinstance(variable, torch.Tensor):
-                storage = variable.untyped_storage()
-                key = storage._cdata
-                if key not in known and storage.nbytes() > 0:
-                    leaf = leaves.setdefault(
-                        key, _Leaf(weakref.ref(storage), storage_allocated_bytes(storage))
-                    )
-                    leaf.grad_bytes += gradient_bytes([variable])
-                continue
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        return leaves
+        return graph_leaves(outputs, slot, known, self.name)
 
     def _unhooked_backward_temporary(self, last: bool, saved_bytes: int) -> int:
         """B(i)'s temporary after a forward without saved-tensor hooks, as autograd alone runs
@@ -394,42 +367,6 @@ class StageProfile:
         return dataclasses.replace(sizes, **timed_figures), handed
 
 
-@dataclass
-class _Leaf:
-    """A leaf of a stage's graph, made by its forward: its storage, held weakly, its bytes,
-    and the bytes of the gradients autograd gives the leaf tensors over it."""
-
-    storage: weakref.ref[torch.UntypedStorage]
-    nbytes: int
-    grad_bytes: int = 0
-
-
-def _graph_run_before(stage: str, source: str | None) -> str:
-    """The refusal of a stage whose graph reaches a tensor that another stage (``source``,
-    None where unknown) or an earlier call computed: another B(i) runs that graph."""
-    if source == stage:
-        made = (
-            "computed by an earlier call of this stage, kept on a module from an earlier "
-            "step's graph (a cache filled with gradients on)"
-        )
-    else:
-        where = f"stage {source!r}" if source is not None else "an earlier stage"
-        made = (
-            f"computed inside {where} and reaching it other than through its input (kept on "
-            "a module, `self.last = h`, and read by this stage, or kept by a forward hook)"
-        )
-        if source is None:
-            made += ", or kept from an earlier step's graph (a cache filled with gradients on)"
-    return (
-        f"stage {stage!r} computes with a tensor that requires grad {made}. offremat runs each "
-        "stage's backward itself, from its output, so the gradient along that path would be "
-        "lost. Pass the tensor from stage to stage with the hidden state (return it with the "
-        "block's output), compute with it inside the stage that makes it, detach it "
-        "(`self.last = h.detach()`) if no gradient should flow through it, or leave those "
-        "blocks out of the chain (blocks=)"
-    )
-
-
 class _Allocations:
     """The storages a block of code allocates, to find those still alive later.
 
@@ -469,13 +406,3 @@ class _Allocations:
             inside = torch.cuda.memory_allocated(self.device) - self.before
             return max(inside - sum(s.nbytes() for s in handed.values()), 0)
         return sum(s.nbytes() for k, s in self.alive().items() if k not in handed | state)
-
-
-def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient, as the
-    device's allocator counts it (:func:`offremat._tensors.allocated_bytes`)."""
-    return sum(
-        allocated_bytes(t.numel() * t.element_size(), t.device)
-        for t in tensors
-        if t.requires_grad and is_differentiable(t)
-    )

@@ -200,6 +200,16 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storage.nbytes() for storage in unique_storages(tensors).values())
 
 
+def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the gradients of ``tensors``: one per tensor that carries a gradient, as the
+    device's allocator counts it (:func:`offremat._tensors.allocated_bytes`)."""
+    return sum(
+        allocated_bytes(t.numel() * t.element_size(), t.device)
+        for t in tensors
+        if t.requires_grad and is_differentiable(t)
+    )
+
+
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator's granule: every block it hands out is a multiple of it."""
 

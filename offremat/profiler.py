@@ -35,9 +35,10 @@ from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import shared_gradient_bytes
-from offremat._stage_profile import Measured, StageProfile, gradient_bytes
+from offremat._stage_profile import Measured, StageProfile
 from offremat._tensors import (
     flatten,
+    gradient_bytes,
     is_differentiable,
     refuse_hidden_tensors,
     storage_bytes,
