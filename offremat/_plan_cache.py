@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 # 2: buffer copies counted, module settings in the key; 3: changed buffers counted, code in it;
 # 4: the code forward reaches and the library's versions in it; 5: the kind and bytes of the
-# chain input a model's chain was profiled on, in its metadata
-FORMAT = "offremat.plan-cache/5"
+# chain input a model's chain was profiled on, in its metadata; 6: a forward set on the
+# instance in the key, and a digest of the chain and plan
+FORMAT = "offremat.plan-cache/6"
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -115,7 +116,8 @@ def _reached_code(module: nn.Module) -> str:
     """
     home = _package(type(module))
     parts = []
-    pending: list[Any] = [type(module).forward]
+    # A forward set on the instance (a patched module) runs instead of its class's.
+    pending: list[Any] = [module.__dict__.get("forward", type(module).forward)]
     seen: set[int] = set()
     while pending:
         function = _unwrapped(pending.pop())
@@ -344,6 +346,10 @@ class PlanCache:
                 raise ValueError(f"not an {FORMAT} file")
             if data.get("key") != key:
                 raise ValueError("its key is another model's, device's, budget's or shape's")
+            if data.get("digest") != _digest(data.get("chain"), data.get("plan")):
+                # An edited chain can make a plan fit it, and a budget given as a fraction is
+                # a fraction of the file's own chain: neither would be seen.
+                raise ValueError("its chain or plan was changed after it was written")
             chain = Chain.from_dict(data["chain"])
             plan = Plan.from_dict(data["plan"])
             problems = validate(plan, chain)
@@ -369,7 +375,14 @@ class PlanCache:
     def store(self, signature: str, chain: Chain, plan: Plan) -> None:
         """Write the entry atomically (a temporary file renamed over it); log a failure."""
         key, path = self._entry(signature)
-        data = {"format": FORMAT, "key": key, "chain": chain.to_dict(), "plan": plan.to_dict()}
+        chain_data, plan_data = chain.to_dict(), plan.to_dict()
+        data = {
+            "format": FORMAT,
+            "key": key,
+            "chain": chain_data,
+            "plan": plan_data,
+            "digest": _digest(chain_data, plan_data),
+        }
         temporary: Path | None = None
         try:
             with tempfile.NamedTemporaryFile(
@@ -382,3 +395,9 @@ class PlanCache:
             logger.warning("could not write plan cache file %s: %s", path, error)
             if temporary is not None:
                 temporary.unlink(missing_ok=True)
+
+
+def _digest(chain: Any, plan: Any) -> str:
+    """A digest of an entry's chain and plan as written (as JSON reads them back)."""
+    written = json.loads(json.dumps([chain, plan]))
+    return hashlib.sha256(json.dumps(written, sort_keys=True).encode()).hexdigest()

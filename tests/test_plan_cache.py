@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from offremat._plan_cache import PlanCache
+from offremat._plan_cache import PlanCache, _digest
 from solvers.chain import Chain, Stage
 from solvers.plan import Plan
 from solvers.registry import solve
@@ -137,6 +137,7 @@ def test_a_plan_read_back_has_the_simulator_s_predictions_not_the_file_s(tmp_pat
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
     data["plan"].update(predicted_peak_bytes=1, predicted_time_s=0.001)
+    data["digest"] = _digest(data["chain"], data["plan"])
     path.write_text(json.dumps(data))
     loaded = cache.load("(64,)")
     assert loaded is not None
@@ -154,9 +155,29 @@ def _mlp() -> torch.nn.Sequential:
 
 
 def _edit_entry(path, change) -> None:
+    """Change an entry as if it had been written so (its digest made anew): what the checks
+    after the digest's must catch in a file another version or shape wrote."""
     data = json.loads(path.read_text())
     change(data)
+    data["digest"] = _digest(data["chain"], data["plan"])
     path.write_text(json.dumps(data))
+
+
+def test_an_entry_edited_after_it_was_written_is_ignored(tmp_path, caplog) -> None:
+    """Chain bytes divided by 3 and a keep-all plan, consistent with each other, were read and
+    run 1.012 times over the budget at every step; with the budget a fraction, an edited
+    chain set the bytes of the budget (1.51 times the one asked for)."""
+    chain = small_chain()
+    cache = PlanCache(tmp_path, KEY)
+    cache.store("(64,)", chain, solve(chain, 900))
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    for stage in data["chain"]["stages"]:
+        stage["saved_bytes"] = max(stage["out_bytes"], stage["saved_bytes"] // 3)
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="offremat"):
+        assert cache.load("(64,)") is None
+    assert "changed after it was written" in caplog.text
 
 
 def _regroup(data: dict[str, Any]) -> None:
@@ -213,3 +234,21 @@ def test_another_shape_s_entry_of_other_stages_is_ignored(tmp_path, caplog) -> N
         again(y).sum().backward()
     assert "ignoring plan cache file" in caplog.text
     assert "it has 2 stages" in caplog.text
+
+
+def test_a_forward_set_on_the_instance_is_part_of_the_key() -> None:
+    """A head whose forward was replaced on the instance (its backward makes a float64
+    temporary) read the plain model's keep-all plan from disk and ran 1.046 times over the
+    budget at every step."""
+    import types
+
+    from offremat._plan_cache import model_fingerprint
+
+    model = _mlp()
+    before = model_fingerprint(model)
+
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.Sequential.forward(self, x.double()).float()
+
+    model[0].forward = types.MethodType(doubled, model[0])
+    assert model_fingerprint(model) != before
