@@ -44,31 +44,40 @@ def same_gradients(model, reference) -> bool:
     return all(torch.equal(p.grad, q.grad) for p, q in pairs)
 
 
-def test_an_attention_implementation_set_after_optimize_is_planned_again() -> None:
-    # Eager attention saves its probabilities, which sdpa does not: the sdpa plan measured
-    # 19% over its budget on eager attention.
+def _eager_attention(model) -> None:
+    model.set_attn_implementation("eager")
+
+
+def _checkpointing_on(model) -> None:
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _checkpointing_off(model) -> None:
+    model.activation_checkpointing_disable()
+
+
+@pytest.mark.parametrize(
+    ("before", "switch", "budget"),
+    [
+        # Eager attention saves its probabilities, which sdpa does not: the sdpa plan
+        # measured 19% over its budget on eager attention.
+        (None, _eager_attention, 0.5),
+        # activation_checkpointing_disable() (gradient_checkpointing_disable() before
+        # transformers 6) clears each layer's gradient_checkpointing flag and nothing else
+        # (enabling also hooks the input embeddings): the plan made with it on measured 2.6
+        # times its budget with it off.
+        (_checkpointing_on, _checkpointing_off, 0.9),
+    ],
+    ids=["attention implementation", "activation checkpointing off"],
+)
+def test_a_setting_changed_after_optimize_is_planned_again(before, switch, budget) -> None:
     torch.manual_seed(0)
     model = zoo.llama().train()
     assert model.config._attn_implementation == "sdpa"
-    om = offremat.optimize(model, BATCH, budget=0.5)
-    model.set_attn_implementation("eager")
-    reference = copy.deepcopy(model)
-    peak, loss = step(om, model)
-    assert om.cache_info()["misses"] == 1  # planned again
-    assert peak <= om.plan.budget_bytes
-    assert torch.equal(loss, plain_step(reference)) and same_gradients(model, reference)
-
-
-def test_hugging_face_activation_checkpointing_disabled_after_optimize_is_planned_again() -> None:
-    # activation_checkpointing_disable() (gradient_checkpointing_disable() before
-    # transformers 6) clears each layer's gradient_checkpointing flag and nothing else
-    # (enabling also hooks the input embeddings): the plan made with it on measured 2.6 times
-    # its budget with it off.
-    torch.manual_seed(0)
-    model = zoo.llama().train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    om = offremat.optimize(model, BATCH, budget=0.9)
-    model.activation_checkpointing_disable()
+    if before is not None:
+        before(model)
+    om = offremat.optimize(model, BATCH, budget=budget)
+    switch(model)
     reference = copy.deepcopy(model)
     peak, loss = step(om, model)
     assert om.cache_info()["misses"] == 1  # planned again
