@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils.module_tracker import ModuleTracker
 
 try:  # torch's module trackers: they note module names and keep no tensor
@@ -121,11 +122,12 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
     hooks (one that logs activations keeps them, which the profile measures) and the
     implementations its ``config`` picks (a Hugging Face model's attention
     implementation, which decides what attention saves); and each module's training
-    flag; and a Hugging Face layer's ``gradient_checkpointing`` flag, which
+    flag; a Hugging Face layer's ``gradient_checkpointing`` flag, which
     ``gradient_checkpointing_disable`` clears alone (the profile measured what checkpointing
-    saves). Not buffers: one may follow the input's shape (a mask cached for the last
-    length), which each shape's own plan covers. The hooks registered for every module
-    (``register_module_forward_hook`` and the like) count as each module's own do."""
+    saves); and its dropout rates. Not buffers: one may follow the input's shape (a mask
+    cached for the last length), which each shape's own plan covers. The hooks registered
+    for every module (``register_module_forward_hook`` and the like) count as each module's
+    own do."""
     modules, modes = [], []
     hooks = global_hooks()
     if any(hooks):  # by code: a tool may register its hook anew at every step
@@ -138,6 +140,9 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
             checkpointing = module.__dict__.get("gradient_checkpointing")
             if checkpointing is not None:
                 modules.append(("gradient_checkpointing", checkpointing))
+            rates = _dropout_rates(module)
+            if rates:
+                modules.append(("dropout", rates))
             modules.extend(
                 (p.shape, p.dtype, p.device, p.requires_grad)
                 for p in module._parameters.values()
@@ -160,6 +165,25 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
                 configs.add(id(config))
                 modules.append(("config", implementations(config)))
     return tuple(modules), tuple(modes)
+
+
+# The attributes attention modules hand to scaled_dot_product_attention as its dropout rate.
+_DROPOUT_NAMES = ("dropout", "attention_dropout", "attn_dropout", "dropout_p", "dropout_rate")
+
+
+def _dropout_rates(module: nn.Module) -> tuple[float, ...]:
+    """The module's dropout rates: what a dropout layer, or an attention module whose rate is
+    a plain attribute, saves depends on them (a mask, attention's probabilities), and a
+    dropout schedule changes them between steps. Other plain attributes are left out: one may
+    count steps."""
+    attributes = module.__dict__
+    if isinstance(module, _DropoutNd):
+        return (module.p,)
+    return tuple(
+        value
+        for name in _DROPOUT_NAMES
+        if isinstance(value := attributes.get(name), float) and not isinstance(value, bool)
+    )
 
 
 def global_hooks() -> tuple[dict[int, Any], ...]:

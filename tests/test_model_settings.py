@@ -222,3 +222,33 @@ def test_the_plans_of_the_last_eight_other_states_stay() -> None:
     assert om.cache_info()["misses"] == KEPT_STATES
     step_in_state(0)  # one of the 8 others: its plan stayed
     assert om.cache_info()["misses"] == KEPT_STATES
+
+
+def test_a_dropout_rate_changed_after_optimize_is_planned_again() -> None:
+    """A dropout schedule: raised from 0 after optimize, the plan made without dropout ran at
+    1.45 times its budget (the in-repo GPT: masks, and attention's math path)."""
+    from offremat.models import GPTConfig, build_gpt, gpt_batch
+
+    config = GPTConfig(layers=4, hidden=64, heads=4, seq=64, vocab=128, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_gpt(config).train()
+    batch = gpt_batch(config, 4, seed=0)
+    om = offremat.optimize(model, batch, budget=0.6, solver="dp")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+        elif "dropout" in module.__dict__:
+            module.dropout = 0.1
+    reference = copy.deepcopy(model)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = om(batch)
+        loss.backward()
+    assert om.cache_info()["misses"] == 1  # planned again
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    torch.manual_seed(1)
+    plain = reference(batch)
+    plain.backward()
+    assert torch.equal(loss, plain) and same_gradients(model, reference)
