@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import shared_gradient_bytes
+from offremat._stage import AutocastState
 from offremat._stage_profile import Measured, StageProfile
 from offremat._tensors import (
     flatten,
@@ -78,7 +80,11 @@ def profile_model(
         raise TypeError("the example input holds no tensor; pass what the model's forward takes")
     device = input_tensors[0].device
     check_device(modules, device)
-    with untouched(modules, device):
+    with untouched(modules, device), ExitStack() as autocast:
+        # The caller's autocast, with its weight cache off, as every step runs it: the cache
+        # would keep each stage's low-precision weight copies, taken for kept activations.
+        for state in AutocastState.of_step(device):
+            state.enter(autocast)
         if stages is None or stages == len(blocks):
             groups = [range(k, k + 1) for k in range(len(blocks))]
         else:

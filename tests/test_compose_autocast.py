@@ -97,3 +97,22 @@ def test_a_keep_all_plan_under_the_callers_autocast_holds_no_cached_weights() ->
             om(x).float().pow(2).mean().backward()
     assert om.plan.decisions == dict.fromkeys(om.plan.decisions, "keep")
     assert memory.peak_bytes <= om.plan.budget_bytes
+
+
+def test_a_shape_profiled_under_the_callers_autocast_counts_no_cached_weights(caplog) -> None:
+    """A new shape planned in a step inside the caller's autocast region profiled its stages
+    with autocast's weight cache on: each block's bf16 weight copies were taken for
+    activations the block keeps, warned of and counted as resident for the whole step."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    model = build_gpt(CONFIG)
+    with torch.autocast("cpu", torch.bfloat16):
+        om = offremat.optimize(model, gpt_batch(CONFIG, 4), budget=0.5)
+    shorter = gpt_batch(replace(CONFIG, seq=32), 4)
+    with torch.autocast("cpu", torch.bfloat16), caplog.at_level("WARNING", logger="offremat"):
+        loss = om(shorter)
+    loss.backward()
+    assert om.cache_info()["misses"] == 1
+    assert om.chain.metadata["kept_by_modules_bytes"] == 0
+    assert "of its activations after its backward" not in caplog.text
