@@ -186,13 +186,18 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedS
 
 def _strided_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensor, or the strided tensors a sparse one is made of (a sparse buffer)."""
-    if tensor.layout == torch.strided:
-        return (tensor,)
+    return (tensor,) if tensor.layout == torch.strided else sparse_parts(tensor)
+
+
+def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a sparse tensor's indices and values."""
     if tensor.layout == torch.sparse_coo:
-        return tensor._indices(), tensor._values()
+        return (tensor._indices(), tensor._values())
     if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
-    return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    raise TypeError(f"cannot measure a tensor of layout {tensor.layout}")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -41,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from offremat._eager import EagerDispatchMode
-from offremat._tensors import storage_bytes
+from offremat._tensors import sparse_parts, storage_bytes
 
 
 class LiveStorageTracker(EagerDispatchMode):
@@ -113,7 +113,7 @@ def _storage_leaves(value: Any, found: list[Any]) -> None:
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
         # A sparse tensor (an nn.Embedding(sparse=True)'s gradient) has no storage of its
         # own: its memory is that of its parts.
-        for part in _sparse_parts(value):
+        for part in sparse_parts(value):
             _storage_leaves(part, found)
     elif isinstance(value, (torch.Tensor, torch.UntypedStorage)):
         found.append(value)
@@ -123,17 +123,6 @@ def _storage_leaves(value: Any, found: list[Any]) -> None:
     elif isinstance(value, dict):
         for item in value.values():
             _storage_leaves(item, found)
-
-
-def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The strided tensors that hold a sparse tensor's indices and values."""
-    if tensor.layout == torch.sparse_coo:
-        return (tensor._indices(), tensor._values())
-    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
-    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
-        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
-    raise TypeError(f"cannot measure a tensor of layout {tensor.layout}")
 
 
 def _key(leaf: torch.Tensor | torch.UntypedStorage) -> int:
