@@ -180,9 +180,7 @@ def _dropout_rates(module: nn.Module) -> tuple[float, ...]:
     if isinstance(module, _DropoutNd):
         return (module.p,)
     return tuple(
-        value
-        for name in _DROPOUT_NAMES
-        if isinstance(value := attributes.get(name), float) and not isinstance(value, bool)
+        value for name in _DROPOUT_NAMES if isinstance(value := attributes.get(name), float)
     )
 
 

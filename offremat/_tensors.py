@@ -169,8 +169,7 @@ def storage_key(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage()._cdata
     except NotImplementedError:
-        values = tensor._values() if tensor.layout == torch.sparse_coo else tensor.values()
-        return values.untyped_storage()._cdata
+        return sparse_parts(tensor)[-1].untyped_storage()._cdata  # its values
 
 
 def unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
