@@ -42,6 +42,15 @@ from solvers.chain import Chain
 Built = tuple[nn.Module, ShapePlans, BlockRun | None]
 
 
+def _is_block_list(model: Any) -> bool:
+    """Whether ``model`` is its own chain: a list of blocks, or an ``nn.Sequential`` that
+    calls its children as ``nn.Sequential`` does (a subclass with a ``forward`` of its own may
+    call them otherwise, under ``no_grad`` say, so its run of blocks is found as any model's)."""
+    if isinstance(model, nn.Sequential):
+        return type(model).forward is nn.Sequential.forward
+    return isinstance(model, (nn.ModuleList, list, tuple))
+
+
 def build(
     model: nn.Module | Sequence[nn.Module], example_batch: Any, request: Request, blocks: str | None
 ) -> Built:
@@ -49,7 +58,7 @@ def build(
     of blocks given as such)."""
     tensors, _ = flatten(example_batch)
     stages, bandwidth = request.stages, request.bandwidth
-    if blocks is None and isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
+    if blocks is None and _is_block_list(model):
         return _build_sequential(model, example_batch, request)
     if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
         raise TypeError(

@@ -37,6 +37,7 @@ from torch.nn.modules import module as module_globals
 
 from offremat._block_values import block_output, hidden_of, side_inputs_of, stand_in
 from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
+from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
 from offremat._tensors import flatten, same_structure
 
@@ -91,6 +92,8 @@ class RunInterception:
         self.result: torch.Tensor | None = None
         self.handed: torch.Tensor | None = None
         self.side: Any = None
+        self.context: CallContext | None = None
+        self.states: dict[int, BlockState] = {}
         self._installed: list[tuple[nn.Module, Any]] = []
         self._bypassed: list[tuple[nn.Module, dict[int, Any], dict[int, Any]]] = []
 
@@ -156,6 +159,7 @@ class RunInterception:
             )
         hidden, side = side_inputs_of(expected.path, args, kwargs)
         if self.position == 0:
+            self.context = CallContext.now()
             self._uninstall()
             try:
                 output = self.execute((hidden, *side))
@@ -163,18 +167,54 @@ class RunInterception:
                 self._install()
             self.result = output[0]
             self.side = side
+            self.states = {id(c.module): BlockState.of(c.module) for c in calls[1:]}
         elif hidden is not self.handed or (expected.side and not _same_values(side, self.side)):
             raise NotAChainError(
                 f"the model changed the hidden state or the other arguments between "
                 f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
                 "blocks as one chain, so their inputs must flow from block to block"
             )
+        else:
+            self._check_unchanged(expected)
         self.position += 1
         if self.position == len(calls):
             self.handed = self.result
         else:
             self.handed = HandedOn.of(self.result, expected.path)
         return block_output(expected.output, self.handed, expected.path, expected.passed, side)
+
+    def _check_unchanged(self, expected: BlockCall) -> None:
+        """Refuse a later call made in another mode, or after the model changed the block.
+
+        The chain ran every block at the model's call of the first, so whatever the model's
+        code does between its calls came too late for the blocks after the first: a
+        ``torch.no_grad()`` around some calls (freezing them), another autocast, or an
+        attribute it sets on a block (a timestep embedding, a dropout rate for that depth).
+        The block's state is compared with the one it had when the chain had run, which
+        already holds what the block's own forward wrote.
+        """
+        changed = self.context.differs_from(CallContext.now())
+        if changed:
+            raise NotAChainError(
+                f"the model calls block {expected.path} {changed}, unlike block "
+                f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
+                "model's call of the first, so every call must run under the same grad mode, "
+                "autocast and saved-tensor hooks: freeze blocks with requires_grad_(False) "
+                "rather than torch.no_grad(), or name a run called in one mode with blocks="
+            )
+        module = expected.module
+        after_run = self.states.get(id(module))
+        if after_run is None:
+            return
+        what = after_run.change_in(BlockState.of(module))
+        if what is not None:
+            raise NotAChainError(
+                f"the model changed {what} of block {expected.path} after calling block "
+                f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
+                "model's call of the first, so the block ran with the value it had before: "
+                "set what the blocks read before the model calls the first of them, or pass "
+                "it to every block as an argument"
+            )
 
 
 class HandedOn(torch.Tensor):

@@ -1,0 +1,124 @@
+"""What a model's later call of a block must share with the chain that already ran it.
+
+Design note. Inside a model's forward the whole run of blocks runs as one chain at the
+model's call of its first block (:mod:`offremat._run`); the model's calls of the others only
+receive that result. So the model's own code between two block calls runs after every block
+has run, and anything it changes there, that the block would have read, came too late. Two
+kinds of change are seen, and refused:
+
+- the mode of the call (:class:`CallContext`): grad mode, inference mode, autocast and the
+  innermost ``saved_tensors_hooks``. ``torch.no_grad()`` around the first blocks is a common
+  way to freeze them; run as one chain they would train.
+- the block's own state (:class:`BlockState`): its modules' plain attributes (a timestep
+  embedding or a per-depth dropout rate set before each call), compared by identity and, for
+  numbers and strings, by value; its parameters and buffers, by identity and version (an
+  in-place update under ``no_grad``). A change through ``.data`` bumps no version and is not
+  seen, nor is a change to an object the block reads through another reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# The nn.Module machinery in every module's __dict__ (its parameters, buffers, submodules and
+# hook tables, compared by their contents below or elsewhere), and the ``forward`` an
+# interception installs on each block.
+_MACHINERY = frozenset(nn.Module().__dict__) - {"training"} | {"forward"}
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """The autograd and autocast modes a block call runs under."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[bool, torch.dtype], ...]
+    saved_tensor_hooks: Any
+
+    @classmethod
+    def now(cls) -> CallContext:
+        """The modes in force now."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        return cls(
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            tuple(
+                (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for kind in _DEVICE_TYPES
+            ),
+            None if top is None else top(False),
+        )
+
+    def differs_from(self, other: CallContext) -> str | None:
+        """How a call under ``other`` runs otherwise than one under these modes, or None."""
+        if self.grad != other.grad:
+            return "with grad mode " + ("on" if other.grad else "off (torch.no_grad)")
+        if self.inference != other.inference:
+            return "with inference mode " + ("on" if other.inference else "off")
+        if self.autocast != other.autocast:
+            return "under another autocast"
+        hooks, others = self.saved_tensor_hooks, other.saved_tensor_hooks
+        if (hooks is None) != (others is None) or (
+            hooks is not None and any(a is not b for a, b in zip(hooks, others, strict=True))
+        ):
+            return "under other saved_tensors_hooks"
+        return None
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """A block's attributes, parameters and buffers, as far as a later call can tell."""
+
+    entries: tuple[tuple[str, Any, int], ...]
+
+    @classmethod
+    def of(cls, block: nn.Module) -> BlockState:
+        """The state of ``block`` and its submodules now."""
+        entries = []
+        for prefix, module in block.named_modules():
+            dot = prefix + "." if prefix else ""
+            for name, value in module.__dict__.items():
+                if name not in _MACHINERY:
+                    entries.append((dot + name, value, _version(value)))
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    entries.append((dot + name, value, _version(value)))
+        return cls(tuple(entries))
+
+    def change_in(self, later: BlockState) -> str | None:
+        """The name of what differs in ``later`` (an attribute, parameter or buffer), or None."""
+        if len(later.entries) != len(self.entries):
+            return "its attributes"
+        for (name, value, version), (other_name, other, other_version) in zip(
+            self.entries, later.entries, strict=True
+        ):
+            if name != other_name:
+                return f"attribute {other_name!r}"
+            if value is other:
+                if version != other_version:
+                    return f"{name!r} in place"
+                continue
+            if not _equal_values(value, other):
+                return f"{name!r}"
+        return None
+
+
+def _equal_values(a: Any, b: Any) -> bool:
+    """Whether two numbers, strings or tuples of them are equal (other objects: never)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_equal_values(x, y) for x, y in zip(a, b, strict=True))
+    return isinstance(a, _SCALARS) and a == b
+
+
+def _version(value: Any) -> int:
+    if not isinstance(value, torch.Tensor) or value.is_inference():
+        return -1  # an inference tensor has no version counter
+    return value._version
