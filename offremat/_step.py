@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Every step, of any model, whose backward has not run: a hooked parameter two of them hold
+# is refused when one backward runs both (see hooked_parameters_shared).
+_PENDING: weakref.WeakSet[_Step] = weakref.WeakSet()
+
+
 class StepsInFlight:
     """The steps of one model whose forward ran and whose backward has not yet.
 
@@ -71,6 +76,7 @@ class StepsInFlight:
                 "the chain's parameters does not run it: use loss.backward() and read .grad)"
             )
         self.steps.add(step)
+        _PENDING.add(step)
 
     def __getstate__(self) -> dict[str, bool]:
         # A copy (pickle, deepcopy) has no step in flight: those belong to this process.
@@ -154,6 +160,8 @@ class _Step(Compute):
         self.produced: dict[tuple[str, int], Any] = {}
         self.in_backward = False
         self.accumulate = True
+        # The step's node in the autograd graph, set by its forward (weak: the node holds it).
+        self.node: weakref.ref[Any] | None = None
         self.peak = 0
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
@@ -270,6 +278,25 @@ class _Step(Compute):
             for p in parameters
             if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)
         ]
+
+    def hooked_parameters_shared(self, hooked: list[torch.Tensor]) -> bool:
+        """Whether another pending step that this backward also runs holds one of ``hooked``.
+
+        Each step's backward accumulates into ``.grad`` on its own, so the hooks of a
+        parameter two steps hold (a model called twice before one backward, a block shared by
+        two optimized models) would run once per step, each time on part of the gradient.
+        """
+        ids = {id(p) for p in hooked}
+        for other in list(_PENDING):
+            node = None if other is self or other.node is None else other.node()
+            if (
+                node is not None
+                and other.awaiting_backward
+                and torch._C._will_engine_execute_node(node)
+                and any(id(p) in ids for parameters in other.parameters for p in parameters)
+            ):
+                return True
+        return False
 
     def _close(self) -> None:
         """Settle copies and give back host buffers; drop every tensor of the step."""

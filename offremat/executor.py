@@ -43,6 +43,7 @@ Design notes.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -301,6 +302,7 @@ class _PlanFunction(torch.autograd.Function):
     ) -> Any:
         outputs = step.run_forward()
         ctx.step = step
+        step.node = weakref.ref(ctx)  # ctx is the step's node in the graph
         ctx.anchor_node = get_gradient_edge(anchor).node
         ctx.set_materialize_grads(False)
         # An output that carries no gradient in plain autograd (a model computed under
@@ -335,6 +337,17 @@ class _PlanFunction(torch.autograd.Function):
                     "from the plan's backward and from the rest of the graph, so its hooks "
                     "would run twice. Move that use into the chain, or remove the hooks"
                 )
+        hooked = step.hooked_parameters()
+        if hooked and step.hooked_parameters_shared(hooked):
+            step.abandon()
+            raise RuntimeError(
+                f"a parameter of the chain (shape {tuple(hooked[0].shape)}) has gradient hooks "
+                "and another step this backward runs also uses it (the model called twice "
+                "before one backward, a block shared by two optimized models): each step's "
+                "backward accumulates into .grad on its own, so its hooks would run once per "
+                "step, each time on part of the gradient. Run one backward per forward, or "
+                "remove the hooks (clip gradients after the backward)"
+            )
         if torch.is_grad_enabled():
             step.abandon()
             raise RuntimeError(

@@ -198,6 +198,39 @@ def test_a_hooked_parameter_also_used_outside_the_chain_is_refused() -> None:
         (om(x).pow(2).mean() + penalty).backward()
 
 
+def _clip_each_gradient(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.register_hook(lambda grad: grad.clamp(-1e-3, 1e-3))
+
+
+def test_a_hooked_parameter_two_steps_hold_in_one_backward_is_refused() -> None:
+    """A siamese pair (the model called twice before one backward) or a block two optimized
+    models share: each step accumulates its part into .grad, so a clipping hook would clip
+    each part, where plain autograd clips their sum."""
+    model, reference, om, x = input_gradient_setup("checkpoint-every-stage")
+    _clip_each_gradient(model)
+    _clip_each_gradient(reference)
+    with pytest.raises(RuntimeError, match="another step this backward runs"):
+        (om(x).pow(2).mean() + om(x * 2).pow(2).mean()).backward()
+    # One backward per forward runs the hooks as plain autograd does: no refusal.
+    model.zero_grad()
+    first, second = om(x).pow(2).mean(), om(x * 2).pow(2).mean()
+    first.backward()
+    second.backward()
+    reference(x).pow(2).mean().backward()
+    reference(x * 2).pow(2).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+    torch.manual_seed(1)
+    shared = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    towers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), shared, nn.Linear(WIDTH, 1)) for _ in "ab"]
+    _clip_each_gradient(shared)
+    a, b = (offremat.optimize(t, x, budget=1.0, solver="checkpoint-every-stage") for t in towers)
+    with pytest.raises(RuntimeError, match="another step this backward runs"):
+        (a(x).sum() + b(x).sum()).backward()
+
+
 class FailingBackward(torch.autograd.Function):
     fail = True
 
@@ -245,11 +278,21 @@ class DoublingSequential(nn.Sequential):
         return super().forward(x) * 2
 
 
-def test_a_chain_that_is_not_the_model_is_refused() -> None:
+def test_a_sequential_with_a_forward_of_its_own_runs_that_forward() -> None:
+    """Not its children as the chain: the run of blocks is found as in any model, and the
+    model's own code (here, doubling the output) runs around it."""
     torch.manual_seed(0)
-    model = DoublingSequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-    with pytest.raises(offremat.NotAChainError, match="does not give the model's own output"):
-        offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=1.0)
+    model = DoublingSequential(*blocks(4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.9)
+    assert om.plan.ops != keep_all(om.chain).ops
+    om(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(offremat.NotAChainError, match="found no run of repeated blocks"):
+        offremat.optimize(DoublingSequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), x, budget=1.0)
 
 
 def test_the_output_check_leaves_dropout_rng_and_batchnorm_as_they_were() -> None:
