@@ -84,6 +84,16 @@ def refuse_compiled_model(model: Any) -> None:
         )
 
 
+def holds_compiled_code(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it was compiled (``block.compile()``, or a
+    ``torch.compile``'d module inside it)."""
+    return any(
+        isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+        or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
 @torch.compiler.disable
 def refuse_compile() -> None:
     # Called where dynamo traces the forward: not traced itself, it raises when the compiled

@@ -105,7 +105,7 @@ class DeferringPacker(SavedTensorPacker):
         self.changed_after_saving = changes_saved
         self.expected_packs = expected_packs
         # Watched from its start, this forward ran compiled blocks eagerly (offremat._eager).
-        self.eager = expected_packs is None
+        self.eager = expected_packs is None and not changes_saved
         self.armed: MutationWatch | None = None
 
     @contextmanager

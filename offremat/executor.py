@@ -53,6 +53,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._call_checks import (
+    holds_compiled_code,
     in_functorch_transform,
     refuse_functorch_transforms,
     refuse_outer_saved_tensor_hooks,
@@ -139,8 +140,13 @@ class PlanExecutor:
         self.direct = undisturbed_forwards(plan.ops)
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
-        # Stages whose deferred forward writes to a tensor it saved: refilled to the end.
-        self.changes_saved: set[int] = set()
+        # Stages whose deferred forward writes to a tensor it saved: refilled to the end. So
+        # are compiled stages, unwatched: the watch would run their first forward eagerly,
+        # which draws other random numbers (dropout masks) than the compiled code the model
+        # runs; and a compiled forward packs its saved tensors together at its end anyway.
+        self.changes_saved: set[int] = {
+            i for i, stage in enumerate(self.stages, 1) if holds_compiled_code(stage)
+        }
         # The stages the plan runs forward more than once (offremat._buffers).
         forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)

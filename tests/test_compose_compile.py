@@ -149,3 +149,48 @@ def test_a_compiled_model_given_to_optimize_is_refused_saying_to_compile_the_blo
             offremat.optimize(model, gpt_batch(config, 2), budget=1.0)
     finally:
         torch._dynamo.reset()
+
+
+class _DropoutBlock(_Block):
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def test_blocks_compiled_by_inductor_draw_their_dropout_masks_as_the_model_does() -> None:
+    """Inductor draws dropout masks otherwise than eager code: a recomputed stage's first
+    forward run eagerly (to watch it) drew other masks, and the generator's stream differed
+    at every later step."""
+    torch._dynamo.reset()
+
+    def build() -> _MLP:
+        torch.manual_seed(0)
+        model = _MLP()
+        model.blocks = nn.ModuleList(_DropoutBlock(32) for _ in range(3))
+        for block in model.blocks:
+            block.compile()
+        return model
+
+    plain, ours = build(), build()
+    batches = [torch.randn(64, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    om = offremat.optimize(ours, batches[0], budget=0.6)
+    assert "recompute" in om.plan.decisions.values()
+    torch.manual_seed(1)  # once: the generator's stream must stay the model's
+    for batch in batches:
+        state = torch.get_rng_state()
+        expected = plain(batch)
+        expected.backward()
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        got = om(batch)
+        got.backward()
+        assert torch.equal(got, expected)
+        assert torch.equal(torch.get_rng_state(), after)
+        for a, b in zip(_grads(ours), _grads(plain), strict=True):
+            assert torch.equal(a, b)
+        for model in (plain, ours):
+            model.zero_grad()
+    torch._dynamo.reset()
