@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offremat._eager import EagerDispatchMode
 from offremat._memory import TensorRef
-from offremat._stage import SavedTensorPacker, check_versions
+from offremat._stage import SavedTensorPacker, backward_in_forward_error, check_versions
 from offremat._tensors import (
     TensorKind,
     describe_kind,
@@ -249,7 +249,7 @@ class Refill:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager that installs the filling hooks."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> None:
         slot = self.slots[self.position] if self.position < len(self.slots) else None
@@ -263,6 +263,11 @@ class Refill:
         self.complete = self.position > self.last_placeholder
         if self.position > self.stop:
             raise StopRecomputation
+
+    def unpack(self, _: Any) -> torch.Tensor:
+        """A refill's own graph is never run backward: only a backward inside the stage's
+        forward reads what it saves, while the refill runs."""
+        raise backward_in_forward_error(self.stage)
 
     def mismatch(self, kind: TensorKind, tensor: torch.Tensor) -> RuntimeError:
         """The error for a recomputation that saves another kind of tensor in a position."""
@@ -292,7 +297,3 @@ def recomputed_otherwise(stage: str, what: str, first: TensorKind, now: TensorKi
         "and the backward, such as the default dtype), so it cannot be recomputed. Keep such "
         "settings fixed through the step, or use a plan that keeps this stage"
     )
-
-
-def _never_unpacked(_: Any) -> torch.Tensor:
-    raise RuntimeError("a refill's own graph is never run backward")

@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offremat._blocks import NotAChainError
+from offremat._stage import backward_in_forward_error
 from offremat._tensors import Structure, flatten, version_of
 
 
@@ -309,9 +310,13 @@ class _PathHook:
 def _as_in_training() -> Iterator[None]:
     """Gradients on, as in training, so that inputs say which of them carry a gradient;
     saved tensors dropped at once, so memory is that of a forward without autograd."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _refuse_unpack):
         yield
 
 
 def _drop(_: Any) -> None:
     return None
+
+
+def _refuse_unpack(_: Any) -> torch.Tensor:
+    raise backward_in_forward_error(None)

@@ -96,6 +96,18 @@ def escaped_tensor_error(stage: str | None) -> RuntimeError:
     )
 
 
+def backward_in_forward_error(stage: str | None) -> RuntimeError:
+    """The error for a backward run inside a forward (``torch.autograd.grad`` in a block)."""
+    where = "a module of the model" if stage is None else f"stage {stage!r}"
+    return RuntimeError(
+        f"{where} runs a backward inside its own forward (torch.autograd.grad of an energy "
+        "for its forces, a gradient penalty inside a block): offremat drops, offloads or "
+        "recomputes what a stage saves, and that backward reads it while the forward still "
+        "runs, so such a module cannot be planned. Leave it out of the chain (name the other "
+        "blocks with blocks=), or train this model without offremat"
+    )
+
+
 def enter_stage(
     inputs: Sequence[torch.Tensor], diff: Sequence[int], slot: GradSlot, anchor: torch.Tensor
 ) -> list[torch.Tensor]:
@@ -241,6 +253,8 @@ class SavedTensorPacker:
         """Refuse a backward through the stage's graph other than the step's own B(i)."""
         if self.slot is not None and not self.slot.receiving:
             raise escaped_tensor_error(self.stage)
+        if _innermost_pack_hook() == self.pack:  # the stage's forward still runs
+            raise backward_in_forward_error(self.stage)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""
@@ -373,3 +387,12 @@ class AutocastState:
             stack.enter_context(torch.autocast(self.device_type, self.dtype, cache_enabled=False))
         elif torch.is_autocast_enabled(self.device_type):
             stack.enter_context(torch.autocast(self.device_type, enabled=False))
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _innermost_pack_hook() -> Any:
+    """The pack hook of the innermost ``saved_tensors_hooks`` in force, or None."""
+    top = None if _TOP_HOOKS is None else _TOP_HOOKS(False)
+    return None if top is None else top[0]

@@ -967,3 +967,40 @@ def test_an_output_holding_a_nan_is_the_models_own() -> None:
     model = nn.Sequential(*blocks(4), ScoresWithANaN())
     om = offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=0.7, solver="dp")
     assert om.chain.length == 5
+
+
+class ForceBlock(nn.Module):
+    """An energy model's block: its output uses the gradient of an energy (the forces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            inner = x if x.requires_grad else x.detach().requires_grad_()
+            (force,) = torch.autograd.grad(self.energy(inner).sum(), inner, create_graph=True)
+        return x - 0.1 * force
+
+
+class ForceField(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(ForceBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return h.pow(2).mean()
+
+
+@pytest.mark.parametrize("form", ["found", "sequential"])
+def test_a_backward_inside_a_blocks_forward_is_refused_by_name(form: str) -> None:
+    torch.manual_seed(0)
+    model = ForceField()
+    if form == "sequential":
+        model = nn.Sequential(model.embed, *model.layers)
+    with pytest.raises(RuntimeError, match="runs a backward inside its own forward"):
+        offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=1.0)
