@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from offremat._blocks import NotAChainError
 from offremat._record import split_hidden
-from offremat._tensors import Structure, flatten, unflatten
+from offremat._tensors import Structure, flatten, same_structure, unflatten
 
 _PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -38,6 +38,31 @@ def side_inputs_of(
     if safe_kwargs.get("use_cache") is True:
         safe_kwargs["use_cache"] = False
     return hidden, (safe_args, safe_kwargs)
+
+
+def continues_run(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: torch.Tensor | None,
+    side: tuple[tuple[Any, ...], dict[str, Any]],
+) -> bool:
+    """Whether a call of a block with ``args`` and ``kwargs`` takes the run's ``output`` as its
+    hidden state and the run's ``side`` inputs: by the rule the run was found with, a further
+    block of it (a depth chosen per step), which would run outside the plan. A call with other
+    inputs (a block used again elsewhere) is the model's own code."""
+    if output is None or split_hidden(args, kwargs)[0] is not output:
+        return False
+    try:
+        _, this_side = side_inputs_of("", args, kwargs)
+    except NotAChainError:  # an argument no block of the run takes: not a further block
+        return False
+    tensors_a, structure_a = flatten(this_side)
+    tensors_b, structure_b = flatten(side)
+    return (
+        len(tensors_a) == len(tensors_b)
+        and all(a is b for a, b in zip(tensors_a, tensors_b, strict=True))
+        and same_structure(structure_a, structure_b)
+    )
 
 
 def hidden_of(output: Any, path: str, expected: Structure) -> torch.Tensor:
@@ -178,3 +203,14 @@ def _tensor_count(structure: Structure) -> int:
     if structure.kind == "tensor":
         return 1
     return sum(_tensor_count(child) for child in structure.children)
+
+
+def further_block_message(path: str, run: Any) -> str:
+    """The refusal of a call of ``path`` that continues ``run`` past its last block."""
+    return (
+        f"the model called {path} on the output of the chain's last block "
+        f"{run.calls[-1].path}, with the same other arguments: it runs more blocks than the "
+        f"{len(run.calls)} calls the chain was found with (a depth chosen per step?), which "
+        "would run outside the plan. A run of blocks that depends on the input is no fixed "
+        "chain: optimize the model with a batch that runs every block it will run"
+    )

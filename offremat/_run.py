@@ -35,7 +35,14 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from offremat._block_values import block_output, hidden_of, side_inputs_of, stand_in
+from offremat._block_values import (
+    block_output,
+    continues_run,
+    further_block_message,
+    hidden_of,
+    side_inputs_of,
+    stand_in,
+)
 from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
 from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
@@ -147,6 +154,13 @@ class RunInterception:
         """A call of one of the run's modules by the model (or by the chain)."""
         calls = self.run.calls
         if self.position == len(calls):
+            # A block of the run (not a stem's or tail's layer) again on the run's output (a
+            # shared block run more times than when the chain was found) would run outside
+            # the plan; other calls are the model's own. Blocks the run does not hold:
+            # offremat/_further_blocks.py.
+            block = any(call.side and call.module is module for call in calls)
+            if block and continues_run(args, kwargs, self.handed, self.side):
+                raise NotAChainError(further_block_message(_path_of(module, calls), self.run))
             return original(*args, **kwargs)
         expected = calls[self.position]
         if module is not expected.module:

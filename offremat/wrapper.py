@@ -44,6 +44,7 @@ from offremat._call_checks import (
     refuse_recorded_outputs,
 )
 from offremat._discover import BlockRun, Call
+from offremat._further_blocks import further_blocks_refused
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import Request, in_training_mode
 from offremat._run import RunInterception
@@ -189,7 +190,10 @@ class OptimizedModule(nn.Module):
         self._refuse_plain_autograd_only(call)
         executor = self._plans.executor(call)
         chain_run = functools.partial(_run_chain, self._plans, call, executor)
-        with RunInterception(self._run, chain_run) as interception:
+        with (
+            RunInterception(self._run, chain_run) as interception,
+            further_blocks_refused(self._model, self._run, interception),
+        ):
             output = self._model(*args, **kwargs)
         if not interception.ran:
             raise NotAChainError(
