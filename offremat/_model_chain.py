@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
-from offremat._signatures import chain_input_kind
+from offremat._signatures import chain_input_kind, chain_input_shapes
 from offremat._tensors import bitwise_equal, flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
 from offremat.profiler import (
@@ -164,6 +164,7 @@ def _with_outside(chain: Chain, outside: _Outside, paths: Any, example_input: An
     metadata["blocks"] = paths
     metadata["chain_input"] = chain_input_kind(example_input)
     metadata["chain_input_bytes"] = storage_bytes(flatten(example_input)[0])
+    metadata["chain_input_shapes"] = chain_input_shapes(example_input)
     metadata.pop("plain_autograd_bytes", None)
     folded_chain = dataclasses.replace(
         chain,

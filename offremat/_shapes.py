@@ -40,6 +40,7 @@ from offremat._signatures import (
     Signature,
     StageState,
     chain_input_kind,
+    chain_input_shapes,
     describe,
     input_signature,
     stage_state,
@@ -235,6 +236,11 @@ class ShapePlans:
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
         planned = executor.chain.metadata.get("chain_input")
         kind = chain_input_kind(value)
+        # The blocks' inputs' sizes too, where the chain says what they were (not a predicted
+        # one's): padding removed before the blocks sizes them by the batch's values.
+        shapes = chain_input_shapes(value)
+        if planned == kind and executor.chain.metadata.get("chain_input_shapes", shapes) != shapes:
+            kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
             return executor
         key = (input_signature(batch), kind)
@@ -258,9 +264,9 @@ class ShapePlans:
         self.cache.variants += 1
         began = time.perf_counter()
         logger.warning(
-            "the blocks' inputs on this batch are not of the kind its shape's plan was made "
-            "for (a padding mask where the example batch had none?): planning them too, for "
-            "input %s",
+            "the blocks' inputs on this batch are not of the kind or size its shape's plan was "
+            "made for (a padding mask where the example batch had none, padding removed "
+            "before the blocks?): planning them too, for input %s",
             describe(key[0]),
         )
         with _parametrize_cache_suspended():
@@ -356,8 +362,8 @@ class ShapePlans:
             shape = describe(signature)
             if variant:
                 shape += (
-                    " with blocks' inputs of another kind (refused once the code before the "
-                    "blocks had run)"
+                    " with blocks' inputs of another kind or size (refused once the code before "
+                    "the blocks had run)"
                 )
             raise InfeasibleBudgetError(
                 error.budget_bytes,

@@ -40,7 +40,7 @@ def input_signature(batch: Any) -> Signature:
 
 
 # What a model chain's metadata says of the chain input it was profiled on.
-CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes")
+CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes", "chain_input_shapes")
 
 
 def chain_input_kind(value: Any) -> str:
@@ -57,6 +57,14 @@ def chain_input_kind(value: Any) -> str:
             _structure_key(structure, by_type=True),
         )
     )
+
+
+def chain_input_shapes(value: Any) -> str:
+    """The shapes of the blocks' input tensors: the call's shapes decide them, except where
+    the code before the blocks sizes them by the batch's values (padding removed, tokens
+    packed: a hidden state of as many rows as the mask has valid tokens), and then a plan made
+    for one size must not run another. A string, as the disk cache's metadata keeps it."""
+    return repr(tuple(tuple(t.shape) for t in flatten(value)[0]))
 
 
 def _structure_key(structure: Structure, by_type: bool = False) -> Any:
