@@ -305,8 +305,7 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
     device = _device(model, batch)
     chained = {id(p) for _, block in found.blocks for p in block.parameters()}
     with untouched([model], device):
-        with torch.no_grad():
-            last = _run_stages([block for _, block in found.blocks], found.example_input)[0]
+        last = _last_output([block for _, block in found.blocks], found.example_input)
         # As the chain's own output would, whether or not its input carries a gradient.
         last.requires_grad_(is_differentiable(last))
         # Gradients exist as after a first step, for the code around the chain alone.
@@ -336,6 +335,42 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
         held_bytes=held,
         setup_backward_bytes=max(setup_backward, 0),
     )
+
+
+def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
+    """The chain's output on ``value``, for the code after it: run under no_grad, unless the
+    blocks keep tensors as attributes (an attention map that a loss term reads after the
+    loop). Those then carry their graph in a step, so the code after the chain saves tensors
+    for its backward: the blocks run with gradients, one at a time, and each attribute is cut
+    from its block's graph as a leaf of its own, where the measured backward stops."""
+    before = _tensor_attributes(blocks)
+    with torch.no_grad():
+        last = _run_stages(blocks, value)[0]
+    after = _tensor_attributes(blocks)
+    if after.keys() == before.keys() and all(after[k] is before[k] for k in after):
+        return last
+    del last, after
+    for block in blocks:
+        # Each block's input a leaf that needs a gradient, as its input in a step does.
+        hidden = value[0].detach()
+        with torch.enable_grad():
+            value = block((hidden.requires_grad_(is_differentiable(hidden)), *value[1:]))
+        value = (value[0].detach(), *value[1:])
+        for (module, name), tensor in _tensor_attributes([block]).items():
+            if tensor.grad_fn is not None:
+                module.__dict__[name] = _cut(tensor)
+    return value[0]
+
+
+def _tensor_attributes(blocks: Sequence[nn.Module]) -> dict[tuple[nn.Module, str], torch.Tensor]:
+    """The tensors the blocks' modules hold as plain attributes (not parameters or buffers)."""
+    return {
+        (module, name): attribute
+        for block in blocks
+        for module in block.modules()
+        for name, attribute in vars(module).items()
+        if isinstance(attribute, torch.Tensor)
+    }
 
 
 def _cut(value: Any) -> Any:
