@@ -38,11 +38,13 @@ from offremat._block_values import cache_in, hidden_output, side_inputs_of
 from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
     end_of,
+    is_scripted,
     position_of,
     refuse_callers_checkpoint,
     refuse_layer_drop,
     refuse_other_readers,
     refuse_random_runs,
+    scripted_note,
 )
 from offremat._record import RecordedCall, capture_call, record_calls
 from offremat._tensors import Structure, same_structure
@@ -259,6 +261,11 @@ def _container(model: nn.Module, path: str) -> nn.Module:
             f"blocks={path!r}: {type(model).__name__} has no submodule {path!r}; name a "
             f"ModuleList or Sequential such as {_containers(model)[:3]}"
         ) from None
+    scripted = [name for name, child in container.named_children() if is_scripted(child)]
+    if is_scripted(container) or scripted:
+        raise NotAChainError(
+            f"blocks={path!r}: {scripted_note([f'{path}.{name}' for name in scripted] or [path])}"
+        )
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         raise NotAChainError(
             f"blocks={path!r} is a {type(container).__name__}; name a ModuleList or Sequential "
@@ -381,9 +388,14 @@ def _no_run_message(model: nn.Module) -> str:
         else "blocks='path.to.container' (a ModuleList or Sequential of two or more blocks), or "
         "pass offremat.optimize(nn.Sequential(block0, block1, ...), x, ...)"
     )
+    scripted = [
+        path
+        for path, module in model.named_modules()
+        if is_scripted(module) and not is_scripted(model.get_submodule(path.rpartition(".")[0]))
+    ]
     return (
         f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
         f"type take each other's output and the same other arguments. If some do, name them "
         f"with {hint} (offremat profile: --blocks PATH); the error then says what breaks the "
-        "chain"
+        "chain" + (f". {scripted_note(scripted)}" if scripted else "")
     )

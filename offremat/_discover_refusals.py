@@ -4,6 +4,7 @@ positions of calls in the record."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from offremat._blocks import NotAChainError
@@ -122,3 +123,19 @@ def end_of(records: list[RecordedCall], record: RecordedCall) -> int:
     while k < len(records) and records[k].depth > record.depth:
         k += 1
     return k
+
+
+def is_scripted(module: nn.Module) -> bool:
+    """Whether ``module`` is TorchScript's: it takes no hooks, and its calls are opaque."""
+    return isinstance(module, torch.jit.ScriptModule)
+
+
+def scripted_note(paths: list[str]) -> str:
+    """Why the TorchScript modules at ``paths`` cannot be blocks, and what to do."""
+    shown = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+    return (
+        f"{shown} {'is a TorchScript module' if len(paths) == 1 else 'are TorchScript modules'} "
+        "(torch.jit.script), which offremat runs as one opaque call: it cannot watch or "
+        "recompute one as a block. Keep the blocks as Python modules (torch.compile compiles "
+        "them under a plan; script the layers inside them instead)"
+    )

@@ -114,6 +114,8 @@ def _reached_code(module: nn.Module) -> str:
     functions from the package that defines the module's class are followed further (its
     helpers); others (torch's) are named, with their code, and not entered.
     """
+    if isinstance(module, torch.jit.ScriptModule):  # its compiled code, by its text
+        return repr(getattr(module, "code", type(module).__qualname__))
     home = _package(type(module))
     parts = []
     # A forward set on the instance (a patched module) runs instead of its class's.

@@ -183,7 +183,9 @@ def record_calls(
     recorder = _Recorder()
     handles = []
     for path, module in model.named_modules():
-        if module is model:
+        # A TorchScript module takes no hooks: it (and what it holds) is one opaque call of
+        # the code around it. Scripted blocks are refused where they are named (_discover).
+        if module is model or isinstance(module, torch.jit.ScriptModule):
             continue
         # First among the pre-hooks: FSDP2's own hands the block new tensor objects (through
         # an autograd function), and the call must be recorded with what its caller passed.
