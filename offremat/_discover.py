@@ -44,6 +44,7 @@ from offremat._discover_refusals import (
     refuse_layer_drop,
     refuse_other_readers,
     refuse_random_runs,
+    refuse_skipping_blocks,
     scripted_note,
 )
 from offremat._record import RecordedCall, capture_call, record_calls
@@ -161,6 +162,7 @@ def find_block_run(
         _warn_of_a_partial_run(same_depth, members)
     refuse_layer_drop(model, best)
     refuse_random_runs(model, best, records, again)
+    refuse_skipping_blocks(best, again)
     refuse_other_readers(records, members)
     refuse_callers_checkpoint(members)
     added = {id(r) for r in (*prefix, *suffix)}

@@ -37,6 +37,30 @@ def refuse_random_runs(
         )
 
 
+def refuse_skipping_blocks(run: list[RecordedCall], again: list[RecordedCall]) -> None:
+    """Refuse blocks of which a recorded call returned its input unchanged: a block that skips
+    itself (stochastic depth drawn inside it, ``if torch.rand(()) < p: return x``) is called
+    at every step, so the sequence of calls is the same, but what it saves is another at
+    every step, and a profile of a skipping draw measures nothing for it. The profile refuses
+    one it sees skip too (:func:`offremat._block_skips.skips_refused`)."""
+    paths = {r.path for r in run}
+    for record in (*run, *(r for r in again if r.path in paths)):
+        if record.in_place and record.output == record.hidden:
+            raise NotAChainError(skip_message(record.path))
+
+
+def skip_message(path: str) -> str:
+    """The refusal of a block that returned its input unchanged."""
+    return (
+        f"block {path} returned its input unchanged in a training call: a block that skips "
+        "itself at random (stochastic depth inside the block: `if self.training and "
+        "torch.rand(()) < p: return x`) or by its input's values computes and saves another "
+        "amount at every step, so it is no fixed chain and cannot be planned. Turn the skip "
+        "off for training under offremat, or drop the branch by multiplying it with a mask "
+        "(torchvision's StochasticDepth(mode='row')), which computes every block"
+    )
+
+
 def refuse_layer_drop(model: nn.Module, run: list[RecordedCall]) -> None:
     """Refuse blocks that the module holding their container skips at random in training,
     told by a ``layerdrop`` setting above zero (Hugging Face's LayerDrop, Fan et al. 2020) on

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
 from offremat._run import RunInterception, run_blocks
@@ -101,13 +102,15 @@ def profile_model_chain(
     :func:`offremat.profiler.profile_model` (``warmup``, ``repeats``, ``name``).
     """
     options.setdefault("name", type(model).__name__)
-    chain = profile_model(
-        list(found.blocks if blocks is None else blocks),
-        found.example_input,
-        stages=stages,
-        bandwidth=bandwidth,
-        **options,
-    )
+    modules = [block for _, block in (found.blocks if blocks is None else blocks)]
+    with skips_refused(modules):
+        chain = profile_model(
+            list(found.blocks if blocks is None else blocks),
+            found.example_input,
+            stages=stages,
+            bandwidth=bandwidth,
+            **options,
+        )
     outside = _measure_outside(model, batch, found)
     return _with_outside(chain, outside, found.run.paths, found.example_input)
 
@@ -139,7 +142,8 @@ def profile_blocks_on(
             held_bytes=chain.held_bytes - chain.metadata.get("shared_gradient_bytes", 0),
             setup_backward_bytes=first.bwd_tmp_bytes,
         )
-    profiled = profile_model(list(blocks), value, **options)
+    with skips_refused([block for _, block in blocks]):
+        profiled = profile_model(list(blocks), value, **options)
     return _with_outside(profiled, outside, chain.metadata["blocks"], value)
 
 
