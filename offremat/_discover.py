@@ -241,12 +241,17 @@ def _stem(records: list[RecordedCall], first: RecordedCall) -> list[RecordedCall
 
 
 def _tail(records: list[RecordedCall], last: RecordedCall) -> list[RecordedCall]:
-    """The calls after ``last`` that take its output, each the previous one's."""
+    """The calls after ``last`` that take its output, each the previous one's: each the first
+    call to read it, where that takes nothing else (a decoder layer that takes the encoder's
+    output beside its own state ends the tail; the key projection inside it is no tail)."""
     chosen: list[RecordedCall] = []
     target = last.output
     start = end_of(records, last)
     while target is not None:
-        taker = next((r for r in records[start:] if r.state_only and r.hidden == target), None)
+        reader = next(
+            (r for r in records[start:] if r.hidden == target or target in r.side[0]), None
+        )
+        taker = reader if reader is not None and reader.state_only else None
         if taker is None:
             break
         chosen.append(taker)

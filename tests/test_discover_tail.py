@@ -1,0 +1,88 @@
+"""The tail of a chain of state-only blocks is the calls that read its output first: an
+encoder-decoder's encoder chain took the key projection deep inside the decoder's
+cross-attention as its tail, and optimize refused a valid model with a misleading message."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import offremat
+from offremat.measure import StepMemory
+
+WIDTH = 16
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.kv = nn.Linear(WIDTH, 2 * WIDTH)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        k, v = self.kv(x if context is None else context).chunk(2, -1)
+        return (self.q(x) @ k.transpose(1, 2) / 4).softmax(-1) @ v
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.attention = Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.norm(x))
+
+
+class DecoderLayer(EncoderLayer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cross = Attention()
+
+    def forward(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm(x))
+        return x + self.cross(x, encoded)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, decoders: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, WIDTH)
+        self.enc = nn.ModuleList(EncoderLayer() for _ in range(4))
+        self.dec = nn.ModuleList(DecoderLayer() for _ in range(decoders))
+        self.out = nn.Linear(WIDTH, 50)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        e = self.emb(src)
+        for layer in self.enc:
+            e = layer(e)
+        d = self.emb(tgt)
+        for layer in self.dec:
+            d = layer(d, e)
+        return F.cross_entropy(self.out(d).flatten(0, 1), tgt.flatten())
+
+
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_an_encoders_chain_ends_where_the_decoder_takes_its_output(decoders: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (4, 24), generator=g), torch.randint(0, 50, (4, 20), generator=g))
+    torch.manual_seed(0)
+    model = Seq2Seq(decoders)
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, batch, budget=0.8)
+    assert om.chain.stage_names[-1] == "enc.3"
+    for m in (model, plain):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    with StepMemory("cpu", inputs=batch) as memory:
+        om(*batch).backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    plain(*batch).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        # The embedding and the encoder's output are used in and after the chain: their
+        # gradients add up in another order, equal up to rounding.
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
