@@ -56,11 +56,16 @@ def continues_run(
         _, this_side = side_inputs_of("", args, kwargs)
     except NotAChainError:  # an argument no block of the run takes: not a further block
         return False
-    tensors_a, structure_a = flatten(this_side)
-    tensors_b, structure_b = flatten(side)
+    return same_values(this_side, side)
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two argument structures hold the very same tensors and equal other values."""
+    tensors_a, structure_a = flatten(a)
+    tensors_b, structure_b = flatten(b)
     return (
         len(tensors_a) == len(tensors_b)
-        and all(a is b for a, b in zip(tensors_a, tensors_b, strict=True))
+        and all(x is y for x, y in zip(tensors_a, tensors_b, strict=True))
         and same_structure(structure_a, structure_b)
     )
 

@@ -40,13 +40,13 @@ from offremat._block_values import (
     continues_run,
     further_block_message,
     hidden_of,
+    same_values,
     side_inputs_of,
     stand_in,
 )
 from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
 from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
-from offremat._tensors import flatten, same_structure
 
 
 class RunBlock(nn.Module):
@@ -182,7 +182,7 @@ class RunInterception:
             self.result = output[0]
             self.side = side
             self.states = {id(c.module): BlockState.of(c.module) for c in calls[1:]}
-        elif hidden is not self.handed or (expected.side and not _same_values(side, self.side)):
+        elif hidden is not self.handed or (expected.side and not same_values(side, self.side)):
             raise NotAChainError(
                 f"the model changed the hidden state or the other arguments between "
                 f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
@@ -194,7 +194,7 @@ class RunInterception:
         if self.position == len(calls):
             self.handed = self.result
         else:
-            self.handed = HandedOn.of(self.result, expected.path)
+            self.handed = HandedOn.of(self.result, expected.path, calls[-1].path)
         return block_output(expected.output, self.handed, expected.path, expected.passed, side)
 
     def _check_unchanged(self, expected: BlockCall) -> None:
@@ -241,11 +241,12 @@ class HandedOn(torch.Tensor):
     """
 
     path: str
+    last: str  # the chain's last unit: a head after the blocks, where the chain took one in
 
     @staticmethod
-    def of(result: torch.Tensor, path: str) -> HandedOn:
+    def of(result: torch.Tensor, path: str, last: str) -> HandedOn:
         handed = torch.Tensor._make_subclass(HandedOn, result.detach(), result.requires_grad)
-        handed.path = path
+        handed.path, handed.last = path, last
         return handed
 
     @classmethod
@@ -255,12 +256,15 @@ class HandedOn(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         handed = stand_in(HandedOn, args, kwargs)
         path = "a block" if handed is None else handed.path
+        last = "its last unit" if handed is None else handed.last
         # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
         # operators such as +, and the message would be lost.
         raise RuntimeError(
             f"the model used {path}'s output for more than calling the next block "
-            f"({getattr(func, '__name__', func)}); inside a chain only the last block's output "
-            "exists: name a run of blocks whose outputs only feed each other with blocks=. "
+            f"({getattr(func, '__name__', func)}); the chain runs to {last}, and inside it "
+            f"only {last}'s output exists: name a run of blocks whose outputs only feed each "
+            "other with blocks= (the container of the blocks, where the chain took in the "
+            "layers after them). "
             "(A run of blocks that depends on the input or on random draws, such as an "
             "early exit or LayerDrop, also ends this way: it is no fixed chain)"
         )
@@ -293,17 +297,6 @@ class _Forward:
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.interception.call(self.module, self.original, args, kwargs)
-
-
-def _same_values(a: Any, b: Any) -> bool:
-    """Whether two argument structures hold the very same tensors and equal other values."""
-    tensors_a, structure_a = flatten(a)
-    tensors_b, structure_b = flatten(b)
-    return (
-        len(tensors_a) == len(tensors_b)
-        and all(x is y for x, y in zip(tensors_a, tensors_b, strict=True))
-        and same_structure(structure_a, structure_b)
-    )
 
 
 def _refuse_hooks(run: BlockRun) -> None:

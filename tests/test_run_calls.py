@@ -155,3 +155,33 @@ def test_state_set_on_every_block_before_the_first_call_trains_exactly() -> None
         for model in (reference, mine):
             model.rate = 0.25 * seed
         _same_step(reference, optimized, mine, seed)
+
+
+def test_a_penalty_on_the_last_blocks_output_names_the_head_the_chain_took_in() -> None:
+    """Blocks that take only the state bring in the layer after them; a penalty on the last
+    block's output then uses a state inside the chain: the refusal says where the chain ends,
+    and naming the blocks trains exactly."""
+
+    class Penalised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+            self.head = nn.Linear(WIDTH, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h).pow(2).mean() + 1e-2 * h.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Penalised()
+    batch = torch.randn(4, 12, WIDTH)
+    with pytest.raises(RuntimeError, match=r"blocks\.3's output .* the chain runs to head"):
+        offremat.optimize(copy.deepcopy(model), batch, budget=0.6)
+    mine = copy.deepcopy(model)
+    optimized = offremat.optimize(mine, batch, budget=0.6, blocks="blocks")
+    optimized(batch).backward()
+    model(batch).backward()
+    for p, q in zip(model.parameters(), mine.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
