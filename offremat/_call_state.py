@@ -18,6 +18,8 @@ kinds of change are seen, and refused:
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,7 @@ class CallContext:
 
     grad: bool
     inference: bool
-    autocast: tuple[tuple[bool, torch.dtype], ...]
+    autocast: tuple[tuple[bool, torch.dtype] | None, ...]  # a disabled one's dtype is moot
     saved_tensor_hooks: Any
 
     @classmethod
@@ -49,15 +51,16 @@ class CallContext:
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
             tuple(
-                (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                (True, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
                 for kind in _DEVICE_TYPES
             ),
             None if top is None else top(False),
         )
 
-    def differs_from(self, other: CallContext) -> str | None:
-        """How a call under ``other`` runs otherwise than one under these modes, or None."""
-        if self.grad != other.grad:
+    def differs_from(self, other: CallContext, grad: bool = True) -> str | None:
+        """How a call under ``other`` runs otherwise than one under these modes, or None (the
+        grad mode left out where ``grad`` is false)."""
+        if grad and self.grad != other.grad:
             return "with grad mode " + ("on" if other.grad else "off (torch.no_grad)")
         if self.inference != other.inference:
             return "with inference mode " + ("on" if other.inference else "off")
@@ -92,29 +95,39 @@ class BlockState:
         return cls(tuple(entries))
 
     def change_in(self, later: BlockState) -> str | None:
-        """The name of what differs in ``later`` (an attribute, parameter or buffer), or None."""
-        if len(later.entries) != len(self.entries):
-            return "its attributes"
-        for (name, value, version), (other_name, other, other_version) in zip(
-            self.entries, later.entries, strict=True
-        ):
-            if name != other_name:
-                return f"attribute {other_name!r}"
+        """The name of what differs in ``later`` (an attribute, parameter or buffer), or None.
+
+        An attribute added since is no change: the chain's run of the block could not have
+        read it (it would have raised), so the model set one the block does not read.
+        """
+        now = {name: (value, version) for name, value, version in later.entries}
+        for name, value, version in self.entries:
+            if name not in now:
+                return f"{name!r} (deleted)"
+            other, other_version = now[name]
             if value is other:
                 if version != other_version:
                     return f"{name!r} in place"
-                continue
-            if not _equal_values(value, other):
+            elif not _equal_values(value, other):
                 return f"{name!r}"
         return None
 
 
 def _equal_values(a: Any, b: Any) -> bool:
-    """Whether two numbers, strings or tuples of them are equal (other objects: never)."""
+    """Whether two plain values are equal: numbers and strings (NaN equal to NaN), and lists,
+    tuples, dicts and ``functools.partial`` of them; other objects only when the same one."""
+    if a is b:
+        return True
     if type(a) is not type(b):
         return False
-    if isinstance(a, tuple):
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(_equal_values(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal_values(a[k], b[k]) for k in a)
+    if isinstance(a, functools.partial):
+        return a.func is b.func and _equal_values((a.args, a.keywords), (b.args, b.keywords))
     return isinstance(a, _SCALARS) and a == b
 
 

@@ -194,7 +194,9 @@ def check_model_chain_output(
     random draw that recomputation could not replay (:class:`GeneratorWatch`)."""
 
     def run_chain() -> Any:
-        with RunInterception(found.run, lambda value: _run_stages(stages, value)):
+        with RunInterception(
+            found.run, lambda value: _run_stages(stages, value), check_state=False, check_grad=False
+        ):
             return call_model(model, batch)
 
     (plain, _), (chained_output, _) = model_and_chain_outputs(
@@ -322,7 +324,7 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
         cut = Call(tree_map(_cut, call.args), tree_map(_cut, call.kwargs))
         with StepMemory(device) as memory:
             probe = _OutsideProbe(memory, last)
-            with RunInterception(found.run, probe.started):
+            with RunInterception(found.run, probe.started, check_state=False):
                 output = model(*cut.args, **cut.kwargs)
             roots, seeds = _seed(output)
             torch.autograd.backward(roots, seeds)

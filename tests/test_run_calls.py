@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -128,18 +129,25 @@ def test_a_dropout_rate_set_per_block_in_the_loop_is_refused_once_it_changes() -
         optimized(_batch(2))
 
 
-def test_an_attribute_set_before_each_block_call_is_refused_after_a_prior_forward() -> None:
+def test_an_attribute_set_before_each_block_call_is_refused_once_it_changes() -> None:
     def between(model: Net, depth: int, block: nn.Module) -> None:
         block.scale = model.conditioning
 
     torch.manual_seed(0)
     model = Net(between)
-    model.conditioning = torch.rand(WIDTH)
+    first = model.conditioning = torch.rand(WIDTH)
     with torch.no_grad():
         model(_batch())  # the attributes hold a value before optimize sees the model
     model.conditioning = torch.rand(WIDTH)
-    with pytest.raises(NotAChainError, match=r"changed 'scale' of block blocks\.0"):
+    # optimize's own check sees the chain's output differ from the model's; a step, the change.
+    with pytest.raises(NotAChainError, match="does not give the model's own output"):
         _pair(model)
+    model.conditioning = first
+    reference, optimized, mine = _pair(model)
+    _same_step(reference, optimized, mine, seed=1)
+    reference.conditioning = mine.conditioning = torch.rand(WIDTH)
+    with pytest.raises(NotAChainError, match=r"changed 'scale' of block blocks\.0"):
+        optimized(_batch(2))
 
 
 def test_state_set_on_every_block_before_the_first_call_trains_exactly() -> None:
@@ -185,3 +193,27 @@ def test_a_penalty_on_the_last_blocks_output_names_the_head_the_chain_took_in() 
     model(batch).backward()
     for p, q in zip(model.parameters(), mine.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_equal_values_set_again_and_modes_that_change_nothing_train_exactly() -> None:
+    """No refusal where nothing changes: a list, a partial or a NaN set anew before each call,
+    an attribute the blocks never had, a disabled autocast of another dtype, and grad mode
+    switched on around the blocks (optimize's own check runs the model under no_grad)."""
+
+    def between(model: Net, depth: int, block: nn.Module) -> None:
+        block.window = [0, 8]
+        block.activation = functools.partial(torch.tanh)
+        block.temperature = float("nan")
+        block.depth_seen = depth  # never held before the loop: the blocks do not read it
+
+    def modes(depth: int):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(True))
+        if depth % 2:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.float16, enabled=False))
+        return stack
+
+    torch.manual_seed(0)
+    reference, optimized, mine = _pair(Net(between, modes))
+    for seed in range(3):
+        _same_step(reference, optimized, mine, seed)
