@@ -322,6 +322,17 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     grads = [(p, p.grad) for p in parameters]
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
         parameter.grad = None
+    # The caller's gradient hooks belong to training steps, not to profiling's backwards: an
+    # optimizer step run in the backward would train on them. Emptied in place, since autograd
+    # holds the tables themselves.
+    hooks = [
+        (table, dict(table))
+        for p in parameters
+        for table in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
+        if table
+    ]
+    for table, _ in hooks:
+        table.clear()
     attributes = [values for module in modules for values in attribute_values(module.modules())]
 
     def restore() -> None:
@@ -353,5 +364,7 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
                     )
             for parameter, grad in grads:
                 parameter.grad = grad
+            for table, saved in hooks:
+                table.update(saved)
             for generator, state in generator_states:
                 generator.set_state(state)

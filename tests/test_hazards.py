@@ -412,6 +412,31 @@ def test_an_optimizer_step_in_the_backward_is_taken_once() -> None:
         assert torch.equal(a, b)
 
 
+def test_optimize_runs_no_gradient_hook_of_the_caller() -> None:
+    """Profiling runs backwards of its own: an optimizer step registered in the backward
+    must not train on them, nor a logging hook see them."""
+    model = blocks()
+    reference = copy.deepcopy(model)
+    calls: list[int] = []
+
+    def step(p: torch.Tensor) -> None:
+        calls.append(1)
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+        p.register_hook(lambda grad: grad)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.95)
+    assert calls == []
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    om(x).pow(2).mean().backward()
+    assert len(calls) == len(list(model.parameters()))
+
+
 def test_the_wrapper_and_the_model_share_one_training_flag() -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5), nn.Linear(WIDTH, 1))
     x = torch.randn(ROWS, WIDTH)
