@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offremat._blocks import NotAChainError
-from offremat._stage import backward_in_forward_error
+from offremat._stage import BackwardInForwardError, backward_in_forward_error
 from offremat._tensors import Structure, flatten, version_of
 
 
@@ -180,6 +180,17 @@ def record_calls(
 ) -> tuple[list[RecordedCall], frozenset[int]]:
     """Every submodule call that ``run_model()`` makes, in the order they start, and the
     tokens of the tensors the model returns."""
+    try:
+        return _record_calls(model, run_model, keep_saved=False)
+    except BackwardInForwardError:
+        # The model runs a backward in its forward: record it again with its saved tensors
+        # kept, as autograd keeps them (a stage that does so is refused when profiled).
+        return _record_calls(model, run_model, keep_saved=True)
+
+
+def _record_calls(
+    model: nn.Module, run_model: Callable[[], Any], keep_saved: bool
+) -> tuple[list[RecordedCall], frozenset[int]]:
     recorder = _Recorder()
     handles = []
     for path, module in model.named_modules():
@@ -197,7 +208,7 @@ def record_calls(
         handles.append(module.register_forward_hook(recorder.after, with_kwargs=True))
     try:
         # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
-        with _as_in_training(), torch.compiler.set_stance("force_eager"):
+        with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
             returned = frozenset(recorder.tokens.of(t) for t in flatten(run_model())[0])
     finally:
         for handle in handles:
@@ -268,11 +279,17 @@ def capture_call(
     capture = _Capture(nth)
     handle = module.register_forward_pre_hook(capture, with_kwargs=True)
     try:
-        # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
-        with _as_in_training(), torch.compiler.set_stance("force_eager"):
-            run_model()
-    except _Captured:
-        pass
+        for keep_saved in (False, True):  # kept where the model runs a backward (see above)
+            try:
+                # Eagerly: compiled blocks would trace these hooks and keep code compiled
+                # with them.
+                with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
+                    run_model()
+            except BackwardInForwardError:
+                continue
+            except _Captured:
+                pass
+            break
     finally:
         handle.remove()
     if capture.arguments is None:
@@ -309,11 +326,16 @@ class _PathHook:
 
 
 @contextmanager
-def _as_in_training() -> Iterator[None]:
+def _as_in_training(keep_saved: bool = False) -> Iterator[None]:
     """Gradients on, as in training, so that inputs say which of them carry a gradient;
-    saved tensors dropped at once, so memory is that of a forward without autograd."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _refuse_unpack):
-        yield
+    saved tensors dropped at once, so memory is that of a forward without autograd, unless
+    ``keep_saved`` (a backward inside the forward reads them)."""
+    with torch.enable_grad():
+        if keep_saved:
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(_drop, _refuse_unpack):
+            yield
 
 
 def _drop(_: Any) -> None:

@@ -96,10 +96,14 @@ def escaped_tensor_error(stage: str | None) -> RuntimeError:
     )
 
 
-def backward_in_forward_error(stage: str | None) -> RuntimeError:
+class BackwardInForwardError(RuntimeError):
+    """A backward ran inside a forward whose saved tensors offremat packs."""
+
+
+def backward_in_forward_error(stage: str | None) -> BackwardInForwardError:
     """The error for a backward run inside a forward (``torch.autograd.grad`` in a block)."""
     where = "a module of the model" if stage is None else f"stage {stage!r}"
-    return RuntimeError(
+    return BackwardInForwardError(
         f"{where} runs a backward inside its own forward (torch.autograd.grad of an energy "
         "for its forces, a gradient penalty inside a block): offremat drops, offloads or "
         "recomputes what a stage saves, and that backward reads it while the forward still "

@@ -1029,3 +1029,36 @@ def test_a_backward_inside_a_blocks_forward_is_refused_by_name(form: str) -> Non
         model = nn.Sequential(model.embed, *model.layers)
     with pytest.raises(RuntimeError, match="runs a backward inside its own forward"):
         offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=1.0)
+
+
+def test_a_backward_in_the_code_before_the_chain_trains_exactly() -> None:
+    """An input-gradient feature computed before the blocks runs under plain autograd, as all
+    code around the chain does: discovery records it with its saved tensors kept."""
+
+    class GradientFeature(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(6)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                inner = x.detach().requires_grad_()
+                (feature,) = torch.autograd.grad((inner.sin() * inner).sum(), inner)
+            h = x + 0.1 * feature
+            for layer in self.layers:
+                h = layer(h)
+            return h.pow(2).mean()
+
+    torch.manual_seed(0)
+    model = GradientFeature()
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    om = offremat.optimize(model, x, budget=0.9)
+    assert "recompute" in om.plan.decisions.values()
+    for _ in range(2):
+        om(x).backward()
+        reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
