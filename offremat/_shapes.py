@@ -234,12 +234,15 @@ class ShapePlans:
         when values differ (a padded batch where the example had none): they save other
         tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
+        kind, shapes = chain_input_kind(value), chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
-        kind = chain_input_kind(value)
-        # The blocks' inputs' sizes too, where the chain says what they were (not a predicted
-        # one's): padding removed before the blocks sizes them by the batch's values.
-        shapes = chain_input_shapes(value)
-        if planned == kind and executor.chain.metadata.get("chain_input_shapes", shapes) != shapes:
+        # The sizes too: padding removed before the blocks sizes them by the batch's values.
+        # A predicted chain's blocks never ran: its first step (measured) stands for them.
+        executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes
+        planned_shapes = executor.chain.metadata.get(
+            "chain_input_shapes", executor.first_chain_input_shapes
+        )
+        if planned == kind and planned_shapes != shapes:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
             return executor

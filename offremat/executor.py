@@ -154,6 +154,8 @@ class PlanExecutor:
         self.reported_over_budget = False
         # Measure the next step (a chain not profiled at this shape), and what it found.
         self.verify_next = False
+        # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
+        self.first_chain_input_shapes: str | None = None
         self.over_budget = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]

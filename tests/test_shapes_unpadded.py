@@ -62,3 +62,29 @@ def test_blocks_inputs_of_another_size_no_plan_fits_are_refused() -> None:
     om = offremat.optimize(Unpadded(), _batch(0, 32), budget=0.5)
     with pytest.raises(InfeasibleBudgetError, match="another kind or size"):
         om(*_batch(1, 64))
+
+
+def _sized(seed: int, length: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(4, length, 16, generator=torch.Generator().manual_seed(seed))
+    return x, (torch.arange(length) < valid)[None, :].expand(4, length)
+
+
+def test_a_predicted_shapes_blocks_inputs_of_another_size_are_not_run_on_its_plan() -> None:
+    """A predicted chain's blocks never ran: its first step's sizes stand for them, and a
+    later batch of its shapes with more valid tokens is planned on its own (here: refused)."""
+    torch.manual_seed(0)
+    model = Unpadded()
+    om = offremat.optimize(model, _sized(0, 32, 16), budget=0.9)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    om(*_sized(1, 64, 32)).backward()  # a second profiled shape, so that 48 is predicted
+    om(*_sized(1, 48, 24)).backward()
+    assert om.cache_info()["predicted"] == 1
+    full = _sized(2, 48, 48)
+    try:
+        with StepMemory("cpu", inputs=full) as memory:
+            om(*full).backward()
+    except InfeasibleBudgetError as error:
+        assert "another kind or size" in str(error)
+    else:
+        assert memory.peak_bytes <= om.plan.budget_bytes
