@@ -9,11 +9,12 @@ kinds of change are seen, and refused:
 - the mode of the call (:class:`CallContext`): grad mode, inference mode, autocast and the
   innermost ``saved_tensors_hooks``. ``torch.no_grad()`` around the first blocks is a common
   way to freeze them; run as one chain they would train.
-- the block's own state (:class:`BlockState`): its modules' plain attributes (a timestep
-  embedding or a per-depth dropout rate set before each call), compared by identity and, for
-  numbers and strings, by value; its parameters and buffers, by identity and version (an
-  in-place update under ``no_grad``). A change through ``.data`` bumps no version and is not
-  seen, nor is a change to an object the block reads through another reference.
+- the block's own state (:class:`BlockState`): its submodules, by type; their plain
+  attributes (a timestep embedding or a per-depth dropout rate set before each call), by
+  identity and, for plain values, by value; their parameters and buffers, by identity and
+  version (an in-place update under ``no_grad``). A change through ``.data`` bumps no
+  version and is not seen, nor is a change to an object the block reads through another
+  reference.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class BlockState:
         """The state of ``block`` and its submodules now."""
         entries = []
         for prefix, module in block.named_modules():
+            if prefix:  # a submodule swapped for another kind (an activation per depth)
+                entries.append((prefix, type(module), -1))
             dot = prefix + "." if prefix else ""
             for name, value in module.__dict__.items():
                 if name not in _MACHINERY:

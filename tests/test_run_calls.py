@@ -217,3 +217,20 @@ def test_equal_values_set_again_and_modes_that_change_nothing_train_exactly() ->
     reference, optimized, mine = _pair(Net(between, modes))
     for seed in range(3):
         _same_step(reference, optimized, mine, seed)
+
+
+def test_a_submodule_swapped_for_another_kind_between_calls_is_refused() -> None:
+    """A fresh module of the same kind each call is no change; another kind is."""
+
+    def between(model: Net, depth: int, block: nn.Module) -> None:
+        block.drop = nn.Identity() if depth >= model.cut else nn.Tanh()
+
+    torch.manual_seed(0)
+    model = Net(between)
+    model.cut = 6
+    reference, optimized, mine = _pair(model)
+    for seed in range(2):
+        _same_step(reference, optimized, mine, seed)
+    reference.cut = mine.cut = 2
+    with pytest.raises(NotAChainError, match=r"changed 'drop' of block blocks\.2"):
+        optimized(_batch(3))
