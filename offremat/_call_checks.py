@@ -85,10 +85,11 @@ def refuse_compiled_model(model: Any) -> None:
 
 
 def holds_compiled_code(module: nn.Module) -> bool:
-    """Whether ``module`` or a module inside it was compiled (``block.compile()``, or a
-    ``torch.compile``'d module inside it)."""
+    """Whether ``module`` or a module inside it was compiled (``block.compile()``, a
+    ``torch.compile``'d module, or TorchScript, whose interpreter turns an exception a pack
+    hook raises into one of its own)."""
     return any(
-        isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+        isinstance(m, (torch._dynamo.eval_frame.OptimizedModule, torch.jit.ScriptModule))
         or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )

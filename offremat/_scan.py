@@ -61,6 +61,13 @@ def scan_modules(root: nn.Module) -> ModuleScan:
         moving = _moving_norm(module)
         if moving:
             norms.append(module)
+        if isinstance(module, torch.jit.ScriptModule) and len(module._buffers):
+            raise RuntimeError(
+                f"a TorchScript module with buffers ({module.original_name}, a scripted "
+                "BatchNorm say) is inside a stage: offremat cannot put back what a "
+                "recomputation of it changes in them. Keep that layer a Python module "
+                "(torch.compile compiles it under a plan), or leave it out of the chain"
+            )
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 fixed.add(storage_key(buffer))

@@ -255,10 +255,10 @@ class SavedTensorPacker:
 
     def check_backward(self) -> None:
         """Refuse a backward through the stage's graph other than the step's own B(i)."""
-        if self.slot is not None and not self.slot.receiving:
-            raise escaped_tensor_error(self.stage)
         if _innermost_pack_hook() == self.pack:  # the stage's forward still runs
             raise backward_in_forward_error(self.stage)
+        if self.slot is not None and not self.slot.receiving:
+            raise escaped_tensor_error(self.stage)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Rebuild input aliases from the input resident now; the rest from its reference."""

@@ -4,6 +4,8 @@ not supported on ScriptModules", as the recording hooked every module. Outside t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -93,3 +95,53 @@ def test_scripted_modules_are_keyed_by_their_code_in_the_disk_cache(tmp_path) ->
     offremat.optimize(_model(), x, budget=0.6, cache_dir=tmp_path)
     again = offremat.optimize(_model(), x, budget=0.6, cache_dir=tmp_path)
     assert again.cache_info()["from_disk"] == 1
+
+
+class _ScriptedInside(nn.Module):
+    """A block whose last layer, or a norm with buffers, is TorchScript's."""
+
+    def __init__(self, scripted: nn.Module) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.scripted = torch.jit.script(scripted)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scripted(self.down(F.gelu(self.up(x))))
+
+
+class _ScriptedNet(nn.Module):
+    def __init__(self, scripted) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(_ScriptedInside(scripted()) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def test_a_scripted_last_layer_of_a_block_recomputes_exactly() -> None:
+    """TorchScript turns the exception that ends a refill early into one of its own: a stage
+    holding TorchScript is refilled to its end, as a compiled one is."""
+    torch.manual_seed(0)
+    model = _ScriptedNet(lambda: nn.Dropout(0.2))
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, x, budget=0.5)
+    assert "recompute" in om.plan.decisions.values()
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        om(x).backward()
+        torch.manual_seed(10 + step)
+        reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_scripted_layer_with_buffers_inside_a_block_is_refused_by_name() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="TorchScript module with buffers"):
+        offremat.optimize(_ScriptedNet(lambda: nn.BatchNorm1d(16)), torch.randn(64, 8), budget=0.5)
