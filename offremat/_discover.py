@@ -39,6 +39,7 @@ from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
     end_of,
     is_scripted,
+    no_run_message,
     position_of,
     refuse_callers_checkpoint,
     refuse_layer_drop,
@@ -141,7 +142,7 @@ def find_block_run(
         candidates = [run for group in by_type.values() for run in _runs(group)]
         candidates = [run for run in candidates if len(run) >= 2]
         if not candidates:
-            raise NotAChainError(_no_run_message(model))
+            raise NotAChainError(no_run_message(model, _containers(model)))
     best = max(candidates, key=_preference)
     first = best[0]
     prefix: list[RecordedCall] = []
@@ -385,24 +386,3 @@ def _containers(model: nn.Module) -> list[str]:
         for path, module in model.named_modules()
         if path and isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2
     ]
-
-
-def _no_run_message(model: nn.Module) -> str:
-    containers = _containers(model)
-    hint = (
-        f"offremat.optimize(model, batch, blocks={containers[0]!r}, ...)"
-        if containers
-        else "blocks='path.to.container' (a ModuleList or Sequential of two or more blocks), or "
-        "pass offremat.optimize(nn.Sequential(block0, block1, ...), x, ...)"
-    )
-    scripted = [
-        path
-        for path, module in model.named_modules()
-        if is_scripted(module) and not is_scripted(model.get_submodule(path.rpartition(".")[0]))
-    ]
-    return (
-        f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
-        f"type take each other's output and the same other arguments. If some do, name them "
-        f"with {hint} (offremat profile: --blocks PATH); the error then says what breaks the "
-        "chain" + (f". {scripted_note(scripted)}" if scripted else "")
-    )

@@ -163,3 +163,33 @@ def scripted_note(paths: list[str]) -> str:
         "recompute one as a block. Keep the blocks as Python modules (torch.compile compiles "
         "them under a plan; script the layers inside them instead)"
     )
+
+
+def no_run_message(model: nn.Module, containers: list[str]) -> str:
+    """The refusal of a model with no run of repeated blocks, with the call to make."""
+    hint = (
+        f"offremat.optimize(model, batch, blocks={containers[0]!r}, ...)"
+        if containers
+        else "blocks='path.to.container' (a ModuleList or Sequential of two or more blocks), or "
+        "pass offremat.optimize(nn.Sequential(block0, block1, ...), x, ...)"
+    )
+    scripted = [
+        path
+        for path, module in model.named_modules()
+        if is_scripted(module) and not is_scripted(model.get_submodule(path.rpartition(".")[0]))
+    ]
+    return (
+        f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
+        f"type take each other's output and the same other arguments. If some do, name them "
+        f"with {hint} (offremat profile: --blocks PATH); the error then says what breaks the "
+        "chain"
+        + (f". {scripted_note(scripted)}" if scripted else "")
+        + (_OWN_FORWARD if isinstance(model, nn.Sequential) else "")
+    )
+
+
+# An nn.Sequential with a forward of its own is no chain of its children (offremat._building).
+_OWN_FORWARD = (
+    ". This nn.Sequential has a forward of its own, so it was searched as any model; if that "
+    "forward only calls its children in order, pass nn.Sequential(*model)"
+)

@@ -291,7 +291,7 @@ def test_a_sequential_with_a_forward_of_its_own_runs_that_forward() -> None:
     reference(x).pow(2).mean().backward()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
-    with pytest.raises(offremat.NotAChainError, match="found no run of repeated blocks"):
+    with pytest.raises(offremat.NotAChainError, match=r"found no run.*nn\.Sequential\(\*model\)"):
         offremat.optimize(DoublingSequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), x, budget=1.0)
 
 
