@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
@@ -353,7 +353,11 @@ def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
     with torch.no_grad():
         last = _run_stages(blocks, value)[0]
     after = _tensor_attributes(blocks)
-    if after.keys() == before.keys() and all(after[k] is before[k] for k in after):
+    if after.keys() == before.keys() and all(
+        len(after[k]) == len(before[k])
+        and all(a is b for a, b in zip(after[k], before[k], strict=True))
+        for k in after
+    ):
         return last
     del last, after
     for block in blocks:
@@ -362,21 +366,25 @@ def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
         with torch.enable_grad():
             value = block((hidden.requires_grad_(is_differentiable(hidden)), *value[1:]))
         value = (value[0].detach(), *value[1:])
-        for (module, name), tensor in _tensor_attributes([block]).items():
-            if tensor.grad_fn is not None:
-                module.__dict__[name] = _cut(tensor)
+        for (module, name), tensors in _tensor_attributes([block]).items():
+            if any(tensor.grad_fn is not None for tensor in tensors):
+                module.__dict__[name] = tree_map(_cut, module.__dict__[name])
     return value[0]
 
 
-def _tensor_attributes(blocks: Sequence[nn.Module]) -> dict[tuple[nn.Module, str], torch.Tensor]:
-    """The tensors the blocks' modules hold as plain attributes (not parameters or buffers)."""
-    return {
-        (module, name): attribute
-        for block in blocks
-        for module in block.modules()
-        for name, attribute in vars(module).items()
-        if isinstance(attribute, torch.Tensor)
-    }
+def _tensor_attributes(
+    blocks: Sequence[nn.Module],
+) -> dict[tuple[nn.Module, str], list[torch.Tensor]]:
+    """The tensors the blocks' modules hold as plain attributes (not parameters or buffers),
+    alone or inside lists, tuples and dicts, by attribute."""
+    found = {}
+    for block in blocks:
+        for module in block.modules():
+            for name, attribute in vars(module).items():
+                tensors = [t for t in tree_leaves(attribute) if isinstance(t, torch.Tensor)]
+                if tensors:
+                    found[(module, name)] = tensors
+    return found
 
 
 def _cut(value: Any) -> Any:

@@ -19,38 +19,46 @@ WIDTH = 32
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, in_dict: bool = False) -> None:
         super().__init__()
+        self.in_dict = in_dict
         self.norm = nn.LayerNorm(WIDTH)
         self.up = nn.Linear(WIDTH, 2 * WIDTH)
         self.down = nn.Linear(2 * WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         attention = torch.softmax(x @ x.transpose(1, 2) / 8, -1)
-        self.last_attention = attention  # read by the model's loss
+        if self.in_dict:
+            self.maps = {"attention": attention}
+        else:
+            self.last_attention = attention  # read by the model's loss
         return x + self.down(F.gelu(self.up(self.norm(attention @ x))))
 
 
 class Entropy(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, in_dict: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(16, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(Block(in_dict) for _ in range(4))
         self.out = nn.Linear(WIDTH, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
-        maps = [block.last_attention for block in self.blocks]
+        maps = [
+            block.maps["attention"] if block.in_dict else block.last_attention
+            for block in self.blocks
+        ]
         entropy = sum(-(a * (a + 1e-6).log()).sum(-1).mean() for a in maps)
         return self.out(h).pow(2).mean() + 0.01 * entropy
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_attributes_the_loss_reads_are_measured_with_their_graph(caplog) -> None:
+@pytest.mark.parametrize("in_dict", [False, True])
+def test_attributes_the_loss_reads_are_measured_with_their_graph(caplog, in_dict) -> None:
     torch.manual_seed(0)
-    model = Entropy()
+    model = Entropy(in_dict)
     plain = copy.deepcopy(model)
     x = torch.randn(8, 32, 16, generator=torch.Generator().manual_seed(0))
     om = offremat.optimize(model, x, budget=1.0)
