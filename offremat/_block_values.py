@@ -9,7 +9,7 @@ KV caches are dropped (and ``use_cache`` set False), as its gradient checkpointi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -17,6 +17,9 @@ from torch.utils._pytree import tree_leaves
 from offremat._blocks import NotAChainError
 from offremat._record import split_hidden
 from offremat._tensors import Structure, flatten, same_structure, unflatten
+
+if TYPE_CHECKING:
+    from offremat._discover import BlockRun
 
 _PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -210,7 +213,7 @@ def _tensor_count(structure: Structure) -> int:
     return sum(_tensor_count(child) for child in structure.children)
 
 
-def further_block_message(path: str, run: Any) -> str:
+def further_block_message(path: str, run: BlockRun) -> str:
     """The refusal of a call of ``path`` that continues ``run`` past its last block."""
     return (
         f"the model called {path} on the output of the chain's last block "

@@ -18,6 +18,7 @@ from torch import nn
 
 from offremat._block_values import cache_in
 from offremat._blocks import NotAChainError
+from offremat._call_state import innermost_saved_tensor_hooks
 from offremat._stage import AutocastState
 from offremat._tensors import flatten
 
@@ -153,8 +154,7 @@ def refuse_outer_saved_tensor_hooks() -> None:
     """The executor packs its stages' saved tensors with hooks of its own, innermost, so a
     ``saved_tensors_hooks`` around the step (activation compression, ``save_on_cpu``) would
     not see them: plain autograd's step under those hooks computes something else."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is not None and top(False) is not None:
+    if innermost_saved_tensor_hooks() is not None:
         raise RuntimeError(
             "this training step runs inside torch.autograd.graph.saved_tensors_hooks (or "
             "save_on_cpu); offremat packs the saved tensors of its stages itself, so those "

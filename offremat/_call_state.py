@@ -35,6 +35,14 @@ _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _DEVICE_TYPES = ("cpu", "cuda")
 
 
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def innermost_saved_tensor_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) hooks of the innermost ``saved_tensors_hooks`` in force, or None."""
+    return None if _TOP_HOOKS is None else _TOP_HOOKS(False)
+
+
 @dataclass(frozen=True)
 class CallContext:
     """The autograd and autocast modes a block call runs under."""
@@ -47,7 +55,6 @@ class CallContext:
     @classmethod
     def now(cls) -> CallContext:
         """The modes in force now."""
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
         return cls(
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
@@ -55,7 +62,7 @@ class CallContext:
                 (True, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
                 for kind in _DEVICE_TYPES
             ),
-            None if top is None else top(False),
+            innermost_saved_tensor_hooks(),
         )
 
     def differs_from(self, other: CallContext, grad: bool = True) -> str | None:

@@ -21,10 +21,13 @@ from torch import nn
 from offremat._block_values import continues_run, further_block_message
 from offremat._blocks import NotAChainError
 from offremat._discover import BlockRun
+from offremat._run import RunInterception
 
 
 @contextmanager
-def further_blocks_refused(model: nn.Module, run: BlockRun, interception: Any) -> Iterator[None]:
+def further_blocks_refused(
+    model: nn.Module, run: BlockRun, interception: RunInterception
+) -> Iterator[None]:
     """While active, a call of a sibling block (see the module's notes) that takes the run's
     output and side inputs, once ``interception`` has run the chain, raises NotAChainError."""
     handles = [
@@ -41,7 +44,7 @@ def further_blocks_refused(model: nn.Module, run: BlockRun, interception: Any) -
 class _Guard:
     """A sibling's pre-hook: raises where its call continues the run."""
 
-    def __init__(self, interception: Any, path: str, run: BlockRun):
+    def __init__(self, interception: RunInterception, path: str, run: BlockRun):
         self.interception = interception
         self.path = path
         self.run = run

@@ -223,7 +223,7 @@ class RunInterception:
         changed = self.context.differs_from(CallContext.now(), self.check_grad)
         if changed:
             raise NotAChainError(
-                f"the model calls block {expected.path} {changed}, unlike block "
+                f"the model calls block {expected.path} {changed}, unlike its call of "
                 f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
                 "model's call of the first, so every call must run under the same grad mode, "
                 "autocast and saved-tensor hooks: freeze blocks with requires_grad_(False) "
@@ -236,7 +236,7 @@ class RunInterception:
         what = after_run.change_in(BlockState.of(module))
         if what is not None:
             raise NotAChainError(
-                f"the model changed {what} of block {expected.path} after calling block "
+                f"the model changed {what} of block {expected.path} after its call of "
                 f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
                 "model's call of the first, so the block ran with the value it had before: "
                 "set what the blocks read before the model calls the first of them, or pass "

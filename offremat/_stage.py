@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from offremat._call_state import innermost_saved_tensor_hooks
 from offremat._memory import Residency, TensorRef
 from offremat._scan import NORM_STATISTICS
 from offremat._tensors import storage_key, tensor_over, unique_storages, version_of
@@ -255,7 +256,8 @@ class SavedTensorPacker:
 
     def check_backward(self) -> None:
         """Refuse a backward through the stage's graph other than the step's own B(i)."""
-        if _innermost_pack_hook() == self.pack:  # the stage's forward still runs
+        hooks = innermost_saved_tensor_hooks()
+        if hooks is not None and hooks[0] == self.pack:  # the stage's forward still runs
             raise backward_in_forward_error(self.stage)
         if self.slot is not None and not self.slot.receiving:
             raise escaped_tensor_error(self.stage)
@@ -391,12 +393,3 @@ class AutocastState:
             stack.enter_context(torch.autocast(self.device_type, self.dtype, cache_enabled=False))
         elif torch.is_autocast_enabled(self.device_type):
             stack.enter_context(torch.autocast(self.device_type, enabled=False))
-
-
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _innermost_pack_hook() -> Any:
-    """The pack hook of the innermost ``saved_tensors_hooks`` in force, or None."""
-    top = None if _TOP_HOOKS is None else _TOP_HOOKS(False)
-    return None if top is None else top[0]

@@ -87,4 +87,8 @@ def test_skips_after_a_profile_that_saw_none_stay_within_budget_and_exact() -> N
             loss.backward()
         assert memory.peak_bytes <= om.plan.budget_bytes
         torch.manual_seed(step)
-        assert torch.equal(loss, plain(_x()))
+        expected = plain(_x())
+        expected.backward()
+        assert torch.equal(loss, expected)
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
