@@ -226,12 +226,13 @@ def reinstated(seen: AttributeValues) -> Iterator[None]:
 
 
 def _same_entries(current: dict, kept: dict) -> bool:
-    # By identity (== on tensors compares their elements), entry by entry in order: a copy
-    # of a dictionary lists its entries as the dictionary does. A reordered one compares as
-    # changed, and is assigned back whole.
+    # Values by identity (== on tensors compares their elements), entry by entry in order: a
+    # copy of a dictionary lists its entries as the dictionary does. A reordered one compares
+    # as changed, and is assigned back whole. Keys by value: a TorchScript module's tables
+    # hand out new key strings at every access.
     return (
         len(current) == len(kept)
-        and all(map(operator.is_, current.keys(), kept.keys()))
+        and all(map(operator.eq, current.keys(), kept.keys()))
         and all(map(operator.is_, current.values(), kept.values()))
     )
 

@@ -86,6 +86,7 @@ class CallContext:
 class BlockState:
     """A block's attributes, parameters and buffers, as far as a later call can tell."""
 
+    block: nn.Module
     entries: tuple[tuple[str, Any, int], ...]
 
     @classmethod
@@ -102,15 +103,23 @@ class BlockState:
             for table in (module._parameters, module._buffers):
                 for name, value in table.items():
                     entries.append((dot + name, value, _version(value)))
-        return cls(tuple(entries))
+        return cls(block, tuple(entries))
 
     def change_in(self, later: BlockState) -> str | None:
         """The name of what differs in ``later`` (an attribute, parameter or buffer), or None.
 
-        An attribute added since is no change: the chain's run of the block could not have
-        read it (it would have raised), so the model set one the block does not read.
+        An attribute added since is no change where its name was unknown to the block's
+        modules: the chain's run could not have read it (it would have raised; a read through
+        ``getattr`` with a default is not told apart). One that shadows a class attribute (a
+        default, a property) is a change: the chain's run read the class's.
         """
         now = {name: (value, version) for name, value, version in later.entries}
+        before = {name for name, _, _ in self.entries}
+        for name in now.keys() - before:
+            prefix, _, attribute = name.rpartition(".")
+            owner = self.block.get_submodule(prefix) if prefix else self.block
+            if hasattr(type(owner), attribute):
+                return f"{name!r} (over the class's)"
         for name, value, version in self.entries:
             if name not in now:
                 return f"{name!r} (deleted)"

@@ -145,3 +145,18 @@ def test_a_scripted_layer_with_buffers_inside_a_block_is_refused_by_name() -> No
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="TorchScript module with buffers"):
         offremat.optimize(_ScriptedNet(lambda: nn.BatchNorm1d(16)), torch.randn(64, 8), budget=0.5)
+
+
+def test_a_scripted_layer_with_parameters_inside_a_recomputed_block_trains_exactly() -> None:
+    """A TorchScript module's parameter table hands out new key strings at every access."""
+    torch.manual_seed(0)
+    model = _ScriptedNet(lambda: nn.Linear(16, 16))
+    torch.manual_seed(0)  # not deepcopy: a copied ScriptModule's parameters are no leaves
+    reference = _ScriptedNet(lambda: nn.Linear(16, 16))
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, x, budget=0.6)
+    assert "recompute" in om.plan.decisions.values()
+    om(x).backward()
+    reference(x).backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

@@ -234,3 +234,26 @@ def test_a_submodule_swapped_for_another_kind_between_calls_is_refused() -> None
     reference.cut = mine.cut = 2
     with pytest.raises(NotAChainError, match=r"changed 'drop' of block blocks\.2"):
         optimized(_batch(3))
+
+
+def test_an_attribute_set_over_a_class_default_between_calls_is_refused() -> None:
+    """The chain's run read the class's default; the model then set the block's own."""
+
+    class Defaulted(Block):
+        gain = 1.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * self.gain
+
+    def between(model: Net, depth: int, block: nn.Module) -> None:
+        if model.rate:
+            block.gain = 1.0 + model.rate
+
+    torch.manual_seed(0)
+    model = Net(between)
+    model.blocks = nn.ModuleList(Defaulted() for _ in range(6))
+    reference, optimized, mine = _pair(model)
+    _same_step(reference, optimized, mine, seed=1)
+    reference.rate = mine.rate = 0.5
+    with pytest.raises(NotAChainError, match=r"'gain' \(over the class's\) of block blocks\.0"):
+        optimized(_batch(2))
