@@ -372,6 +372,10 @@ def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
     return value[0]
 
 
+# A module's own tables of parameters, buffers and submodules: not plain attributes.
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
 def _tensor_attributes(
     blocks: Sequence[nn.Module],
 ) -> dict[tuple[nn.Module, str], list[torch.Tensor]]:
@@ -381,6 +385,8 @@ def _tensor_attributes(
     for block in blocks:
         for module in block.modules():
             for name, attribute in vars(module).items():
+                if name in _MODULE_TABLES:
+                    continue
                 tensors = [t for t in tree_leaves(attribute) if isinstance(t, torch.Tensor)]
                 if tensors:
                     found[(module, name)] = tensors
