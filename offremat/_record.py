@@ -9,13 +9,14 @@ intermediate of the call alive: a whole keep-all forward, more than a budget all
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -24,6 +25,8 @@ from torch import nn
 from offremat._blocks import NotAChainError
 from offremat._stage import BackwardInForwardError, backward_in_forward_error
 from offremat._tensors import Structure, flatten, version_of
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -180,12 +183,17 @@ def record_calls(
 ) -> tuple[list[RecordedCall], frozenset[int]]:
     """Every submodule call that ``run_model()`` makes, in the order they start, and the
     tokens of the tensors the model returns."""
+    return _in_training(functools.partial(_record_calls, model, run_model))
+
+
+def _in_training(attempt: Callable[[bool], _T]) -> _T:
+    """``attempt(keep_saved)`` with the saved tensors dropped, or, where the model runs a
+    backward in its forward, again from the start with them kept, as autograd keeps them (a
+    stage that does so is refused when profiled)."""
     try:
-        return _record_calls(model, run_model, keep_saved=False)
+        return attempt(False)
     except BackwardInForwardError:
-        # The model runs a backward in its forward: record it again with its saved tensors
-        # kept, as autograd keeps them (a stage that does so is refused when profiled).
-        return _record_calls(model, run_model, keep_saved=True)
+        return attempt(True)
 
 
 def _record_calls(
@@ -276,22 +284,21 @@ def capture_call(
     run_model: Callable[[], Any], module: nn.Module, nth: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments of ``module``'s call number ``nth`` in ``run_model()``, which stops there."""
-    capture = _Capture(nth)
-    handle = module.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        for keep_saved in (False, True):  # kept where the model runs a backward (see above)
-            try:
-                # Eagerly: compiled blocks would trace these hooks and keep code compiled
-                # with them.
-                with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
-                    run_model()
-            except BackwardInForwardError:
-                continue
-            except _Captured:
-                pass
-            break
-    finally:
-        handle.remove()
+
+    def attempt(keep_saved: bool) -> _Capture:
+        capture = _Capture(nth)  # counting from the start of this run
+        handle = module.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
+            with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
+                run_model()
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        return capture
+
+    capture = _in_training(attempt)
     if capture.arguments is None:
         raise NotAChainError(
             f"the model did not call {type(module).__name__} {nth + 1} times when run again: "
