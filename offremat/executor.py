@@ -333,19 +333,19 @@ class _PlanFunction(torch.autograd.Function):
         ctx.step = None
         runs = torch._C._will_engine_execute_node
         accumulate = runs(ctx.anchor_node)
-        if accumulate:
+        hooked = step.hooked_parameters()
+        if accumulate and hooked:
             # The rest of the graph accumulates into these too: a second run of their hooks.
-            hooked = [p for p in step.hooked_parameters() if runs(get_gradient_edge(p).node)]
-            if hooked:
+            outside = [p for p in hooked if runs(get_gradient_edge(p).node)]
+            if outside:
                 step.abandon()
                 raise RuntimeError(
-                    f"a parameter of the chain (shape {tuple(hooked[0].shape)}) is also used "
+                    f"a parameter of the chain (shape {tuple(outside[0].shape)}) is also used "
                     "outside it (a weight penalty in the loss, a weight tied to a layer outside "
                     "the chain) and has gradient hooks: its gradient reaches .grad in two parts, "
                     "from the plan's backward and from the rest of the graph, so its hooks "
                     "would run twice. Move that use into the chain, or remove the hooks"
                 )
-        hooked = step.hooked_parameters()
         if hooked and step.hooked_parameters_shared(hooked):
             step.abandon()
             raise RuntimeError(
