@@ -5,7 +5,9 @@
 ``--model gpt`` is the in-repo GPT (an ``nn.Sequential``; every block is sharded, the
 embedding and the head too); ``--model llama`` a small Hugging Face Llama built from a config,
 its decoder layers sharded and the chain found in it as for any model (:mod:`offremat._run`
-says how FSDP2's hooks run with it).
+says how FSDP2's hooks run with it). ``--no-reshard-after-forward`` shards the blocks with
+``reshard_after_forward=False`` (their gathered parameters stay from the forward to the
+backward, ZeRO-2 style).
 
 The same script runs on CPUs (gloo) and on GPUs (NCCL, one device per rank): a user who
 outgrows one device runs it unchanged on many. Budgets are activation memory per rank, as
@@ -92,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--check", action="store_true", help="compare with one process")
     parser.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="fully_shard(block, reshard_after_forward=False): gathered parameters kept "
+        "from each block's forward to its backward",
+    )
+    parser.add_argument(
         "--peak-slack", type=float, default=0.0, help="fail only above budget x (1 + this)"
     )
     args = parser.parse_args(argv)
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     model, blocks, batch = build(args.model, rank, device)
     for block in blocks:
-        fully_shard(block)
+        fully_shard(block, reshard_after_forward=not args.no_reshard_after_forward)
         # No implicit prefetch of the next block's parameters in the backward: it would hold
         # two blocks' gathered parameters at times the profile (one gather at a time) and so
         # the plan do not see, depending on timing.

@@ -19,6 +19,7 @@ from torch import nn
 
 from offremat._buffers import assign_attributes, attribute_values
 from offremat._eager import eager
+from offremat._fsdp import reshard_parameters, sharding_hooks
 from offremat._rng import (
     GeneratorWatch,
     RngState,
@@ -118,23 +119,6 @@ def stage_module(blocks: Sequence[tuple[str, nn.Module]]) -> nn.Module:
         return blocks[0][1]
     # Positional: block names are module paths, and a child's name cannot hold a dot.
     return nn.Sequential(*[block for _, block in blocks])
-
-
-def sharding_hooks(module: nn.Module) -> set[int]:
-    """The keys of the forward hooks that FSDP2's ``fully_shard`` put on ``module``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-    except ImportError:  # a torch built without distributed support
-        return set()
-    if not isinstance(module, FSDPModule):
-        return set()
-    state = fully_shard.state(module)
-    return {
-        key
-        for hooks in (module._forward_pre_hooks, module._forward_hooks)
-        for key, hook in hooks.items()
-        if getattr(hook, "__self__", None) is state
-    }
 
 
 def output_capture_hooks(module: nn.Module) -> set[int]:
@@ -301,6 +285,8 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     beforehand and put back; any other parameter found changed in place is reported.
     """
     cuda_devices = cuda_device_indices(device)
+    # The parameters whose gradients are kept aside are those FSDP2 reduces into.
+    reshard_parameters(modules)
     generators = [g for module in modules for g in module_generators(module)]
     generator_states = [(g, g.get_state()) for g in generators]
     buffers = [
@@ -352,6 +338,7 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
         try:
             yield restore
         finally:
+            reshard_parameters(modules)  # the forwards run may leave gathered ones registered
             restore()
             restore_host_random(host)
             restored = {id(p) for p, _ in renormed}

@@ -62,6 +62,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from offremat._fsdp import sharded_parameter_tables
 from offremat._tensors import bitwise_equal, storage_key
 
 # A buffer: the module that holds it and its name there.
@@ -201,12 +202,17 @@ def assign_attributes(values: AttributeValues) -> None:
         attributes.update(kept)  # the unchanged ones get their own objects back: no change
 
 
-def registered_tensors(modules: Iterable[nn.Module]) -> AttributeValues:
-    """Each module's parameter and buffer dictionaries, with their entries now."""
+def registered_tensors(modules: Sequence[nn.Module]) -> AttributeValues:
+    """Each module's parameter and buffer dictionaries, with their entries now; not the
+    parameter tables FSDP2 fills: its pre-hook registers the gathered parameters there at
+    each forward, a recomputation's too, unless they are still registered from the forward
+    (``reshard_after_forward=False``), and then the sharded ones put back would be used."""
+    sharded = sharded_parameter_tables(modules)
     return [
         (registered, dict(registered))
         for module in modules
         for registered in (module._parameters, module._buffers)
+        if id(registered) not in sharded
     ]
 
 

@@ -44,9 +44,10 @@ from offremat._block_values import (
     side_inputs_of,
     stand_in,
 )
-from offremat._blocks import NotAChainError, output_capture_hooks, sharding_hooks
+from offremat._blocks import NotAChainError, output_capture_hooks
 from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
+from offremat._fsdp import sharding_hooks
 
 
 class RunBlock(nn.Module):
