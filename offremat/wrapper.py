@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 
 from offremat._blocks import (
@@ -259,7 +260,7 @@ def optimize(
     if stages is not None:
         check_count("stages", stages)
     _refuse_lazy(model)
-    _refuse_optimized(model)
+    _refuse_wrappers(model)
     tensors, structure = flatten(example_batch)
     if not tensors:
         refuse_hidden_tensors(structure)  # tensors inside a dataclass: say so
@@ -360,21 +361,31 @@ def _refuse_lazy(model: nn.Module | Sequence[nn.Module]) -> None:
         )
 
 
-def _refuse_optimized(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Refuse a model that holds a model offremat already optimized: the inner one's steps
-    would run inside the outer one's recording, profile and stages."""
+def _refuse_wrappers(model: nn.Module | Sequence[nn.Module]) -> None:
+    """Refuse a model that holds a model offremat already optimized (the inner one's steps
+    would run inside the outer one's recording, profile and stages) or a
+    ``DistributedDataParallel`` (its reducer takes one backward per forward, where profiling
+    runs several and a step's backward is one engine call per stage)."""
     roots = [model] if isinstance(model, nn.Module) else list(model)
     for root in roots:
         if not isinstance(root, nn.Module):
             continue
         for path, module in root.named_modules():
+            where = f" (at {path!r})" if path else ""
             if isinstance(module, OptimizedModule):
-                where = f" (at {path!r})" if path else ""
                 raise TypeError(
                     f"this model is, or holds, a model offremat already optimized{where}: "
                     "offremat.optimize the plain model (OptimizedModule.model) as one, with "
                     "everything it holds, or keep the optimized one and do not optimize "
                     "around it"
+                )
+            if isinstance(module, DistributedDataParallel):
+                raise TypeError(
+                    f"this model is, or holds, a DistributedDataParallel module{where}: its "
+                    "gradient reducer expects one backward per forward, which offremat's "
+                    "profiling and per-stage backwards are not. Optimize the model it wraps "
+                    "and wrap the result: DistributedDataParallel(offremat.optimize(model, "
+                    "batch, ...))"
                 )
 
 

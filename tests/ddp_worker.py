@@ -1,0 +1,72 @@
+"""A rank of ``tests/test_compose_ddp.py``: a Hugging Face Llama optimized, then wrapped in
+DistributedDataParallel, trained on this rank's batch (gloo on CPU).
+
+Prints the largest difference of the first step's gradients from plain autograd's on every
+rank's batch (the mean of the ranks' losses, as DDP averages), each step's measured peak
+over the budget, and whether ``optimize`` refused the model wrapped the other way round.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import offremat
+from offremat.measure import StepMemory
+
+
+def batch_of(rank: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(rank))
+    return {"input_ids": ids, "labels": ids}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+    )
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    batch = batch_of(rank)
+    try:
+        offremat.optimize(DistributedDataParallel(copy.deepcopy(model)), batch, budget=0.5)
+    except TypeError as error:
+        print(f"rank {rank} refused: {error}", flush=True)
+    optimized = offremat.optimize(model, batch, budget=0.5)
+    trainer = DistributedDataParallel(optimized)
+    for parameter in model.parameters():  # gradients are not activations: allocated once
+        parameter.grad = torch.zeros_like(parameter)
+    for step in range(3):
+        with StepMemory("cpu", inputs=batch) as memory:
+            loss = trainer(**batch).loss
+            loss.backward()
+        peak = memory.peak_bytes / optimized.plan.budget_bytes
+        print(f"rank {rank} step {step} loss {loss.item():.4f} peak/budget {peak:.3f}", flush=True)
+        if step == 0:
+            total = sum(reference(**batch_of(r)).loss for r in range(world)) / world
+            total.backward()
+            pairs = zip(model.parameters(), reference.parameters(), strict=True)
+            diff = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
+            print(f"rank {rank} gradient difference {diff:.3g}", flush=True)
+        for parameter in model.parameters():
+            parameter.grad.zero_()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # gloo's threads now and then abort the interpreter's teardown
