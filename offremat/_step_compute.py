@@ -324,6 +324,8 @@ class Compute:
                     [e for e, _ in pairs], [g for _, g in pairs], inputs=[self.anchor]
                 )
         except RuntimeError as error:
+            if "mark a variable ready only once" in str(error):
+                raise _reducer_saw_shared(self.names[i - 1]) from error
             if "a second time" not in str(error):
                 raise
             if any(not p.is_leaf for p in self.parameters[i - 1]):
@@ -373,6 +375,17 @@ def _shared_weight_graph(stage: str) -> RuntimeError:
         "as in MAML): each stage's backward is its own engine call, so that graph would run "
         "once per stage. Train such a step with plain autograd (a budget at or above the "
         "keep-all peak runs it so)"
+    )
+
+
+def _reducer_saw_shared(stage: str) -> RuntimeError:
+    """The error for DistributedDataParallel's reducer marking a parameter ready twice."""
+    return RuntimeError(
+        f"DistributedDataParallel saw a gradient of one parameter twice in one backward, at "
+        f"stage {stage!r}: a parameter that several stages use (a block used twice, weights "
+        "tied between stages) has its gradient accumulated once, but the hooks DDP puts on its "
+        "accumulation node run in each of those stages' backwards, where plain DDP runs them "
+        "once. Train such a model with plain DDP, or give each stage its own parameters"
     )
 
 

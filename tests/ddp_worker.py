@@ -3,7 +3,8 @@ DistributedDataParallel, trained on this rank's batch (gloo on CPU).
 
 Prints the largest difference of the first step's gradients from plain autograd's on every
 rank's batch (the mean of the ranks' losses, as DDP averages), each step's measured peak
-over the budget, and whether ``optimize`` refused the model wrapped the other way round.
+over the budget, whether ``optimize`` refused the model wrapped the other way round, and
+whether a model that uses a block twice was refused at its backward.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -23,6 +25,19 @@ from offremat.measure import StepMemory
 def batch_of(rank: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(rank))
     return {"input_ids": ids, "labels": ids}
+
+
+def shared_block(rank: int) -> None:
+    """A block used twice: DDP's hooks on its parameters' accumulation run once per stage."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    model = nn.Sequential(nn.Linear(32, 32), block, nn.Linear(32, 32), block, nn.Linear(32, 1))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+    trainer = DistributedDataParallel(offremat.optimize(model, x, budget=0.9))
+    try:
+        trainer(x).pow(2).mean().backward()
+    except RuntimeError as error:
+        print(f"rank {rank} shared block refused: {error}", flush=True)
 
 
 def main() -> None:
@@ -63,6 +78,7 @@ def main() -> None:
             print(f"rank {rank} gradient difference {diff:.3g}", flush=True)
         for parameter in model.parameters():
             parameter.grad.zero_()
+    shared_block(rank)
     dist.barrier()
     dist.destroy_process_group()
 
