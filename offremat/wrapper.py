@@ -45,6 +45,7 @@ from offremat._call_checks import (
     refuse_recorded_outputs,
 )
 from offremat._discover import BlockRun, Call
+from offremat._forward_signature import ModelSignatureForward
 from offremat._further_blocks import further_blocks_refused
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import Request, in_training_mode
@@ -129,6 +130,11 @@ class OptimizedModule(nn.Module):
         if model is not None:  # nn.Module.__init__ sets it before the model is bound
             model.training = mode
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_forward_signature", None)  # found again (defaults need not pickle)
+        return state
+
     def __getattr__(self, name: str) -> Any:
         # The model's own attributes and methods (config, generate, save_pretrained) too.
         try:
@@ -139,6 +145,7 @@ class OptimizedModule(nn.Module):
                 raise
             return getattr(model, name)
 
+    @ModelSignatureForward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output; with a gradient wanted, the step follows :attr:`plan`.
 

@@ -1,0 +1,69 @@
+"""Hugging Face's Trainer training an optimized model, as it trains the model itself."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import offremat
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer's dependency
+
+
+class Tokens(Dataset):
+    """Eight rows of 16 token ids, the labels the ids themselves (a language model)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _train(model: torch.nn.Module, folder: Path) -> list[float]:
+    arguments = transformers.TrainingArguments(
+        output_dir=str(folder),
+        per_device_train_batch_size=4,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=Tokens())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_trains_optimized_model_as_the_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    plain = copy.deepcopy(model)
+    ids = torch.stack([Tokens()[k]["input_ids"] for k in range(4)])
+    optimized = offremat.optimize(model, {"input_ids": ids, "labels": ids}, budget=0.8)
+    assert "recompute" in optimized.plan.decisions.values()
+    # The Trainer keeps the dataset columns the forward's signature names: (*args, **kwargs)
+    # left every batch empty ("The batch received was empty").
+    assert inspect.signature(optimized.forward) == inspect.signature(model.forward)
+    losses = _train(optimized, tmp_path / "optimized")
+    assert losses == _train(plain, tmp_path / "plain")
+    pairs = zip(model.parameters(), plain.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
