@@ -42,6 +42,7 @@ from offremat._call_checks import (
     refuse_compiled_model,
     refuse_kv_cache,
     refuse_other_attention,
+    refuse_other_default_dtype,
     refuse_recorded_outputs,
 )
 from offremat._discover import BlockRun, Call
@@ -82,6 +83,7 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_autocast", None)
         object.__setattr__(self, "_forced_autocast", False)
         object.__setattr__(self, "_attention", attention_kernels())
+        object.__setattr__(self, "_default_dtype", torch.get_default_dtype())
 
     @property
     def model(self) -> nn.Module:
@@ -175,6 +177,9 @@ class OptimizedModule(nn.Module):
             planned_kernels = self.__dict__.get("_attention")
             if planned_kernels is not None and (kernels := attention_kernels()) != planned_kernels:
                 refuse_other_attention(planned_kernels, kernels)
+            planned_dtype = self.__dict__.get("_default_dtype")
+            if planned_dtype is not None and (dtype := torch.get_default_dtype()) != planned_dtype:
+                refuse_other_default_dtype(planned_dtype, dtype)
             return self._planned_step(args, kwargs)
 
     def _planned_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -105,6 +105,38 @@ def test_a_step_under_other_attention_kernels_is_refused_and_one_under_the_same_
         om(**BATCH)
 
 
+class _OnesBlock(torch.nn.Module):
+    """Scales by a constant made in the default dtype, which its saved tensors then take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(64)
+        return x + self.outer(torch.sigmoid(torch.tanh(self.inner(x)) * scale).to(x.dtype))
+
+
+def test_a_step_under_another_default_dtype_is_refused() -> None:
+    # float64 set after a float32 plan: the blocks saved float64 tensors, 1.43 times the
+    # budget, with no new plan and no refusal.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_OnesBlock() for _ in range(6)], torch.nn.Linear(64, 1))
+    x = torch.randn(128, 64)
+    om = offremat.optimize(model, x, budget=0.5)
+    try:
+        torch.set_default_dtype(torch.float64)
+        with pytest.raises(RuntimeError, match=r"default dtype torch\.float32, but this step"):
+            om(x)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for parameter in model.parameters():  # allocated once, as after a first step
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=x) as memory:
+        om(x).sum().backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+
+
 @pytest.mark.parametrize("vocab", [160, 2048])
 def test_code_around_the_blocks_changed_after_optimize_is_planned_again(vocab: int) -> None:
     # Embeddings resized for new tokens make larger logits outside the blocks: the old plan
