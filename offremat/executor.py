@@ -61,6 +61,7 @@ from offremat._call_checks import (
 from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
+from offremat._signatures import refuse_module_tracker
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
 from offremat._tensors import (
@@ -226,6 +227,7 @@ class PlanExecutor:
                     return self._run_plainly_verified(value, tensors, device)
                 return run_plainly(self.stages, value, device, self._finished)
         refuse_outer_saved_tensor_hooks()
+        refuse_module_tracker()
         step = _Step(self, tensors, structure, device, scans, measuring)
         self.in_flight.add(step)
         outputs = _PlanFunction.apply(step, self._anchor(device), *tensors)

@@ -109,17 +109,29 @@ def test_the_disk_cache_tells_plans_made_under_a_global_logger_apart(tmp_path) -
     assert memory.peak_bytes <= again.plan.budget_bytes
 
 
-def test_counting_flops_does_not_plan_again() -> None:
-    """FlopCounterMode registers global hooks anew at each use; they keep nothing."""
-    _, _, om, x = setup(0.8)
-    om(x).backward()
+def test_counting_flops_is_refused_under_a_plan_and_counted_on_the_model() -> None:
+    """FlopCounterMode's ModuleTracker keeps memory alive across the stages' backwards (1.20
+    to 1.46 times the budget, unrefused); the plain model's flops count as before."""
+    model, reference, om, x = setup(0.8)
+    assert set(om.plan.decisions.values()) != {"keep"}
+    with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="ModuleTracker"):
+        om(x)
     counted = []
-    for _ in range(2):
+    for module in (om.model, reference):
         with FlopCounterMode(display=False) as flops:
-            om(x).backward()
+            module(x).backward()
         counted.append(flops.get_total_flops())
-    assert om.cache_info()["misses"] == 0
     assert counted[0] == counted[1] > 0
+    assert om.cache_info()["misses"] == 0
+    with StepMemory("cpu", x) as memory:  # the tracker gone, the plan runs within its budget
+        om(x).backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    # The plain model's step and the planned one, each a step of the reference's gradients.
+    assert all(torch.equal(p.grad, 2 * q.grad) for p, q in _pairs(model, reference))
+
+
+def _pairs(model: nn.Module, reference: nn.Module):
+    return zip(model.parameters(), reference.parameters(), strict=True)
 
 
 def test_a_hook_registered_anew_at_every_step_plans_once() -> None:
