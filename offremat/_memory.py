@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 
 from offremat._host import CudaStreams, HostArena
-from offremat._tensors import byte_view, storage_key, tensor_over, version_of
+from offremat._tensors import byte_view, sparse_parts, storage_key, tensor_over, version_of
 
 
 class TensorRef:
@@ -182,30 +182,38 @@ class Residency:
         held: dict[int, StorageRecord] = {}
         for ref in refs:
             tensor = ref.get()
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
+            if tensor.layout != torch.strided:
+                # A sparse tensor (an adjacency passed along the blocks): its indices' and
+                # values' storages count, and stay where they are, with the reference.
+                for part in sparse_parts(tensor):
+                    self._count(part, False, held)
                 continue
-            key = storage_key(tensor)
-            record = self.records.get(key)
-            if record is None:
-                can_move = (
-                    movable
-                    and key not in self.fixed
-                    and tensor.device == self.device
-                    and tensor.layout == torch.strided
-                )
-                record = StorageRecord(key, storage, can_move)
-                self.records[key] = record
-                self.live_bytes += record.nbytes
-            elif not movable:
-                record.movable = False
-            if ref.record is None:
+            record = self._count(tensor, movable, held)
+            if record is not None and ref.record is None:
                 ref.record = record
                 record.refs.append(ref)
-            if key not in held:
-                record.resident_holders += 1
-                held[key] = record
         return tuple(held.values())
+
+    def _count(
+        self, tensor: torch.Tensor, movable: bool, held: dict[int, StorageRecord]
+    ) -> StorageRecord | None:
+        """The record of a strided tensor's storage, made if new, added to ``held``."""
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return None
+        key = storage._cdata  # storage_key, of a strided tensor
+        record = self.records.get(key)
+        if record is None:
+            can_move = movable and key not in self.fixed and tensor.device == self.device
+            record = StorageRecord(key, storage, can_move)
+            self.records[key] = record
+            self.live_bytes += record.nbytes
+        elif not movable:
+            record.movable = False
+        if key not in held:
+            record.resident_holders += 1
+            held[key] = record
+        return record
 
     def drop(self, records: Iterable[StorageRecord], resident: bool = True) -> None:
         """A plan tensor made of ``records`` is gone (``resident``: it was on the device)."""

@@ -227,8 +227,11 @@ class SavedTensorPacker:
         try:
             storage = tensor.untyped_storage()
         except NotImplementedError as error:  # a sparse tensor: no storage to count or move
-            if storage_key(tensor) in self.excluded:
-                return _alias(tensor)  # a sparse parameter or buffer: never moved
+            key = storage_key(tensor)
+            # A sparse parameter or buffer, or one of the stage's inputs (an adjacency passed
+            # along the blocks), whose parts the step counts and never moves.
+            if key in self.excluded or key in self.input_of_storage:
+                return _alias(tensor)
             raise storageless_tensor_error(self.stage, tensor) from error
         key = storage._cdata  # storage_key, inlined: this runs for every saved tensor
         index = self.input_of_storage.get(key)

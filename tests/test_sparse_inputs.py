@@ -1,0 +1,98 @@
+"""A sparse tensor passed to the blocks (a graph network's adjacency): along an
+``nn.Sequential`` with the hidden state, or as a side input to every layer. Crashed at the
+first step (``Cannot access storage of SparseTensorImpl``). Oracles: plain autograd on a copy
+and the independent memory tracker."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat.measure import StepMemory
+
+WIDTH, NODES = 64, 128
+
+
+def adjacency() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    index = torch.randint(0, NODES, (2, 600), generator=generator)
+    values = torch.rand(600, generator=generator)
+    return torch.sparse_coo_tensor(index, values, (NODES, NODES)).coalesce()
+
+
+class CarriedLayer(nn.Module):
+    """A graph convolution that passes the adjacency on with its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        x, graph = value
+        return torch.relu(torch.sparse.mm(graph, self.linear(x))) + x, graph
+
+
+class Readout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 1)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.linear(value[0]).pow(2).mean()
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.sparse.mm(graph, self.linear(x))) + x
+
+
+class GraphNetwork(nn.Module):
+    """Layers that each take the adjacency as a side input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(6))
+        self.readout = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, graph)
+        return self.readout(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("carried", [True, False], ids=["along-sequential", "side-input"])
+@pytest.mark.parametrize("solver", ["dp", "milp"])
+def test_a_sparse_adjacency_passed_to_the_blocks_trains_exactly_within_budget(
+    carried: bool, solver: str
+) -> None:
+    torch.manual_seed(0)
+    x, graph = torch.randn(NODES, WIDTH), adjacency()
+    if carried:
+        model: nn.Module = nn.Sequential(*[CarriedLayer() for _ in range(6)], Readout())
+        batch, call = (x, graph), (lambda m: m((x, graph)))
+    else:
+        model = GraphNetwork()
+        batch, call = (x, graph), (lambda m: m(x, graph))
+    reference = copy.deepcopy(model)
+    options = {"bandwidth": "12GB/s", "time_limit_s": 5} if solver == "milp" else {}
+    om = offremat.optimize(model, batch, budget=0.5, solver=solver, **options)
+    assert set(om.plan.decisions.values()) != {"keep"}
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = call(om)
+        loss.backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    plain = call(reference)
+    plain.backward()
+    assert torch.equal(loss, plain)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
