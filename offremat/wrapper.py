@@ -248,7 +248,8 @@ def optimize(
     ``model`` is any ``nn.Module`` as the user has it (a Hugging Face model, a CNN, a module
     looping over an ``nn.ModuleList``), or an ``nn.Sequential`` or a list of blocks.
     ``example_batch`` is what the model is called with, on the device it trains on: a tensor,
-    a tuple of positional arguments or a dict of keyword arguments. The chain is the model's
+    a tuple of positional arguments or a dict of keyword arguments (for an ``nn.Sequential``
+    or a list of blocks, one input, a tuple included). The chain is the model's
     run of repeated blocks (:mod:`offremat._discover`), or the container ``blocks`` names
     (``blocks="model.layers"``); an ``nn.Sequential``'s children are its chain. ``budget`` is
     bytes, a size (``"6GiB"``) or a fraction in (0, 1] of the keep-all peak. ``solver`` is any
