@@ -120,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         # the plan do not see, depending on timing.
         block.set_modules_to_backward_prefetch([])
     fully_shard(model)
+    # Before any forward, as with FSDP2 alone: after one, a module sharded with
+    # reshard_after_forward=False lists its gathered parameters, not the sharded ones.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # Parameter gradients are not activation memory: they exist, as after a first step.
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
 
     options = {"time_limit_s": 10} if args.solver == "milp" else {}
     example = batch[0] if isinstance(batch, tuple) else batch  # a Sequential takes one input
@@ -130,10 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     dist.broadcast_object_list(shared, src=0)  # one plan, so that the collectives match
     om = offremat.optimize(model, example, chain=shared[0], plan=shared[1])
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    # Parameter gradients are not activation memory: they exist, as after a first step.
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
     failed = False
     for step in range(args.steps):
         with StepMemory(device, inputs=batch) as memory:

@@ -19,7 +19,7 @@ from torch import nn
 
 from offremat._buffers import assign_attributes, attribute_values
 from offremat._eager import eager
-from offremat._fsdp import reshard_parameters, sharding_hooks
+from offremat._fsdp import sharded_parameters, sharding_hooks
 from offremat._rng import (
     GeneratorWatch,
     RngState,
@@ -285,8 +285,6 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     beforehand and put back; any other parameter found changed in place is reported.
     """
     cuda_devices = cuda_device_indices(device)
-    # The parameters whose gradients are kept aside are those FSDP2 reduces into.
-    reshard_parameters(modules)
     generators = [g for module in modules for g in module_generators(module)]
     generator_states = [(g, g.get_state()) for g in generators]
     buffers = [
@@ -296,7 +294,9 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
         for name, buffer in owner._buffers.items()
         if buffer is not None
     ]
-    parameters = {id(p): p for module in modules for p in module.parameters()}.values()
+    # With FSDP2's sharded parameters, which its gradients go to and parameters() need not list.
+    listed = [p for module in modules for p in module.parameters()]
+    parameters = {id(p): p for p in (*listed, *sharded_parameters(modules))}.values()
     versions = [(p, p._version) for p in parameters]
     renormed = [
         (p, p.detach().clone())
@@ -338,7 +338,6 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
         try:
             yield restore
         finally:
-            reshard_parameters(modules)  # the forwards run may leave gathered ones registered
             restore()
             restore_host_random(host)
             restored = {id(p) for p, _ in renormed}

@@ -2,7 +2,8 @@
 
 FSDP2 gathers a sharded module's parameters in a forward pre-hook and registers the gathered
 tensors on its modules in place of the sharded ones; with ``reshard_after_forward=False`` they
-stay registered until the module's backward. Its hooks, not offremat, decide which tensors a
+stay registered until the module's backward (or for good, after a forward cut short, as
+offremat's recording and refills cut theirs). Its hooks, not offremat, decide which tensors a
 sharded module's parameter tables hold, and the gradients it reduces go to the sharded
 parameters. A torch built without distributed support has no FSDP2: nothing is sharded.
 """
@@ -32,19 +33,20 @@ def sharding_hooks(module: nn.Module) -> set[int]:
     }
 
 
-def reshard_parameters(modules: Sequence[nn.Module]) -> None:
-    """Register the sharded parameters again on every FSDP2 module under ``modules``.
-
-    After a forward with ``reshard_after_forward=False``, ``parameters()`` lists the gathered
-    tensors, while FSDP2 reduces gradients into the sharded ones (those the optimizer holds).
-    Resharding frees the gathered tensors and runs no collective.
-    """
+def sharded_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The sharded parameters of every FSDP2 module under ``modules``: those FSDP2 reduces
+    gradients into and an optimizer holds, whichever tensors ``parameters()`` lists now
+    (after a forward with ``reshard_after_forward=False``, the gathered ones)."""
     if FSDPModule is None:
-        return
+        return []
+    found = []
     for module in modules:
         for owner in module.modules():
             if isinstance(owner, FSDPModule):
-                owner.reshard()
+                group = fully_shard.state(owner)._fsdp_param_group
+                if group is not None:
+                    found += [p.sharded_param for p in group.fsdp_params]
+    return found
 
 
 def sharded_parameter_tables(modules: Iterable[nn.Module]) -> set[int]:
