@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 import os
 
+import model_zoo  # tests/, this script's folder
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import offremat
 from offremat.measure import StepMemory
@@ -45,15 +45,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-    )
-    model = LlamaForCausalLM(config)
+    model = model_zoo.llama()
     reference = copy.deepcopy(model)
     batch = batch_of(rank)
     try:
