@@ -27,8 +27,9 @@ class Tokens(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _train(model: torch.nn.Module, folder: Path) -> list[float]:
+def _train(model: torch.nn.Module, folder: Path, bf16: bool) -> list[float]:
     arguments = transformers.TrainingArguments(
+        bf16=bf16,
         output_dir=str(folder),
         per_device_train_batch_size=4,
         num_train_epochs=1,
@@ -45,7 +46,8 @@ def _train(model: torch.nn.Module, folder: Path) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_trains_optimized_model_as_the_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bf16", [False, True])
+def test_trainer_trains_optimized_model_as_the_model(tmp_path: Path, bf16: bool) -> None:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=4,
@@ -58,12 +60,15 @@ def test_trainer_trains_optimized_model_as_the_model(tmp_path: Path) -> None:
     model = transformers.LlamaForCausalLM(config)
     plain = copy.deepcopy(model)
     ids = torch.stack([Tokens()[k]["input_ids"] for k in range(4)])
-    optimized = offremat.optimize(model, {"input_ids": ids, "labels": ids}, budget=0.8)
+    # The Trainer's bf16 runs the step under autocast, which the plan must be made under.
+    autocast = torch.bfloat16 if bf16 else None
+    batch = {"input_ids": ids, "labels": ids}
+    optimized = offremat.optimize(model, batch, budget=0.8, autocast=autocast)
     assert "recompute" in optimized.plan.decisions.values()
     # The Trainer keeps the dataset columns the forward's signature names: (*args, **kwargs)
     # left every batch empty ("The batch received was empty").
     assert inspect.signature(optimized.forward) == inspect.signature(model.forward)
-    losses = _train(optimized, tmp_path / "optimized")
-    assert losses == _train(plain, tmp_path / "plain")
+    losses = _train(optimized, tmp_path / "optimized", bf16)
+    assert losses == _train(plain, tmp_path / "plain", bf16)
     pairs = zip(model.parameters(), plain.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
