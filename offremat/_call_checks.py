@@ -10,7 +10,8 @@ caller's around the step, and transforms that only plain autograd's schedule run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -226,3 +227,21 @@ def refuse_functorch_transforms() -> None:
     recompute."""
     if in_functorch_transform():
         raise RuntimeError(_FUNCTORCH)
+
+
+@contextmanager
+def transforms_in_blocks_refused() -> Iterator[None]:
+    """Say what to do where a block calls ``torch.func.grad`` (or ``vjp``, ``jacrev``,
+    ``hessian``) in its forward: torch refuses those under saved-tensor hooks, with which
+    offremat packs every stage's saved tensors, profiling included."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "don't yet support saved tensor hooks" not in str(error):
+            raise
+        raise RuntimeError(
+            "a block of the model calls a torch.func transform (grad, vjp, jacrev, hessian) "
+            "in its forward, which torch refuses under saved-tensor hooks, and offremat packs "
+            "every stage's saved tensors with hooks of its own. Leave that block out of the "
+            "chain (name the others with blocks=), or train this model without offremat"
+        ) from error

@@ -44,6 +44,7 @@ from offremat._call_checks import (
     refuse_other_attention,
     refuse_other_default_dtype,
     refuse_recorded_outputs,
+    transforms_in_blocks_refused,
 )
 from offremat._discover import BlockRun, Call
 from offremat._forward_signature import ModelSignatureForward
@@ -290,6 +291,7 @@ def optimize(
     with ExitStack() as stack:
         planned.enter(stack)  # weight cache off, as the executor runs its stages
         stack.enter_context(in_training_mode(model))
+        stack.enter_context(transforms_in_blocks_refused())
         optimized = OptimizedModule(
             *build(
                 model,

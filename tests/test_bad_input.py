@@ -8,6 +8,7 @@ import logging
 import time
 
 import pytest
+import torch
 
 from solvers.chain import Chain, Stage
 from solvers.dp import DEFAULT_SLOTS, check_table_size, solve_dp
@@ -462,3 +463,27 @@ def test_a_long_chain_whose_groups_pass_the_size_limit_is_still_solved_by_milp()
     chain = Chain("long", 2**20, stages, held_bytes=held)
     plan = solve(chain, held + 2**26, "milp", time_limit_s=3)
     assert plan.feasible
+
+
+class _GradientInForward(torch.nn.Module):
+    """A block that differentiates inside its forward with torch.func (a force field)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        forces = torch.func.grad(lambda y: torch.tanh(y).sum())(x)
+        return x + self.linear(forces)
+
+
+@pytest.mark.parametrize("budget", [0.5, 1.0])
+def test_a_block_calling_torch_func_grad_is_refused_with_what_to_do(budget: float) -> None:
+    # Was torch's own "torch.func.{grad, ...} don't yet support saved tensor hooks. Please
+    # open an issue", from inside the profile, at any budget.
+    import offremat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_GradientInForward() for _ in range(4)], torch.nn.Linear(16, 1))
+    with pytest.raises(RuntimeError, match=r"calls a torch\.func transform .* blocks="):
+        offremat.optimize(model, torch.randn(32, 16), budget=budget)
