@@ -11,7 +11,8 @@ kinds of change are seen, and refused:
   way to freeze them; run as one chain they would train.
 - the block's own state (:class:`BlockState`): its submodules, by type; their plain
   attributes (a timestep embedding or a per-depth dropout rate set before each call), by
-  identity and, for plain values, by value; their parameters and buffers, by identity and
+  identity and, for plain values, by value (a container that holds itself as the infinite
+  value it stands for); their parameters and buffers, by identity and
   version (an in-place update under ``no_grad``). A change through ``.data`` bumps no
   version and is not seen, nor is a change to an object the block reads through another
   reference.
@@ -132,22 +133,40 @@ class BlockState:
         return None
 
 
-def _equal_values(a: Any, b: Any) -> bool:
+def _equal_values(a: Any, b: Any, compared: set[tuple[int, int]] | None = None) -> bool:
     """Whether two plain values are equal: numbers and strings (NaN equal to NaN), and lists,
-    tuples, dicts and ``functools.partial`` of them; other objects only when the same one."""
+    tuples, dicts and ``functools.partial`` of them; other objects only when the same one.
+
+    A container that holds itself (``cache = []; cache.append(cache)``) is compared as an
+    infinite one would be: a pair of containers met again while being compared counts as
+    equal there, and the rest of the comparison decides (two such lists are equal, a cycle
+    beside another number is not). ``compared`` holds the pairs met so far: any difference
+    makes the whole comparison false, so a pair met again needs no second look either.
+    """
     if a is b:
         return True
     if type(a) is not type(b):
         return False
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
+    if not isinstance(a, (tuple, list, dict, functools.partial)):
+        return isinstance(a, _SCALARS) and a == b
+    compared = set() if compared is None else compared
+    if (id(a), id(b)) in compared:
+        return True
+    compared.add((id(a), id(b)))
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_equal_values(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(
+            _equal_values(x, y, compared) for x, y in zip(a, b, strict=True)
+        )
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal_values(a[k], b[k]) for k in a)
-    if isinstance(a, functools.partial):
-        return a.func is b.func and _equal_values((a.args, a.keywords), (b.args, b.keywords))
-    return isinstance(a, _SCALARS) and a == b
+        return a.keys() == b.keys() and all(_equal_values(a[k], b[k], compared) for k in a)
+    # Their own args and keywords: a tuple made here could share an id with a later one.
+    return (
+        a.func is b.func
+        and _equal_values(a.args, b.args, compared)
+        and _equal_values(a.keywords, b.keywords, compared)
+    )
 
 
 def _version(value: Any) -> int:

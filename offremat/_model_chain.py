@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
+from offremat._attribute_walk import leaves, map_leaves
 from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
@@ -368,7 +369,7 @@ def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
         value = (value[0].detach(), *value[1:])
         for (module, name), tensors in _tensor_attributes([block]).items():
             if any(tensor.grad_fn is not None for tensor in tensors):
-                module.__dict__[name] = tree_map(_cut, module.__dict__[name])
+                module.__dict__[name] = map_leaves(_cut, module.__dict__[name])
     return value[0]
 
 
@@ -380,14 +381,15 @@ def _tensor_attributes(
     blocks: Sequence[nn.Module],
 ) -> dict[tuple[nn.Module, str], list[torch.Tensor]]:
     """The tensors the blocks' modules hold as plain attributes (not parameters or buffers),
-    alone or inside lists, tuples and dicts, by attribute."""
+    alone or inside lists, tuples and dicts (one that holds itself walked once), by
+    attribute."""
     found = {}
     for block in blocks:
         for module in block.modules():
             for name, attribute in vars(module).items():
                 if name in _MODULE_TABLES:
                     continue
-                tensors = [t for t in tree_leaves(attribute) if isinstance(t, torch.Tensor)]
+                tensors = [t for t in leaves(attribute) if isinstance(t, torch.Tensor)]
                 if tensors:
                     found[(module, name)] = tensors
     return found
