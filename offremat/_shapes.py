@@ -18,6 +18,11 @@ by another kind, another attention implementation) and each module's training or
 alternate (a GAN's discriminator frozen for every generator step). Within a shape, blocks'
 inputs of another kind than the plan was made on (a padding mask where the example had none)
 get a plan of their own in the step that meets them (:meth:`ShapePlans.for_chain_input`).
+A Python number among the call's arguments (a count, a temperature) keys plans by value until
+one more profile, of a call that differs from a profiled one in it alone, shows it sizes
+nothing; then by type, and its later values reuse the plan (:mod:`offremat._numbers`). Each
+state keeps the plans of its last :data:`KEPT_SIGNATURES` signatures, so numbers that do
+size tensors cannot grow them without end.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.nn.utils import parametrize
 
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
+from offremat._numbers import NumberPlaces, learn, sibling, trim
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._signatures import (
@@ -67,6 +73,9 @@ KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
 KEPT_VARIANTS = 8
 """How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
+KEPT_SIGNATURES = 64
+"""How many input signatures a state keeps plans and profiled chains for (the latest used):
+a number that sizes tensors and changes at every step must not grow them without end."""
 
 
 @contextmanager
@@ -144,6 +153,8 @@ class ShapePlans:
         self.by_state: dict[StageState, StatePlans] = {}
         # The disk cache holds plans for the stages as optimize saw them only.
         self.disk_state = (self.module_state, self.modes)
+        # Which numbers among the call's arguments key plans (offremat._numbers).
+        self.numbers = NumberPlaces(learns=profile_blocks is not None)
 
     def add(self, batch: Any, chain: Chain, plan: Plan, from_disk: bool = False) -> PlanExecutor:
         """Register the plan made at ``optimize`` time for the example batch (read from the
@@ -151,7 +162,7 @@ class ShapePlans:
         executor = PlanExecutor(
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
-        signature = input_signature(batch)
+        signature = self.numbers.key(input_signature(batch))
         if from_disk:
             self.unprofiled.add(signature)
             executor.verify_next = True
@@ -171,14 +182,24 @@ class ShapePlans:
         with _parametrize_cache_suspended():
             chain = self.profile(batch)
         self.profiled[signature] = chain
+        trim(self.profiled, KEPT_SIGNATURES)
         return chain
+
+    def _learn(self, signature: Signature, batch: Any, predict: bool) -> tuple[Signature, Chain]:
+        """:meth:`_chain`, and what a profile says of numbers that alone differ from a
+        profiled call's (offremat._numbers); the key of ``signature`` after it."""
+        found = sibling(self, signature, batch)
+        chain = self._chain(signature, batch, predict)
+        if found is not None and self.profiled.get(signature) is chain:
+            signature = learn(self, signature, batch, found, chain)
+        return signature, chain
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
-        signature = input_signature(batch)
+        signature = self.numbers.key(input_signature(batch))
         executor = self.executors.get(signature)
         if executor is not None and executor.over_budget and signature in self.unprofiled:
             logger.warning(
@@ -191,6 +212,7 @@ class ShapePlans:
             executor = None
         if executor is not None:
             self.cache.hits += 1
+            self.executors[signature] = self.executors.pop(signature)  # the latest used
             if signature in self.provisional:
                 executor = self._improve(signature, executor.chain)
         else:
@@ -205,7 +227,7 @@ class ShapePlans:
                 self.cache.from_disk += 1
                 self.unprofiled.add(signature)
             else:
-                chain = self._chain(signature, batch, predict=not again)
+                signature, chain = self._learn(signature, batch, predict=not again)
                 plan = self._plan(signature, chain)
                 # The disk keeps the final solver's plans only.
                 if disk is not None and signature not in self.provisional:
@@ -246,7 +268,7 @@ class ShapePlans:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
             return executor
-        key = (input_signature(batch), kind)
+        key = (self.numbers.key(input_signature(batch)), kind)
         if key in self.refused:
             # A fresh error: a stored one would keep each refused step's frames alive.
             raise InfeasibleBudgetError(*self.refused[key])
@@ -339,7 +361,7 @@ class ShapePlans:
         plain autograd's schedule: nothing to plan, hold or recompute."""
         if stage_state(self.watched) != (self.module_state, self.modes):
             return False
-        executor = self.executors.get(input_signature(batch))
+        executor = self.executors.get(self.numbers.key(input_signature(batch)))
         return executor is not None and executor.plain and not executor.measure_memory
 
     def _disk(self) -> PlanCache | None:
@@ -394,6 +416,9 @@ class ShapePlans:
             self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
         )
         self.executors[signature] = executor
+        trim(self.executors, KEPT_SIGNATURES)
+        self.provisional &= self.executors.keys() | self.profiled.keys()
+        self.unprofiled &= self.executors.keys() | self.profiled.keys()
         # A keep-all plan runs as plain autograd (offremat._plain), its forward measured.
         executor.verify_next = signature in self.unprofiled
         seconds = time.perf_counter() - began

@@ -1,0 +1,294 @@
+"""Number arguments that change between steps (a count, a scale) without a plan each.
+
+A call's signature (:func:`offremat._signatures.input_signature`) keeps its Python numbers by
+value, since one may size a tensor (``logits[:, -n:]``, ``x[:, :n]``). But a number that
+changes at every step (Hugging Face's ``num_items_in_batch`` passed as an int, a loss scale or
+a temperature a training loop varies) then profiled the model at every step and kept one plan
+per value without end. So what each number does is learnt, once, from a real profile, per
+place (its position among the numbers of calls of one structure: the same arguments, given
+the same way):
+
+- the first time a call differs from a profiled one only in the values of numbers whose
+  place is not known yet, it is profiled as any new signature is; where the two chains agree
+  in every byte figure (each stage's, the code around the blocks', the blocks' input sizes
+  and kinds), those places are *neutral*: their values leave the plans' keys (kept by type),
+  and every later value reuses the plan without profiling. A number the blocks receive but
+  that sizes nothing is neutral too (Hugging Face hands ``num_items_in_batch`` to every
+  decoder layer through ``**kwargs``): the plan depends on sizes, which it leaves alone;
+- where the chains differ, the places *size* tensors and keep their values in the key: a
+  plan per value, as for any new shape. Once such numbers have forced
+  :data:`NUMBER_PLANS_BEFORE_WARNING` plans, a warning says to pass them as tensors; the
+  plans of the last :data:`offremat._shapes.KEPT_SIGNATURES` signatures are kept, so memory
+  stays bounded.
+
+An ``nn.Sequential`` hands its input, numbers included, to its first block: it learns no
+place (each value its plan, bounded the same way). Every step still checks the blocks' input
+sizes and kinds (:meth:`offremat._shapes.ShapePlans.for_chain_input`). Not seen: a number that
+sizes nothing on the two values compared but does on others (a threshold), outside the
+blocks' input sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from offremat._signatures import Signature
+from offremat._tensors import Structure, flatten
+from solvers.chain import Chain
+
+if TYPE_CHECKING:
+    from offremat._shapes import ShapePlans
+
+logger = logging.getLogger(__name__)
+
+_NUMBERS = (int, float)  # exact types: a bool is a flag, an enum a choice
+_ERASED = "number"  # a marker (_ERASED, type name): a 2-tuple, where a container's is a 3-tuple
+
+NUMBER_PLANS_BEFORE_WARNING = 3
+"""How many plans a number's changing value makes before the warning to pass it as a tensor."""
+
+
+def erased(signature: Signature, places: frozenset[int] | None) -> Signature:
+    """``signature`` with the numbers at ``places`` (their order among its numbers; None: all
+    of them) by type."""
+    if places is not None and not places:
+        return signature
+    counter = [0]
+    return (signature[0], _erase(signature[1], places, counter))
+
+
+def _erase(key: Any, places: frozenset[int] | None, counter: list[int]) -> Any:
+    if _is_number(key):
+        place = counter[0]
+        counter[0] += 1
+        if (places is None or place in places) and type(key) is not tuple:
+            return (_ERASED, type(key).__name__)
+        return key
+    if type(key) is tuple and len(key) == 3:  # (kind, container, children)
+        kind, container, children = key
+        return (kind, container, tuple(_erase(child, places, counter) for child in children))
+    return key
+
+
+def _is_number(key: Any) -> bool:
+    return type(key) in _NUMBERS or (type(key) is tuple and len(key) == 2 and key[0] == _ERASED)
+
+
+def _numbers(key: Any, found: list[Any]) -> None:
+    if _is_number(key):
+        found.append(key)
+    elif type(key) is tuple and len(key) == 3:
+        for child in key[2]:
+            _numbers(child, found)
+
+
+def differing_numbers(known: Signature, new: Signature) -> frozenset[int] | None:
+    """The places of the numbers in which ``new`` differs from ``known``, where nothing else
+    differs (tensors, structure, other values) and some number does; else None."""
+    if known[0] != new[0]:
+        return None
+    a: list[Any] = []
+    b: list[Any] = []
+    _numbers(known[1], a)
+    _numbers(new[1], b)
+    if len(a) != len(b):
+        return None
+    places = frozenset(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not _same(x, y))
+    if not places or erased(known, places) != erased(new, places):
+        return None
+    return places
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN as itself
+
+
+# The chain figures a plan depends on: every byte, not a time (a profile's are rough).
+_STAGE_BYTES = (
+    "out_bytes",
+    "saved_bytes",
+    "fwd_tmp_bytes",
+    "bwd_tmp_bytes",
+    "nograd_fwd_tmp_bytes",
+    "grad_bytes",
+)
+_METADATA_BYTES = (
+    "outside",
+    "chain_input",
+    "chain_input_bytes",
+    "chain_input_shapes",
+    "kept_by_modules_bytes",
+    "shared_gradient_bytes",
+)
+
+
+def same_sizes(a: Chain, b: Chain) -> bool:
+    """Whether two chains agree in every byte figure, the code around the blocks and the
+    blocks' inputs (kind and sizes) included: a plan of one holds for the other."""
+    return _sizes(a) == _sizes(b)
+
+
+def _sizes(chain: Chain) -> tuple[Any, ...]:
+    return (
+        chain.length,
+        chain.input_bytes,
+        chain.input_grad_bytes,
+        chain.held_bytes,
+        chain.frozen_stages,
+        tuple(tuple(getattr(s, f) for f in _STAGE_BYTES) for s in chain.stages),
+        tuple(repr(chain.metadata.get(k)) for k in _METADATA_BYTES),
+    )
+
+
+def number_names(batch: Any) -> list[str]:
+    """Where each number of ``batch`` is, in order (``num_items_in_batch``, ``argument 1``,
+    ``input[1]``): for messages."""
+    structure = flatten(batch)[1]
+    names: list[str] = []
+    if type(batch).__name__ == "Call":  # positional arguments, then keyword arguments
+        args, kwargs = structure.children
+        for index, child in enumerate(args.children):
+            _names(child, f"argument {index}", names)
+        for key, child in zip(kwargs.value[1], kwargs.children, strict=True):
+            _names(child, str(key), names)
+    else:
+        _names(structure, "input", names)
+    return names
+
+
+def _names(structure: Structure, path: str, names: list[str]) -> None:
+    if structure.kind == "value":
+        if type(structure.value) in _NUMBERS:
+            names.append(path)
+        return
+    keys = structure.value[1] if structure.kind == "dict" else range(len(structure.children))
+    for key, child in zip(keys, structure.children, strict=True):
+        _names(child, f"{path}[{key!r}]", names)
+
+
+def _skeleton(signature: Signature) -> Any:
+    """The call's structure with every number by type: a place means one argument in it."""
+    return erased(signature, None)[1]
+
+
+KEPT_SKELETONS = 64
+"""How many call structures keep what was learnt of their numbers (the latest learnt)."""
+
+
+class NumberPlaces:
+    """What is learnt of the places of a call's numbers, per call structure (an argument
+    given by keyword or by position is another structure): neutral or sizing (module notes)."""
+
+    def __init__(self, learns: bool = True):
+        self.learns = learns
+        self.neutral: dict[Any, frozenset[int]] = {}
+        self.sizing: dict[Any, frozenset[int]] = {}
+        self.forced = 0
+        self.warned = False
+
+    def key(self, signature: Signature) -> Signature:
+        """The key of ``signature``'s plan: its neutral numbers by type."""
+        if not self.neutral:
+            return signature
+        return erased(signature, self.neutral.get(_skeleton(signature), frozenset()))
+
+    def is_neutral(self, signature: Signature, places: frozenset[int]) -> bool:
+        """Whether ``places`` are all known neutral in ``signature``'s structure."""
+        return places <= self.neutral.get(_skeleton(signature), frozenset())
+
+    def unknown(self, signature: Signature, places: frozenset[int], batch: Any) -> bool:
+        """Whether none of ``places`` (where ``batch``'s numbers differ from a profiled
+        call's) is known yet; else a plan is forced by numbers that size tensors."""
+        if places & self.sizing.get(_skeleton(signature), frozenset()) or not self.learns:
+            self._forced(places, batch)
+            return False
+        return True
+
+    def learn(self, signature: Signature, places: frozenset[int], same: bool, batch: Any) -> None:
+        """``places`` are neutral where their chains agree (``same``), else they size."""
+        skeleton = _skeleton(signature)
+        learnt = self.neutral if same else self.sizing
+        learnt[skeleton] = learnt.pop(skeleton, frozenset()) | places
+        trim(learnt, KEPT_SKELETONS)
+        if same:
+            logger.info(
+                "%s changed and no size with it (a second profile agrees with the first in "
+                "every byte): its values no longer key plans",
+                _named(places, batch),
+            )
+        else:
+            self._forced(places, batch)
+
+    def _forced(self, places: frozenset[int], batch: Any) -> None:
+        self.forced += 1
+        if self.forced >= NUMBER_PLANS_BEFORE_WARNING and not self.warned:
+            self.warned = True
+            logger.warning(
+                "the model is profiled and planned again for each value of the Python number "
+                "%s: it changes a tensor size%s, so its value keys plans (those of the last %d "
+                "signatures are kept). Pass it as a tensor where it only scales a loss, or keep "
+                "it to a few values",
+                _named(places, batch),
+                "" if self.learns else " or the blocks' inputs (an nn.Sequential's)",
+                _kept_signatures(),
+            )
+
+
+def _named(places: frozenset[int], batch: Any) -> str:
+    names = number_names(batch)
+    return ", ".join(names[p] for p in sorted(places) if p < len(names))
+
+
+def _kept_signatures() -> int:
+    from offremat._shapes import KEPT_SIGNATURES  # the module that keeps them imports this one
+
+    return KEPT_SIGNATURES
+
+
+def sibling(
+    plans: ShapePlans, signature: Signature, batch: Any
+) -> tuple[frozenset[int], Chain] | None:
+    """A chain ``plans`` profiled for a call that differs from ``batch`` (of ``signature``)
+    in numbers of unknown places only, and those places; None where there is none (or they
+    are known to size tensors)."""
+    for known in reversed(plans.profiled):
+        if known in plans.unprofiled:
+            continue  # read from disk or predicted: not profiled here
+        places = differing_numbers(known, signature)
+        if places is not None:
+            if not plans.numbers.unknown(signature, places, batch):
+                return None
+            return places, plans.profiled[known]
+    return None
+
+
+def trim(mapping: dict[Any, Any], kept: int) -> None:
+    """Keep the ``kept`` latest entries of ``mapping`` (in insertion order)."""
+    while len(mapping) > kept:
+        mapping.pop(next(iter(mapping)))
+
+
+def learn(
+    plans: ShapePlans,
+    signature: Signature,
+    batch: Any,
+    found: tuple[frozenset[int], Chain],
+    chain: Chain,
+) -> Signature:
+    """Learn from ``chain``, just profiled for ``batch``, and ``found`` (what :func:`sibling`
+    gave before): where the places are neutral, every plan of ``plans`` is keyed without them
+    (the latest of those that then share a key stays: they differ in those numbers alone). The
+    key of ``signature`` now."""
+    places, known = found
+    plans.numbers.learn(signature, places, same_sizes(known, chain), batch)
+    if not plans.numbers.is_neutral(signature, places):
+        return signature
+    key = plans.numbers.key
+    plans.executors = {key(s): e for s, e in plans.executors.items()}
+    plans.profiled = {key(s): c for s, c in plans.profiled.items()}
+    plans.provisional = {key(s) for s in plans.provisional}
+    plans.unprofiled = {key(s) for s in plans.unprofiled}
+    plans.variants = {(key(s), kind): v for (s, kind), v in plans.variants.items()}
+    plans.refused = {(key(s), kind): r for (s, kind), r in plans.refused.items()}
+    return key(signature)

@@ -1,0 +1,163 @@
+"""A Python number among a model's arguments that changes at every step (a count of items
+for the loss, a temperature): each value was a new signature, so the model was profiled at
+every step and the plans grew without end. Now a number that sizes nothing is learnt so
+from one second profile and then reuses the plan; one that sizes a tensor keeps a plan per
+value, the last few kept, with a warning to pass it as a tensor. Oracles: plain autograd,
+bit for bit, and the budget measured by StepMemory at every step."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+import offremat._shapes
+from offremat.measure import StepMemory
+
+WIDTH = 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * self.down(torch.tanh(self.up(x)))
+
+
+class Model(nn.Module):
+    """``count`` divides the loss; ``temperature`` reaches every block, sizing nothing;
+    ``keep`` keeps the last positions for the head; ``cut`` the first ones for the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 64)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        count: int = 1,
+        temperature: float = 1.0,
+        keep: int = 0,
+        cut: int = 0,
+    ) -> torch.Tensor:
+        h = self.inp(x[:, :cut] if cut else x)
+        for block in self.blocks:
+            h = block(h, temperature)
+        logits = self.head(h[:, -keep:] if keep else h)
+        return torch.log_softmax(logits, -1).square().sum() / count
+
+
+X = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
+
+
+def _steps(example: dict[str, Any], calls: Iterable[dict[str, Any]], budget: float = 0.7):
+    """Optimize on ``example`` and train on ``calls``: each step within the budget and, from
+    the same weights, bit-equal to plain autograd. The optimized model and its profiles."""
+    torch.manual_seed(0)
+    model = Model()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, {"x": X, **example}, budget=budget)
+    profiles: list[int] = []  # one entry per profile of a new signature
+    profile = om._plans.profile
+    om._plans.profile = lambda batch: profiles.append(1) or profile(batch)
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)  # step 0's gradients are not activations
+    for call in calls:
+        with StepMemory("cpu", inputs=X) as memory:
+            om(x=X, **call).backward()
+        assert memory.peak_bytes <= om.plan.budget_bytes, call
+        plain(x=X, **call).backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (name, call)
+    return om, profiles
+
+
+@pytest.mark.parametrize(
+    "name, values",
+    [("count", [9 + i for i in range(10)]), ("temperature", [0.5 + i / 8 for i in range(10)])],
+)
+def test_a_number_that_sizes_nothing_is_profiled_once_then_reused(name, values) -> None:
+    # A count that only divides the loss, a temperature every block receives: the second
+    # value is profiled (its chain agrees with the first in every byte), later ones are not.
+    om, profiles = _steps({name: values[0] - 1}, [{name: v} for v in values])
+    assert len(profiles) == 1
+    info = om.cache_info()
+    assert info["misses"] == 1 and info["hits"] == len(values) - 1
+    assert info["plans"] == 1  # the example's plan and the second value's share one key
+
+
+def test_a_number_that_sizes_the_head_gets_a_plan_per_value() -> None:
+    # keep sizes the head's logits, outside the blocks: their inputs alone would not tell.
+    om, profiles = _steps({"keep": 8}, [{"keep": k} for k in (5, 6, 7, 5)])
+    assert len(profiles) == 3
+    assert om.cache_info()["plans"] == 4 and om.cache_info()["hits"] == 1
+
+
+def test_a_number_that_sizes_the_blocks_inputs_gets_a_plan_per_value() -> None:
+    om, profiles = _steps({"cut": 20}, [{"cut": c} for c in (12, 16, 12)])
+    assert len(profiles) == 2
+    assert om.cache_info()["plans"] == 3 and om.cache_info()["hits"] == 1
+
+
+def test_a_neutral_count_beside_a_sizing_one_keeps_each_apart() -> None:
+    # count is learnt neutral, keep sizing: a new count with a known keep reuses its plan.
+    calls = [{"count": 3, "keep": 8}, {"count": 4, "keep": 5}, {"count": 5, "keep": 5}]
+    calls += [{"count": 6, "keep": 8}, {"count": 7, "keep": 6}]
+    om, profiles = _steps({"count": 2, "keep": 8}, calls)
+    # count learnt on step 1; keep=5 planned (differs in keep only from keep=8's plan: learnt
+    # sizing); counts 5 and 6 reuse; keep=6 is planned.
+    assert len(profiles) == 3
+    assert om.cache_info()["plans"] == 3
+
+
+def test_plans_stay_bounded_and_a_warning_says_to_pass_a_tensor(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
+    with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
+        om, profiles = _steps({"keep": 12}, [{"keep": k} for k in range(11, 3, -1)])
+    assert len(profiles) == 8  # every value profiled: it sizes the head
+    assert om.cache_info()["plans"] == 3
+    plans = om._plans
+    assert len(plans.profiled) <= 3 and plans.unprofiled <= plans.executors.keys()
+    warnings = [r.getMessage() for r in caplog.records if "as a tensor" in r.getMessage()]
+    assert len(warnings) == 1 and "keep" in warnings[0]
+
+
+def test_a_value_seen_before_the_number_was_learnt_still_finds_its_plan() -> None:
+    om, profiles = _steps({"count": 2}, [{"count": c} for c in (3, 2, 3, 4)])
+    assert len(profiles) == 1 and om.cache_info()["hits"] == 3
+
+
+def test_a_hugging_face_num_items_in_batch_int_is_profiled_once() -> None:
+    # The Trainer's num_items_in_batch, passed as an int, reaches every decoder layer through
+    # **kwargs and only divides the loss.
+    pytest.importorskip("transformers")
+    from tests import model_zoo as zoo
+
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(
+        model, {"input_ids": ids, "labels": ids, "num_items_in_batch": 20}, budget=0.6
+    )
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)
+    for items in range(21, 27):
+        with StepMemory("cpu", inputs=ids) as memory:
+            om(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
+        assert memory.peak_bytes <= om.plan.budget_bytes
+        plain(input_ids=ids, labels=ids, num_items_in_batch=items).loss.backward()
+    assert om.cache_info()["misses"] == 1 and om.cache_info()["plans"] == 1
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
