@@ -226,11 +226,12 @@ class NumberPlaces:
             self.warned = True
             logger.warning(
                 "the model is profiled and planned again for each value of the Python number "
-                "%s: it changes a tensor size%s, so its value keys plans (those of the last %d "
-                "signatures are kept). Pass it as a tensor where it only scales a loss, or keep "
-                "it to a few values",
+                "%s: %s, so its value keys plans (those of the last %d signatures are kept). "
+                "Pass it as a tensor where it only scales a loss, or keep it to a few values",
                 _named(places, batch),
-                "" if self.learns else " or the blocks' inputs (an nn.Sequential's)",
+                "it changes a tensor size"
+                if self.learns
+                else "it is part of the input an nn.Sequential hands its first block",
                 _kept_signatures(),
             )
 

@@ -133,6 +133,37 @@ def test_plans_stay_bounded_and_a_warning_says_to_pass_a_tensor(monkeypatch, cap
     assert len(warnings) == 1 and "keep" in warnings[0]
 
 
+class Slicing(nn.Module):
+    """A block of an nn.Sequential that hands on the number it is given with its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, value: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+        x, n = value
+        return x + torch.tanh(self.linear(x[:, :n])).sum(1, keepdim=True), n
+
+
+def test_an_nn_sequential_keeps_a_bounded_plan_per_value(monkeypatch, caplog) -> None:
+    # Its input is its first block's: each value gets a plan, the last few kept.
+    monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Slicing() for _ in range(4)))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 24, WIDTH, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, (x, 20), budget=0.8)
+    with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
+        for n in range(12, 20):
+            om((x, n))[0].square().sum().backward()
+            plain((x, n))[0].square().sum().backward()
+    assert om.cache_info()["misses"] == 8 and om.cache_info()["plans"] == 3
+    warnings = [r.getMessage() for r in caplog.records if "as a tensor" in r.getMessage()]
+    assert len(warnings) == 1 and "input[1]" in warnings[0]
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_a_value_seen_before_the_number_was_learnt_still_finds_its_plan() -> None:
     om, profiles = _steps({"count": 2}, [{"count": c} for c in (3, 2, 3, 4)])
     assert len(profiles) == 1 and om.cache_info()["hits"] == 3
