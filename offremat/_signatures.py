@@ -1,7 +1,8 @@
 """What a plan depends on: a call's inputs, the blocks' own inputs, the stages' state.
 
 A call's signature (its tensors' shapes, dtypes, devices and gradient flags, and its other
-arguments) keys its plan; the kind of the blocks' own inputs (:func:`chain_input_kind`) keys
+arguments; the numbers among them by value until :mod:`offremat._numbers` learns they size
+nothing) keys its plan; the kind of the blocks' own inputs (:func:`chain_input_kind`) keys
 a plan of its own where the same shapes carry other side inputs (a padding mask); and the
 stages' state (:func:`stage_state`) the plans made for it.
 """
