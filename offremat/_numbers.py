@@ -23,9 +23,12 @@ the same way):
 
 An ``nn.Sequential`` hands its input, numbers included, to its first block: it learns no
 place (each value its plan, bounded the same way). Every step still checks the blocks' input
-sizes and kinds (:meth:`offremat._shapes.ShapePlans.for_chain_input`). Not seen: a number that
-sizes nothing on the two values compared but does on others (a threshold), outside the
-blocks' input sizes.
+sizes and kinds (:meth:`offremat._shapes.ShapePlans.for_chain_input`), and, where a key left
+numbers out, the shapes of the model's output (:meth:`NumberPlaces.check_output`): a number
+that sizes nothing on the two values compared but does on another (a task id that picks a
+head of another size) is found there, after the one step that ran on another value's plan,
+and from then on its values key plans. Not seen: one that changes neither the blocks' input
+sizes nor the output's shapes on that value (a threshold inside the head).
 """
 
 from __future__ import annotations
@@ -186,6 +189,8 @@ class NumberPlaces:
         self.sizing: dict[Any, frozenset[int]] = {}
         self.forced = 0
         self.warned = False
+        # The shapes of the model's output in the first step on each key with neutral places.
+        self.outputs: dict[Signature, str] = {}
 
     def key(self, signature: Signature) -> Signature:
         """The key of ``signature``'s plan: its neutral numbers by type."""
@@ -219,6 +224,32 @@ class NumberPlaces:
             )
         else:
             self._forced(places, batch)
+
+    def check_output(self, signature: Signature, output: Any, batch: Any) -> None:
+        """After a step on ``batch``: where its key left numbers out, the model's output must
+        have the shapes it had in the key's first step. Where it has not, a neutral number
+        sizes a tensor after all (on a value other than the two profiled: a task id that
+        picks a head): its values key plans again from the next step, said aloud."""
+        key = self.key(signature)
+        if key is signature:
+            return
+        shapes = repr(tuple(tuple(t.shape) for t in flatten(output)[0]))
+        seen = self.outputs.setdefault(key, shapes)
+        trim(self.outputs, KEPT_SKELETONS)
+        if seen == shapes:
+            return
+        skeleton = _skeleton(signature)
+        places = self.neutral.pop(skeleton)
+        self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | places
+        logger.warning(
+            "the model's output changed shape (%s where it was %s) with the Python number %s, "
+            "which a second profile had found to size nothing: this step ran on the plan of "
+            "another value, and could pass its budget; from the next step each value gets "
+            "its own plan. Pass a number that sizes tensors as a tensor where you can",
+            shapes,
+            seen,
+            _named(places, batch),
+        )
 
     def _forced(self, places: frozenset[int], batch: Any) -> None:
         self.forced += 1

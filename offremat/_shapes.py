@@ -356,6 +356,11 @@ class ShapePlans:
         self.refused = {}
         self.module_state, self.modes = state
 
+    def check_output(self, batch: Any, output: Any) -> None:
+        """After a step on ``batch``: see :meth:`offremat._numbers.NumberPlaces.check_output`."""
+        if self.numbers.neutral:
+            self.numbers.check_output(input_signature(batch), output, batch)
+
     def runs_plainly(self, batch: Any) -> bool:
         """Whether ``batch``'s plan is made already, for the stages as they are now, and is
         plain autograd's schedule: nothing to plan, hold or recompute."""

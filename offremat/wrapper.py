@@ -215,6 +215,7 @@ class OptimizedModule(nn.Module):
                 f"({self._run.calls[0].path} ..) in this training step, so no plan ran: "
                 "optimize it with a batch of the kind it trains on"
             )
+        self._plans.check_output(call, output)  # a number learnt to size nothing may size it
         return output
 
     def _refuse_plain_autograd_only(self, batch: Any) -> None:

@@ -192,3 +192,51 @@ def test_a_hugging_face_num_items_in_batch_int_is_profiled_once() -> None:
     assert om.cache_info()["misses"] == 1 and om.cache_info()["plans"] == 1
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class MultiTask(nn.Module):
+    """A task id picks a head: tasks 0 and 1 give logits of one size, task 2 larger ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.heads = nn.ModuleList(nn.Linear(WIDTH, n) for n in (16, 16, 40))
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return torch.log_softmax(self.heads[task](h), -1)
+
+
+def test_a_number_learnt_neutral_that_sizes_the_output_after_all_is_planned_again(
+    caplog,
+) -> None:
+    # Tasks 0 and 1 profile alike, so the task id is learnt to size nothing; task 2's step
+    # runs on their plan, its output's shape says otherwise, and from then on each task has
+    # its own plan.
+    torch.manual_seed(0)
+    model = MultiTask()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, {"x": X, "task": 0}, budget=0.7, blocks="blocks")
+    profiles: list[int] = []
+    profile = om._plans.profile
+    om._plans.profile = lambda batch: profiles.append(1) or profile(batch)
+    with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
+        for task in (1, 2, 2, 0, 2):
+            om(x=X, task=task).square().sum().backward()
+            plain(x=X, task=task).square().sum().backward()
+    # Task 1 (learning); task 2 once found to size the output, and task 0 again: its plan
+    # was keyed without the task, which now keys plans.
+    assert len(profiles) == 3
+    warnings = [r.getMessage() for r in caplog.records if "changed shape" in r.getMessage()]
+    assert len(warnings) == 1 and "task" in warnings[0]
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    # Task 2's own plan holds its budget.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with StepMemory("cpu", inputs=X) as memory:
+        om(x=X, task=2).square().sum().backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
