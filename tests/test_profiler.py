@@ -233,6 +233,33 @@ def test_cli_profiles_a_module_callable(tmp_path: Path) -> None:
     assert main(["profile", "gpt-tiny", "--stages", "0", *common]) == 2
 
 
+def test_cli_profiles_a_model_built_in_eval_mode_in_training_mode(tmp_path: Path) -> None:
+    """A training step is what gets planned, so the CLI profiles as ``optimize`` does: a model
+    built in eval mode (as from_pretrained returns it) in training mode, where dropout saves
+    its masks (in eval mode these stages measured 32768 B each instead of 98304 B)."""
+    code = (
+        "import torch\n"
+        "from torch import nn\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    blocks = [nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Dropout(0.2))\n"
+        "              for _ in range(3)]\n"
+        "    return nn.Sequential(*blocks).eval(), torch.randn(128, 64)\n"
+    )
+    source = tmp_path / "eval_models.py"
+    source.write_text(code)
+    out = tmp_path / "chain.json"
+    assert main(["profile", f"{source}:build", "--out", str(out), "--warmup", "0"]) == 0
+    built: dict = {}
+    exec(code, built)
+    model, x = built["build"]()
+    training = quick(model.train(), x)
+    evaluating = quick(model.eval(), x)
+    assert evaluating.stages[0].saved_bytes < training.stages[0].saved_bytes
+    profiled = Chain.load(out)
+    assert [s.saved_bytes for s in profiled.stages] == [s.saved_bytes for s in training.stages]
+
+
 def test_cli_imports_a_module_from_the_working_directory(tmp_path, monkeypatch) -> None:
     """``offremat profile my_models:mlp`` run beside my_models.py, as ``python -m`` would
     find it (a console script does not put the working directory on its path); with

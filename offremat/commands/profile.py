@@ -52,7 +52,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="measure a model's stages on this machine and write its chain JSON",
         description="Run a model's blocks on an example input and measure, per stage, the "
         "forward and backward times and the bytes the solvers plan with; write them as an "
-        "offremat.chain/1 file for `offremat solve`.",
+        "offremat.chain/1 file for `offremat solve`. The blocks run in training mode, as a "
+        "training step runs them (dropout saves its masks), as offremat.optimize profiles: a "
+        "model built in eval mode is profiled in training mode.",
         epilog=_CONVENTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -99,15 +101,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     from offremat._blocks import NotAChainError
-    from offremat._discover import call_of
-    from offremat._model_chain import (
-        ModelChain,
-        check_model_chain_output,
-        model_chain_stages,
-        profile_model_chain,
-    )
+    from offremat._planning import in_training_mode
     from offremat._tensors import flatten, unflatten
-    from offremat.profiler import profile_model
 
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -143,17 +138,11 @@ def run(args: argparse.Namespace) -> int:
         "name": args.name or args.model,
     }
     try:
-        listed = isinstance(model, (list, tuple, torch.nn.ModuleList))
-        if listed or (isinstance(model, torch.nn.Sequential) and args.blocks is None):
-            if args.blocks is not None:
-                raise UsageError("--blocks names blocks inside a model; this one is a list")
-            chain = profile_model(model, example, **options)
-        else:
-            call = call_of(model, example)
-            found = ModelChain.find(model, call, args.blocks)
-            chain = profile_model_chain(model, call, found, **options)
-            stages = model_chain_stages(found, chain)
-            check_model_chain_output(model, call, found, stages)
+        # A training step is what gets planned: a model built in eval mode (as from_pretrained
+        # returns it) is profiled in training mode, where dropout saves its masks, as
+        # offremat.optimize profiles it (in eval mode its stages measured 2/3 of the bytes).
+        with in_training_mode(model):
+            chain = _profile(model, example, args.blocks, options)
     except (NotAChainError, ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     except RuntimeError as error:  # the model's own forward or backward on its example
@@ -168,6 +157,31 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot write the chain to {args.out}: {error}") from None
     _print_chain(chain, args.out)
     return EXIT_OK
+
+
+def _profile(model: Any, example: Any, blocks: str | None, options: dict[str, Any]) -> Chain:
+    """The chain of ``model`` (a model, an ``nn.Sequential`` or a list of blocks)."""
+    import torch
+
+    from offremat._discover import call_of
+    from offremat._model_chain import (
+        ModelChain,
+        check_model_chain_output,
+        model_chain_stages,
+        profile_model_chain,
+    )
+    from offremat.profiler import profile_model
+
+    listed = isinstance(model, (list, tuple, torch.nn.ModuleList))
+    if listed or (isinstance(model, torch.nn.Sequential) and blocks is None):
+        if blocks is not None:
+            raise UsageError("--blocks names blocks inside a model; this one is a list")
+        return profile_model(model, example, **options)
+    call = call_of(model, example)
+    found = ModelChain.find(model, call, blocks)
+    chain = profile_model_chain(model, call, found, **options)
+    check_model_chain_output(model, call, found, model_chain_stages(found, chain))
+    return chain
 
 
 def _build(spec: str, batch: int | None, verbose: bool = False) -> tuple[Any, Any]:
