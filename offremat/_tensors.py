@@ -118,13 +118,18 @@ def is_differentiable(tensor: torch.Tensor) -> bool:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors hold the same bits: a NaN equals itself (``torch.equal`` says it
-    does not), -0.0 differs from 0.0; sparse ones, part by part. Compared without
-    allocating."""
+    does not), -0.0 differs from 0.0, in real and complex tensors; sparse ones, part by part.
+    Compared without allocating, but for a conjugate or negative view (``z.conj()``,
+    ``z.conj().imag``), compared by its values."""
     if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
     if a.layout != torch.strided:
         parts = zip(_strided_parts(a), _strided_parts(b), strict=True)
         return all(bitwise_equal(x, y) for x, y in parts)
+    # Lazy conjugation and negation bits refuse both views below; resolving them copies.
+    a, b = (t.resolve_conj().resolve_neg() for t in (a, b))
+    if a.is_complex():  # its real and imaginary parts, so that a complex NaN equals itself
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
     if a.is_floating_point() and a.element_size() in _SAME_SIZE_INTEGER:
         a, b = (t.view(_SAME_SIZE_INTEGER[a.element_size()]) for t in (a, b))
     return torch.equal(a, b)

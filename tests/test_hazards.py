@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import offremat
+from offremat._tensors import bitwise_equal
 from offremat.executor import PlanExecutor
 from offremat.profiler import profile_model
 from solvers.baselines import keep_all, offload_all
@@ -992,6 +993,37 @@ def test_an_output_holding_a_nan_is_the_models_own() -> None:
     model = nn.Sequential(*blocks(4), ScoresWithANaN())
     om = offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=0.7, solver="dp")
     assert om.chain.length == 5
+
+
+class ComplexBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH, dtype=torch.complex64) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(h @ self.weight) + h
+        return y / (y.abs() > 1e9)  # 0/0: NaN in every entry
+
+
+def test_a_complex_output_holding_a_nan_is_the_models_own() -> None:
+    # Refused before with a NotAChainError: NaN equalled itself in real tensors only.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ComplexBlock() for _ in range(4)])
+    x = torch.randn(ROWS, WIDTH, dtype=torch.complex64)
+    om = offremat.optimize(model, x, budget=1.0)
+    assert om.chain.length == 4
+
+
+def test_bitwise_equal_compares_complex_and_lazily_negated_tensors_by_their_bits() -> None:
+    nan = float("nan")
+    z = torch.tensor([complex(nan, 0.0), complex(1.0, nan), 2j])
+    assert bitwise_equal(z, z.clone())
+    assert not bitwise_equal(
+        z, torch.tensor([complex(nan, 0.0), complex(1.0, nan), complex(-0.0, 2.0)])
+    )
+    assert bitwise_equal(z.conj(), z.conj().resolve_conj())  # a lazy conjugate view
+    assert bitwise_equal(z.conj().imag, -z.imag)  # a lazy negative view
+    assert not bitwise_equal(z.conj(), z)
 
 
 class ForceBlock(nn.Module):
