@@ -4,8 +4,8 @@ A step that would not be the planned one is refused with what to do instead: ano
 autocast or other attention kernels than the profile's (its activations are not the planned
 sizes), ``torch.compile`` of the whole step (or of the model given to ``optimize``), a
 request for every block's hidden states or for a key-value cache, saved-tensor hooks of the
-caller's around the step, and transforms that only plain autograd's schedule runs
-(``torch.func``, forward-mode AD, ``parametrize.cached``).
+caller's around the step (or saved-tensor hooks disabled there), and transforms that only
+plain autograd's schedule runs (``torch.func``, forward-mode AD, ``parametrize.cached``).
 """
 
 from __future__ import annotations
@@ -176,6 +176,39 @@ def refuse_outer_saved_tensor_hooks() -> None:
         )
 
 
+# Private, but the one way to read this state: torch's own disable_saved_tensors_hooks saves
+# and restores it with this call (absent from an older torch: nothing is checked there).
+_DISABLED_MESSAGE = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", None
+)
+
+
+def saved_tensor_hooks_disabled() -> str | None:
+    """The message of the ``torch.autograd.graph.disable_saved_tensors_hooks`` in force, or
+    None where saved-tensor hooks may be used."""
+    return None if _DISABLED_MESSAGE is None else _DISABLED_MESSAGE()
+
+
+def _hooks_disabled_advice(doing: str, message: str) -> str:
+    return (
+        f"{doing} inside torch.autograd.graph.disable_saved_tensors_hooks({message!r}); "
+        "offremat packs the saved tensors of its stages with saved_tensors_hooks of its own (to "
+        "measure, offload and recompute them), which that forbids"
+    )
+
+
+def refuse_disabled_saved_tensor_hooks(doing: str) -> None:
+    """Refuse to profile (``doing`` says what) where saved-tensor hooks are disabled: torch
+    would raise the disabling code's message from inside the profile."""
+    message = saved_tensor_hooks_disabled()
+    if message is not None:
+        raise RuntimeError(
+            _hooks_disabled_advice(doing, message)
+            + ". Call it outside that context (the optimized model's steps with a keep-all "
+            "plan run as plain autograd there)"
+        )
+
+
 def in_functorch_transform() -> bool:
     """Whether a ``torch.func`` transform (grad, vmap) is running."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
@@ -185,9 +218,17 @@ def in_functorch_transform() -> bool:
 def plain_autograd_only(stages: Sequence[nn.Module], batch: Any) -> str | None:
     """Why this step can run only as plain autograd's schedule, or None: a ``torch.func``
     transform, forward-mode AD's dual tensors, or ``parametrize.cached()`` around a step
-    whose stages hold a parametrized weight."""
+    whose stages hold a parametrized weight; or saved-tensor hooks disabled around it
+    (``torch.autograd.graph.disable_saved_tensors_hooks``), where a plan's own hooks raise."""
     if in_functorch_transform():
         return _FUNCTORCH
+    message = saved_tensor_hooks_disabled()
+    if message is not None:
+        return (
+            _hooks_disabled_advice("a training step of an offremat-optimized model runs", message)
+            + ". Run the step outside that context, or train there with the model itself "
+            "(om.model), or with a keep-all plan (budget=1.0), which runs as plain autograd"
+        )
     if torch.autograd.forward_ad._current_level >= 0 and any(
         torch.autograd.forward_ad.unpack_dual(t).tangent is not None
         for t in (*flatten(batch)[0], *(p for stage in stages for p in stage.parameters()))

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._plan_cache import PlanCache
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
@@ -63,6 +64,10 @@ class Request:
     measure_memory: bool
     solver_options: dict[str, Any]
     disk: PlanCache | None
+
+    def __post_init__(self) -> None:
+        # Checked here, the first thing optimize builds: before any profiling.
+        refuse_disabled_saved_tensor_hooks("offremat.optimize is called")
 
     def example_plan(
         self,

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from offremat._buffers import FirstForward, buffer_copy_bytes
+from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._ctx_tensors import refuse_tensors_on_ctx
 from offremat._graph_leaves import GraphLeaf, graph_leaves, graph_run_before
@@ -113,6 +114,8 @@ class StageProfile:
             if grad:
                 stack.enter_context(torch.enable_grad())
                 if hooks:
+                    # A new shape or kind of input, profiled in a step, also meets it here.
+                    refuse_disabled_saved_tensor_hooks("offremat profiles a stage")
                     stack.enter_context(packer.hooks())
                 inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
             else:

@@ -14,6 +14,7 @@ from torch import nn
 
 import offremat
 from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.profiler import profile_model
 from solvers.budget import InfeasibleBudgetError, parse_budget
 from solvers.dp import memory_need
 from solvers.plan import Plan
@@ -631,6 +632,35 @@ def test_saved_tensor_hooks_around_a_planned_step_are_refused() -> None:
         loss = whole(x).sum()
     loss.backward()
     assert packed
+
+
+def test_a_planned_step_with_saved_tensor_hooks_disabled_is_refused_with_what_to_do() -> None:
+    """Under disable_saved_tensors_hooks plain autograd trains, but the executor's own hooks
+    raised torch's error with the caller's message from inside the step (and from inside
+    optimize's profile): both are refused up front saying why, and a keep-all plan runs as
+    plain autograd there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    om = offremat.optimize(model, x, budget=0.9)
+    whole = offremat.optimize(model, x, budget=1.0)
+    assert "recompute" in om.plan.decisions.values()
+    assert set(whole.plan.decisions.values()) == {"keep"}
+    disabled = torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region")
+    with disabled:
+        with pytest.raises(RuntimeError, match=r"disable_saved_tensors_hooks.*its own.*om\.model"):
+            om(x)
+        with pytest.raises(
+            RuntimeError, match=r"optimize is called inside .*disable_saved_tensors_hooks"
+        ):
+            offremat.optimize(model, x, budget=0.9)
+        with pytest.raises(RuntimeError, match=r"offremat profiles a stage inside"):
+            profile_model(model, x, warmup=0, repeats=1)  # as a new shape in a step would be
+        whole(x).sum().backward()
+        reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_steps_offremat_cannot_run_as_planned_say_why() -> None:
