@@ -68,6 +68,8 @@ class Request:
     def __post_init__(self) -> None:
         # Checked here, the first thing optimize builds: before any profiling.
         refuse_disabled_saved_tensor_hooks("offremat.optimize is called")
+        _refuse_wrong_type("chain", self.chain, Chain, "a path to a chain file (str or Path)")
+        _refuse_wrong_type("plan", self.plan, Plan, "a path to a plan file (str or Path)")
 
     def example_plan(
         self,
@@ -131,6 +133,24 @@ class Request:
         plans.add(example, chain, plan, from_disk=bool(from_disk))
         plans.cache.from_disk = from_disk
         return plans
+
+
+def _refuse_wrong_type(name: str, given: Any, kind: type, or_else: str) -> None:
+    """Refuse a ``chain=`` or ``plan=`` of a type optimize does not take, saying what to pass
+    (it failed on its first attribute)."""
+    if given is None or isinstance(given, (kind, str, Path)):
+        return
+    text = repr(given)
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    hint = (
+        f"; a dict read from such a file's JSON is {kind.__qualname__}.from_dict(d)"
+        if isinstance(given, dict)
+        else ""
+    )
+    raise TypeError(
+        f"{name}= takes a {kind.__module__}.{kind.__qualname__} or {or_else}, got "
+        f"{type(given).__name__} {shown}{hint}"
+    )
 
 
 # A new input shape is profiled once, quickly: its sizes are exact, its times rough.

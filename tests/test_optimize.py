@@ -16,6 +16,7 @@ import offremat
 from offremat.models import GPTConfig, build_gpt, gpt_batch
 from offremat.profiler import profile_model
 from solvers.budget import InfeasibleBudgetError, parse_budget
+from solvers.chain import Chain
 from solvers.dp import memory_need
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak
@@ -176,6 +177,24 @@ def test_chain_and_plan_from_files(tmp_path: Path) -> None:
     wrong = Plan(first.plan.ops, tuple(f"x{n}" for n in range(first.plan.length)), "hand")
     with pytest.raises(ValueError, match="make the plan from this chain"):
         offremat.optimize(model, x, chain=first.chain, plan=wrong)
+
+
+def test_a_chain_or_plan_of_another_type_is_refused_saying_what_to_pass(tmp_path: Path) -> None:
+    """A dict from json.load of a chain or plan file, or a number: a bare AttributeError
+    ('dict' object has no attribute 'input_bytes') came from inside offremat before."""
+    model = mlp()
+    x = batch()[0]
+    first = offremat.optimize(model, x, budget=0.8, stages=3)
+    chain, plan = first.chain.to_dict(), first.plan.to_dict()
+    with pytest.raises(TypeError, match=r"chain= takes a solvers\.chain\.Chain .* got dict.*"):
+        offremat.optimize(model, x, budget=0.8, chain=chain)
+    with pytest.raises(TypeError, match=r"plan= takes a solvers\.plan\.Plan .* Plan\.from_dict"):
+        offremat.optimize(model, x, chain=first.chain, plan=plan)
+    with pytest.raises(TypeError, match=r"plan= .* a path to a plan file .* got int 5$"):
+        offremat.optimize(model, x, plan=5)
+    # What the messages say to pass is taken.
+    again = offremat.optimize(model, x, chain=Chain.from_dict(chain), plan=Plan.from_dict(plan))
+    assert again.plan.ops == first.plan.ops
 
 
 def test_bandwidth_makes_offloading_plans_on_a_cpu() -> None:
