@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import offremat
 from offremat._blocks import NotAChainError, group_evenly
 from offremat.cli import main
 from offremat.models import GPTConfig, build_gpt, gpt_batch
@@ -417,3 +418,22 @@ def test_a_sparse_saved_tensor_is_refused_with_what_to_do() -> None:
     model = nn.Sequential(*[SparseBlock() for _ in range(3)])
     with pytest.raises(ValueError, match=r"stage '0' saves a sparse_coo tensor.*blocks="):
         profile_model(model, torch.randn(32, 16), warmup=0, repeats=1)
+
+
+class JaggedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(h)) + h
+
+
+def test_a_jagged_batch_is_refused_saying_to_pad_it() -> None:
+    """Plain autograd trains on variable-length sequences in a jagged nested tensor; offremat
+    cannot count its bytes. The error named the layout only."""
+    sequences = [torch.randn(n, 16) for n in (3, 5, 4)]
+    batch = torch.nested.nested_tensor(sequences, layout=torch.jagged)
+    model = nn.Sequential(*[JaggedBlock() for _ in range(3)])
+    with pytest.raises(TypeError, match=r"torch\.jagged.*to_padded_tensor.*plain autograd"):
+        offremat.optimize(model, batch, budget=0.5)
