@@ -203,9 +203,9 @@ class ShapePlans:
         executor = self.executors.get(signature)
         if executor is not None and executor.over_budget and signature in self.unprofiled:
             logger.warning(
-                "input %s: its plan, made on a chain read from cache_dir or predicted from "
-                "other shapes, measured over its budget in its first step: profiling that "
-                "shape and planning it again",
+                "input %s: its plan, made on a chain given to optimize, read from cache_dir "
+                "or predicted from other shapes, measured over its budget in its first step: "
+                "profiling that shape and planning it again",
                 describe(signature),
             )
             del self.executors[signature]

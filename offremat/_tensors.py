@@ -201,9 +201,9 @@ def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
     if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
         return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
-    if tensor.layout == torch.jagged:
+    if tensor.is_nested:
         raise TypeError(
-            "offremat cannot measure a nested tensor of layout torch.jagged (variable-length "
+            f"offremat cannot measure a nested tensor of layout {tensor.layout} (variable-length "
             "sequences): it counts the bytes of strided and sparse tensors only. Pad the batch "
             "into one tensor (x.to_padded_tensor(0.0), with a mask for the padding), or train "
             "this model with plain autograd"

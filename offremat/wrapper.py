@@ -55,7 +55,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
-from offremat._tensors import flatten, refuse_hidden_tensors
+from offremat._tensors import flatten, refuse_hidden_tensors, sparse_parts
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
 from solvers.budget import format_bytes
@@ -277,6 +277,8 @@ def optimize(
     _refuse_lazy(model)
     _refuse_wrappers(model)
     tensors, structure = flatten(example_batch)
+    if any(t.is_nested for t in tensors):
+        sparse_parts(next(t for t in tensors if t.is_nested))  # says what to do instead
     if not tensors:
         refuse_hidden_tensors(structure)  # tensors inside a dataclass: say so
         raise TypeError("the example batch holds no tensor; pass what the model's forward takes")
