@@ -32,11 +32,25 @@ class ModelSignatureForward:
             return self.function
         if torch.compiler.is_compiling():  # torch.compile of the optimized model: refused
             return types.MethodType(self.function, instance)
-        bound = functools.partial(self.function, instance)
-        signature = _model_signature(instance)
-        if signature is not None:
-            bound.__signature__ = signature  # type: ignore[attr-defined]
-        return bound
+        return BoundForward(self.function, instance, _model_signature(instance))
+
+
+class BoundForward:
+    """A bound method with a signature of its own: ``__func__`` and ``__self__`` as a bound
+    method has them, for tools that take a forward apart and bind it again (accelerate's
+    mixed-precision wrapper, and its unwrapping)."""
+
+    __slots__ = ("__func__", "__self__", "__signature__")
+
+    def __init__(
+        self, function: Callable[..., Any], instance: Any, signature: inspect.Signature | None
+    ):
+        self.__func__ = function
+        self.__self__ = instance
+        self.__signature__ = signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
 
 
 def _model_signature(instance: Any) -> inspect.Signature | None:

@@ -72,3 +72,25 @@ def test_trainer_trains_optimized_model_as_the_model(tmp_path: Path, bf16: bool)
     assert losses == _train(plain, tmp_path / "plain", bf16)
     pairs = zip(model.parameters(), plain.parameters(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_accelerate_wraps_and_unwraps_the_optimized_forward() -> None:
+    """accelerate's mixed precision takes the forward apart (``__func__``) and binds it
+    again; unwrapping it (``keep_fp32_wrapper=False``) bound the optimized model twice."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(6)]
+    model = torch.nn.Sequential(*layers)
+    plain = copy.deepcopy(model)
+    x = torch.randn(32, 16)
+    optimized = offremat.optimize(model, x, budget=0.8, autocast=torch.bfloat16)
+    assert "recompute" in optimized.plan.decisions.values()
+    accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+    prepared = accelerator.prepare(optimized)
+    unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain(x).float().pow(2).mean()
+    for run in (prepared, unwrapped):
+        loss = run(x).float().pow(2).mean()
+        loss.backward()
+        assert torch.equal(loss, expected)
