@@ -325,7 +325,9 @@ class Compute:
                 )
         except RuntimeError as error:
             if "mark a variable ready only once" in str(error):
-                raise _reducer_saw_shared(self.names[i - 1]) from error
+                if self.shared.used_by.get(i):
+                    raise _reducer_saw_shared(self.names[i - 1]) from error
+                raise _reducer_found_unused(self.names[i - 1]) from error
             if "a second time" not in str(error):
                 raise
             if any(not p.is_leaf for p in self.parameters[i - 1]):
@@ -386,6 +388,18 @@ def _reducer_saw_shared(stage: str) -> RuntimeError:
         "tied between stages) has its gradient accumulated once, but the hooks DDP puts on its "
         "accumulation node run in each of those stages' backwards, where plain DDP runs them "
         "once. Train such a model with plain DDP, or give each stage its own parameters"
+    )
+
+
+def _reducer_found_unused(stage: str) -> RuntimeError:
+    """The error for DistributedDataParallel with ``find_unused_parameters=True``."""
+    return RuntimeError(
+        f"DistributedDataParallel saw the gradient of a parameter of stage {stage!r} that it "
+        "had marked unused: with find_unused_parameters=True it looks for the parameters in "
+        "the forward's graph, which does not reach them (each stage's backward is an engine "
+        "call of its own), so it marks them all unused. Wrap the optimized model with "
+        "find_unused_parameters=False (Hugging Face's Trainer: "
+        "ddp_find_unused_parameters=False)"
     )
 
 

@@ -4,7 +4,8 @@ DistributedDataParallel, trained on this rank's batch (gloo on CPU).
 Prints the largest difference of the first step's gradients from plain autograd's on every
 rank's batch (the mean of the ranks' losses, as DDP averages), each step's measured peak
 over the budget, whether ``optimize`` refused the model wrapped the other way round, and
-whether a model that uses a block twice was refused at its backward.
+whether a model that uses a block twice, or DDP told to find unused parameters, was refused
+at its backward.
 """
 
 from __future__ import annotations
@@ -40,6 +41,21 @@ def shared_block(rank: int) -> None:
         print(f"rank {rank} shared block refused: {error}", flush=True)
 
 
+def unused_parameters_sought(rank: int) -> None:
+    """find_unused_parameters=True (the Trainer's default for a model that is not a Hugging
+    Face one): DDP marks every parameter unused, the forward's graph not reaching them."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Linear(32, 1))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+    optimized = offremat.optimize(model, x, budget=0.8)
+    trainer = DistributedDataParallel(optimized, find_unused_parameters=True)
+    try:
+        trainer(x).pow(2).mean().backward()
+    except RuntimeError as error:
+        print(f"rank {rank} unused refused: {error}", flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -71,6 +87,7 @@ def main() -> None:
         for parameter in model.parameters():
             parameter.grad.zero_()
     shared_block(rank)
+    unused_parameters_sought(rank)
     dist.barrier()
     dist.destroy_process_group()
 
