@@ -322,6 +322,7 @@ def optimize(
                             "blocks": blocks,
                             "autocast": repr(planned) if planned.enabled else None,
                             "attention": repr(attention_kernels()),
+                            "default_dtype": str(torch.get_default_dtype()),
                         },
                     ),
                 ),

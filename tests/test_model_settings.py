@@ -137,6 +137,26 @@ def test_a_step_under_another_default_dtype_is_refused() -> None:
     assert memory.peak_bytes <= om.plan.budget_bytes
 
 
+def test_the_disk_cache_tells_default_dtypes_apart(tmp_path) -> None:
+    # A float32 plan read from disk under float64: 1.43 times the budget, and the default
+    # dtype recorded by this optimize call was float64, so the step was not refused.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_OnesBlock() for _ in range(6)], torch.nn.Linear(64, 1))
+    x = torch.randn(128, 64)
+    offremat.optimize(model, x, budget=0.5, cache_dir=tmp_path)
+    try:
+        torch.set_default_dtype(torch.float64)
+        om = offremat.optimize(model, x, budget=0.5, cache_dir=tmp_path)
+        assert om.cache_info()["from_disk"] == 0
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        with StepMemory("cpu", inputs=x) as memory:
+            om(x).sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert memory.peak_bytes <= om.plan.budget_bytes
+
+
 @pytest.mark.parametrize("vocab", [160, 2048])
 def test_code_around_the_blocks_changed_after_optimize_is_planned_again(vocab: int) -> None:
     # Embeddings resized for new tokens make larger logits outside the blocks: the old plan
