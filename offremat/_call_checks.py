@@ -272,17 +272,19 @@ def refuse_functorch_transforms() -> None:
 
 @contextmanager
 def transforms_in_blocks_refused() -> Iterator[None]:
-    """Say what to do where a block calls ``torch.func.grad`` (or ``vjp``, ``jacrev``,
-    ``hessian``) in its forward: torch refuses those under saved-tensor hooks, with which
-    offremat packs every stage's saved tensors, profiling included."""
+    """Say what to do where the model's forward calls ``torch.func.grad`` (or ``vjp``,
+    ``jacrev``, ``hessian``): torch refuses those under saved-tensor hooks, with which
+    offremat packs every stage's saved tensors, and with which it records the whole model's
+    forward to find its blocks."""
     try:
         yield
     except RuntimeError as error:
         if "don't yet support saved tensor hooks" not in str(error):
             raise
         raise RuntimeError(
-            "a block of the model calls a torch.func transform (grad, vjp, jacrev, hessian) "
-            "in its forward, which torch refuses under saved-tensor hooks, and offremat packs "
-            "every stage's saved tensors with hooks of its own. Leave that block out of the "
-            "chain (name the others with blocks=), or train this model without offremat"
+            "the model's forward calls a torch.func transform (grad, vjp, jacrev, hessian), "
+            "which torch refuses under saved-tensor hooks, and offremat packs the saved "
+            "tensors of every stage, and of the forward it records to find the blocks, with "
+            "hooks of its own. Optimize a part that does not call it (an nn.Sequential of "
+            "the blocks, which your forward then calls), or train this model without offremat"
         ) from error
