@@ -110,8 +110,9 @@ def test_the_disk_cache_tells_plans_made_under_a_global_logger_apart(tmp_path) -
 
 
 def test_counting_flops_is_refused_under_a_plan_and_counted_on_the_model() -> None:
-    """FlopCounterMode's ModuleTracker keeps memory alive across the stages' backwards (1.20
-    to 1.46 times the budget, unrefused); the plain model's flops count as before."""
+    """FlopCounterMode's ModuleTracker keeps memory alive across the stages' backwards (on
+    another model 1.20 to 1.46 times the budget, unrefused; see refuse_module_tracker); the
+    plain model's flops count as before."""
     model, reference, om, x = setup(0.8)
     assert set(om.plan.decisions.values()) != {"keep"}
     with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="ModuleTracker"):
