@@ -38,6 +38,7 @@ from offremat._tensors import (
     copied,
     flatten,
     gradient_bytes,
+    refuse_sparse_outputs,
     storage_allocated_bytes,
     storage_key,
     unflatten,
@@ -122,6 +123,7 @@ class StageProfile:
                 stack.enter_context(torch.no_grad())
                 inputs = self.tensors
             output = self.module(unflatten(inputs, self.structure))
+        refuse_sparse_outputs(self.name, flatten(output)[0], self.tensors)
         if self.check_inputs:
             check_unmodified(self.name, self.tensors, versions)
         return output, slot, packer

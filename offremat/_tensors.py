@@ -325,3 +325,30 @@ def copied(tensors: Sequence[torch.Tensor], made: set[int]) -> list[torch.Tensor
         )
         handed.append(copy.requires_grad_(tensor.requires_grad))
     return handed
+
+
+def refuse_sparse_outputs(
+    stage: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """Refuse a stage that hands on a sparse tensor it made, or one that carries a gradient:
+    the step counts, keeps and frees what passes between stages by storage, which a sparse
+    tensor has not, and gives it no gradient. One it was given (an adjacency passed along
+    the blocks) is counted by its parts and never moved."""
+    given = {storage_key(t) for t in inputs}
+    for tensor in outputs:
+        if tensor.layout == torch.strided:
+            continue
+        if tensor.requires_grad:
+            raise ValueError(
+                f"stage {stage!r} hands on a sparse tensor that carries a gradient (an "
+                "adjacency built from a learnable weight): offremat gives no sparse tensor a "
+                "gradient between stages. Build it inside each block from the weight, make "
+                "it dense, or train this model without offremat"
+            )
+        if storage_key(tensor) not in given:
+            raise ValueError(
+                f"stage {stage!r} makes a sparse tensor and hands it on: offremat counts, "
+                "keeps and frees what passes between stages by storage, which a sparse tensor "
+                "has not. Make it before the blocks and pass it along, make it dense, or "
+                "leave this block out of the chain (blocks= naming the others)"
+            )

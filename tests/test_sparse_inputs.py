@@ -96,3 +96,37 @@ def test_a_sparse_adjacency_passed_to_the_blocks_trains_exactly_within_budget(
     assert torch.equal(loss, plain)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+class ScalingLayer(CarriedLayer):
+    """Hands on a sparse tensor it makes (the adjacency scaled)."""
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        x, graph = super().forward(value)
+        return x, graph * 0.99
+
+
+class LearntGraphNetwork(GraphNetwork):
+    """Its adjacency is built from a learnable weight before the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge_scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        learnt = torch.sparse_coo_tensor(
+            graph.indices(), graph.values() * self.edge_scale, graph.shape
+        ).coalesce()
+        return super().forward(x, learnt)
+
+
+def test_a_sparse_tensor_made_in_a_block_or_carrying_a_gradient_is_refused() -> None:
+    # Both crashed inside the profile (Cannot access storage of SparseTensorImpl; aten::fill_
+    # not implemented for SparseCPU), where plain autograd trains them.
+    torch.manual_seed(0)
+    x, graph = torch.randn(NODES, WIDTH), adjacency()
+    made = nn.Sequential(*[ScalingLayer() for _ in range(6)], Readout())
+    with pytest.raises(ValueError, match="makes a sparse tensor and hands it on"):
+        offremat.optimize(made, (x, graph), budget=0.8)
+    with pytest.raises(ValueError, match="sparse tensor that carries a gradient"):
+        offremat.optimize(LearntGraphNetwork(), (x, graph), budget=0.8)
