@@ -27,8 +27,10 @@ sizes and kinds (:meth:`offremat._shapes.ShapePlans.for_chain_input`), and, wher
 numbers out, the shapes of the model's output (:meth:`NumberPlaces.check_output`): a number
 that sizes nothing on the two values compared but does on another (a task id that picks a
 head of another size) is found there, after the one step that ran on another value's plan,
-and from then on its values key plans. Not seen: one that changes neither the blocks' input
-sizes nor the output's shapes on that value (a threshold inside the head).
+and from then on its values key plans. One that makes a block save more on another value
+without changing a shape (a loop past a threshold) is found by the first step on each new
+value, measured as a plan read from disk is (:meth:`NumberPlaces.verifies`): that step may
+pass the budget, and the next plans the value anew.
 """
 
 from __future__ import annotations
@@ -176,6 +178,9 @@ def _skeleton(signature: Signature) -> Any:
 
 
 KEPT_SKELETONS = 64
+KEPT_VALUES = 4096
+"""How many calls' number values are remembered as measured once (each is, under a key that
+leaves them out)."""
 """How many call structures keep what was learnt of their numbers (the latest learnt)."""
 
 
@@ -191,6 +196,8 @@ class NumberPlaces:
         self.warned = False
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
+        # The call signatures whose first step under a key without numbers was measured.
+        self.checked: dict[Signature, None] = {}
 
     def key(self, signature: Signature) -> Signature:
         """The key of ``signature``'s plan: its neutral numbers by type."""
@@ -238,15 +245,38 @@ class NumberPlaces:
         trim(self.outputs, KEPT_SKELETONS)
         if seen == shapes:
             return
+        self._sizes_after_all(
+            signature,
+            batch,
+            f"the model's output changed shape ({shapes} where it was {seen})",
+        )
+
+    def verifies(self, signature: Signature) -> bool:
+        """Whether a step on ``signature`` is the first on its values of numbers its key
+        leaves out: its peak is to be measured (the plan's ``verify_next``), since a number
+        that sized nothing on the two values profiled may make a block save more on this
+        one (an extra loop past a threshold) without changing any shape."""
+        key = self.key(signature)
+        if key is signature or signature in self.checked:
+            return False
+        self.checked[signature] = None
+        trim(self.checked, KEPT_VALUES)
+        return True
+
+    def over_budget(self, signature: Signature, batch: Any) -> None:
+        """A step measured by :meth:`verifies` passed the plan's budget: the numbers its key
+        leaves out size something after all, and key plans again from now on."""
+        self._sizes_after_all(signature, batch, "a step measured over its plan's budget")
+
+    def _sizes_after_all(self, signature: Signature, batch: Any, seen: str) -> None:
         skeleton = _skeleton(signature)
-        places = self.neutral.pop(skeleton)
+        places = self.neutral.pop(skeleton, frozenset())
         self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | places
         logger.warning(
-            "the model's output changed shape (%s where it was %s) with the Python number %s, "
-            "which a second profile had found to size nothing: this step ran on the plan of "
-            "another value, and could pass its budget; from the next step each value gets "
-            "its own plan. Pass a number that sizes tensors as a tensor where you can",
-            shapes,
+            "%s with the Python number %s, which a second profile had found to size nothing: "
+            "that step ran on the plan of another value, and could pass its budget; from now "
+            "on each value gets its own plan. Pass a number that sizes tensors as a tensor "
+            "where you can",
             seen,
             _named(places, batch),
         )

@@ -240,3 +240,56 @@ def test_a_number_learnt_neutral_that_sizes_the_output_after_all_is_planned_agai
     with StepMemory("cpu", inputs=X) as memory:
         om(x=X, task=2).square().sum().backward()
     assert memory.peak_bytes <= om.plan.budget_bytes
+
+
+class ThresholdBlock(nn.Module):
+    """More work, and more saved, above a threshold of ``k``: the same shapes either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        hidden = torch.tanh(self.up(x))
+        if k > 8:
+            for _ in range(k // 4):
+                hidden = torch.tanh(hidden * 1.01)
+        return x + self.down(hidden)
+
+
+class ThresholdModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(ThresholdBlock() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, k: int = 1) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = block(hidden, k)
+        return self.head(hidden).square().sum()
+
+
+def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -> None:
+    # Learnt to size nothing from k=1 and k=2, k=32 ran every later step on their plan at
+    # 2.29 times its budget, unwarned (review); before the learning, its profile refused it.
+    from solvers.budget import InfeasibleBudgetError
+
+    x = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = ThresholdModel()
+    om = offremat.optimize(model, {"x": x, "k": 1}, budget=0.7)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    for k in (2, 3):
+        with StepMemory("cpu", inputs=x) as memory:
+            om(x=x, k=k).backward()
+        assert memory.peak_bytes <= om.plan.budget_bytes
+    assert om.cache_info()["misses"] == 1  # k=2's profile; k=3 reuses its plan
+    om(x=x, k=32).backward()  # its first step, measured: over the budget
+    refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
+    with caplog.at_level(logging.WARNING, logger="offremat"), refused:
+        om(x=x, k=32)  # profiled for its own value
+    assert "a step measured over its plan's budget with the Python number k" in caplog.text
