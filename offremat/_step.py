@@ -245,12 +245,14 @@ class _Step(Compute):
     def _verified(self, measured: int) -> None:
         """End the check of a plan whose chain was not profiled at its shape: one measured
         over its budget, less the parameters' gradients the step made, is marked, and its
-        shape is profiled at the next step."""
+        shape is profiled at the next step. Over the budget only with those gradients, the
+        check is put off to the next step, which finds them made: they need not have been
+        alive at the peak."""
         executor = self.executor
-        executor.verify_next = False
         budget = executor.plan.budget_bytes
-        if budget is not None and measured - self.new_grad_bytes > budget:
-            executor.over_budget = True
+        over = budget is not None and measured > budget
+        executor.over_budget = over and measured - self.new_grad_bytes > budget
+        executor.verify_next = over and not executor.over_budget
 
     def _report_over_budget(self, measured: int) -> None:
         """Warn, once per plan, when the independent measurement exceeds the budget."""
