@@ -218,7 +218,12 @@ class NumberPlaces:
         return True
 
     def learn(self, signature: Signature, places: frozenset[int], same: bool, batch: Any) -> None:
-        """``places`` are neutral where their chains agree (``same``), else they size."""
+        """``places`` are neutral where their chains agree (``same``), else they size; where
+        several differ and the chains do too, which of them sizes is not known: nothing is
+        learnt, and a later call that differs in one of them alone tells."""
+        if not same and len(places) > 1:
+            self._forced(places, batch)
+            return
         skeleton = _skeleton(signature)
         learnt = self.neutral if same else self.sizing
         learnt[skeleton] = learnt.pop(skeleton, frozenset()) | places

@@ -121,6 +121,15 @@ def test_a_neutral_count_beside_a_sizing_one_keeps_each_apart() -> None:
     assert om.cache_info()["plans"] == 3
 
 
+def test_a_neutral_count_changed_with_a_sizing_one_is_not_taken_for_sizing() -> None:
+    # Both changed in the first call, so both were learnt sizing: count keyed plans forever
+    # (9 profiles for 9 calls), and the warning said it changed a tensor size (review).
+    calls = [{"count": 3, "keep": 5}] + [{"count": c, "keep": 5} for c in range(4, 12)]
+    om, profiles = _steps({"count": 2, "keep": 8}, calls)
+    assert len(profiles) == 2  # (3, 5), then (4, 5), which differs in count alone
+    assert om.cache_info()["plans"] == 2
+
+
 def test_plans_stay_bounded_and_a_warning_says_to_pass_a_tensor(monkeypatch, caplog) -> None:
     monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
     with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
