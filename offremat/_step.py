@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offremat._buffers import FirstForward, shared_buffer_keys
+from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import HostRandomReader, RngState, cuda_device_indices
@@ -219,6 +220,8 @@ class _Step(Compute):
         if self.memory is not None:
             self.memory.resume()
         try:
+            if self.executor.recomputed:  # a recomputation packs with hooks of its own
+                refuse_disabled_saved_tensor_hooks("this plan's backward recomputes, and runs")
             self._mark()
             self.in_backward = True
             refs = [None if g is None else TensorRef(g) for g in grads]

@@ -732,6 +732,16 @@ def test_a_planned_step_with_saved_tensor_hooks_disabled_is_refused_with_what_to
         reference(x).sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+    # The forward outside, the backward inside: a recomputation raised torch's error from
+    # inside the backward (review). Refused before any stage's backward runs.
+    loss = om(x).sum()
+    disabled = torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this region")
+    with disabled, pytest.raises(RuntimeError, match=r"backward recomputes, and runs inside"):
+        loss.backward()
+    om(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_steps_offremat_cannot_run_as_planned_say_why() -> None:
