@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from offremat._signatures import Signature
 from offremat._tensors import Structure, flatten
 from solvers.chain import Chain
+from solvers.chain_limits import STAGE_BYTE_FIELDS
 
 if TYPE_CHECKING:
     from offremat._shapes import ShapePlans
@@ -109,15 +110,8 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN as itself
 
 
-# The chain figures a plan depends on: every byte, not a time (a profile's are rough).
-_STAGE_BYTES = (
-    "out_bytes",
-    "saved_bytes",
-    "fwd_tmp_bytes",
-    "bwd_tmp_bytes",
-    "nograd_fwd_tmp_bytes",
-    "grad_bytes",
-)
+# The chain figures a plan depends on: every byte (STAGE_BYTE_FIELDS, and these of its
+# metadata), not a time (a profile's are rough).
 _METADATA_BYTES = (
     "outside",
     "chain_input",
@@ -141,7 +135,7 @@ def _sizes(chain: Chain) -> tuple[Any, ...]:
         chain.input_grad_bytes,
         chain.held_bytes,
         chain.frozen_stages,
-        tuple(tuple(getattr(s, f) for f in _STAGE_BYTES) for s in chain.stages),
+        tuple(tuple(getattr(s, f) for f in STAGE_BYTE_FIELDS) for s in chain.stages),
         tuple(repr(chain.metadata.get(k)) for k in _METADATA_BYTES),
     )
 
