@@ -250,12 +250,11 @@ class NumberPlaces:
             f"the model's output changed shape ({shapes} where it was {seen})",
         )
 
-    def verifies(self, signature: Signature) -> bool:
-        """Whether a step on ``signature`` is the first on its values of numbers its key
-        leaves out: its peak is to be measured (the plan's ``verify_next``), since a number
-        that sized nothing on the two values profiled may make a block save more on this
-        one (an extra loop past a threshold) without changing any shape."""
-        key = self.key(signature)
+    def verifies(self, signature: Signature, key: Signature) -> bool:
+        """Whether a step on ``signature`` (of plan key ``key``) is the first on its values of
+        numbers its key leaves out: its peak is to be measured (the plan's ``verify_next``),
+        since a number that sized nothing on the two values profiled may make a block save
+        more on this one (an extra loop past a threshold) without changing any shape."""
         if key is signature or signature in self.checked:
             return False
         self.checked[signature] = None

@@ -220,7 +220,7 @@ class ShapePlans:
             self.executors[signature] = self.executors.pop(signature)  # the latest used
             if signature in self.provisional:
                 executor = self._improve(signature, executor.chain)
-            if self.numbers.verifies(called):
+            if self.numbers.verifies(called, signature):
                 executor.verify_next = True
         else:
             self.cache.misses += 1
