@@ -124,8 +124,9 @@ def _profile_sequential_shape(
 def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
     """Refuse a chain profiled on an input of another size: its sizes are another input's.
 
-    The profile counts the storages behind the input; a view of a larger tensor (``x[:, :-1]``)
-    is compared by its own bytes too.
+    The profile counts the bytes the input reaches of its storages (both views of
+    ``ids[:, :-1]`` and ``ids[:, 1:]`` together once); each view is compared by its own bytes
+    too.
     """
     sizes = {storage_bytes(tensors), sum(t.numel() * t.element_size() for t in tensors)}
     profiled = chain.input_bytes - chain.metadata.get("kept_by_modules_bytes", 0)

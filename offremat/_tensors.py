@@ -216,8 +216,41 @@ def sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    return sum(storage.nbytes() for storage in unique_storages(tensors).values())
+    """Bytes of the storages behind ``tensors``, each counted once, over the byte range the
+    tensors reach in it.
+
+    A batch sliced from a larger tensor (``data[i : i + 64]`` of a dataset kept on the
+    device) holds its slice for the step, not the dataset, which was there before the step
+    and stays after it; two views of one tensor (``ids[:, :-1]`` and ``ids[:, 1:]``) count
+    the bytes they cover together once.
+    """
+    reached: dict[int, list[tuple[int, int]]] = {}
+    for tensor in tensors:
+        for part in _strided_parts(tensor):
+            storage = part.untyped_storage()
+            if storage.nbytes() > 0 and part.numel() > 0:
+                reached.setdefault(storage._cdata, []).append(_byte_range(part))
+    return sum(_covered(ranges) for ranges in reached.values())
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The first byte of its storage that the strided ``tensor`` reads and the one past its
+    last."""
+    size = tensor.element_size()
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    start = tensor.storage_offset() * size
+    return start, start + (last + 1) * size
+
+
+def _covered(ranges: list[tuple[int, int]]) -> int:
+    """Bytes in the union of the half-open ``ranges``."""
+    total, end = 0, 0
+    for start, stop in sorted(ranges):
+        start = max(start, end)
+        if stop > start:
+            total += stop - start
+            end = stop
+    return total
 
 
 def gradient_bytes(tensors: Sequence[torch.Tensor]) -> int:

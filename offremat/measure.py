@@ -134,8 +134,9 @@ class StepMemory:
     """The activation peak of the code run inside it, on ``device``, as design.md defines it.
 
     ``with StepMemory(device, inputs=batch) as memory: ...`` then ``memory.peak_bytes`` is the
-    most bytes that the code inside allocated and held at once, plus the distinct storages of
-    ``inputs`` (a_0, which the budget counts). On CUDA, ``reserved_peak_bytes`` is the
+    most bytes that the code inside allocated and held at once, plus the bytes that ``inputs``
+    reach of their storages (a_0, which the budget counts: of a batch sliced from a dataset,
+    the slice). On CUDA, ``reserved_peak_bytes`` is the
     allocator's reserved peak as well. The peak is net of frees: on CPU, of storages created
     inside and of the ``existing`` ones named (the CUDA allocator sees every free), so a code
     that frees older tensors before it allocates can have a peak below its allocations.

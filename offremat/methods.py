@@ -49,7 +49,8 @@ class Measurement:
 
 
 def batch_bytes(batch: Batch) -> int:
-    """Bytes of the input a_0, which the budget counts (distinct storages, as profiled)."""
+    """Bytes of the input a_0, which the budget counts (what it reaches of its storages, as
+    profiled)."""
     return storage_bytes(batch)
 
 

@@ -1,0 +1,131 @@
+"""A batch sliced from a larger tensor counts as its slice, not as the tensor it views.
+
+A dataset kept on the device and sliced into batches (``data[i : i + n]``) was there before
+the step and stays after it; the budget counts the step's activation memory, and of the input
+a_0 the bytes the batch reaches. Before, the whole dataset was counted as a_0: a budget that
+fitted the same batch copied was refused as infeasible, and a fraction of keep-all was a
+fraction of the dataset. The oracle is the dispatch-mode tracker's own allocations of the
+step plus the slice's bytes counted by hand, and plain autograd for the gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat._tensors import storage_bytes
+from offremat.measure import StepMemory
+from offremat.models import GPTConfig, build_gpt
+from solvers.budget import InfeasibleBudgetError
+from solvers.registry import keep_all_peak
+
+ROWS = 32
+DATASET_BATCHES = 20
+
+
+class PreNormBlock(nn.Module):
+    """x + MLP(LayerNorm(x)), passing the regression target on."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, batch):
+        hidden, target = batch
+        return hidden + self.down(torch.relu(self.up(self.norm(hidden)))), target
+
+
+class SquaredError(nn.Module):
+    def forward(self, batch):
+        hidden, target = batch
+        return (hidden - target).pow(2).mean()
+
+
+def residual_mlp() -> tuple[nn.Module, tuple, tuple, int]:
+    """The model, a batch sliced from a 20-batch dataset, the same batch copied, and the bytes
+    of the dataset that the slice reaches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[PreNormBlock(64) for _ in range(6)], SquaredError())
+    inputs, targets = torch.randn(2, DATASET_BATCHES * ROWS, 64)
+    sliced = (inputs[ROWS : 2 * ROWS], targets[ROWS : 2 * ROWS])
+    return model, sliced, tuple(t.clone() for t in sliced), 2 * ROWS * 64 * 4
+
+
+def gpt() -> tuple[nn.Module, tuple, tuple, int]:
+    """The GPT, with tokens and targets two shifted views of the same rows of a token stream
+    (as above)."""
+    config = GPTConfig(layers=4, hidden=64, heads=4, seq=32, vocab=128, dropout=0.0)
+    stream = torch.randint(0, config.vocab, (DATASET_BATCHES * 4, config.seq + 1))
+    rows = stream[4:8]
+    sliced = (rows[:, :-1], rows[:, 1:])
+    return build_gpt(config), sliced, tuple(t.contiguous() for t in sliced), 4 * 33 * 8
+
+
+def step(module: nn.Module, batch) -> tuple[int, list[torch.Tensor]]:
+    """One training step: the bytes the tracker saw it allocate at most, and the gradients."""
+    parameters = list(module.parameters())
+    for parameter in parameters:  # as after a first step: gradients are not activations
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu") as memory:
+        module(batch).backward()
+    return memory.step_peak_bytes, [p.grad.clone() for p in parameters]
+
+
+@pytest.mark.parametrize("make", [residual_mlp, gpt], ids=["residual-mlp", "gpt"])
+@pytest.mark.parametrize("solver", ["dp", "milp"])
+def test_a_sliced_batch_is_planned_as_its_copy_and_fits(make, solver: str) -> None:
+    model, sliced, copied, batch_bytes = make()
+    model.train()
+    options = {"bandwidth": "12GB/s", "time_limit_s": 2.0} if solver == "milp" else {}
+    reference = offremat.optimize(copy.deepcopy(model), copied, budget=1.0)
+    keep_all = keep_all_peak(reference.chain)
+    # The copies' storages hold both views' bytes, the slices only those they reach.
+    saved = sum(t.numel() * t.element_size() for t in copied) - batch_bytes
+    _, expected = step(copy.deepcopy(model), sliced)
+    ran = 0
+    for fraction in (0.3, 0.5, 0.7):
+        budget = int(fraction * keep_all)
+        planned = copy.deepcopy(model)
+        try:
+            optimized = offremat.optimize(planned, sliced, budget=budget, solver=solver, **options)
+        except InfeasibleBudgetError as error:
+            with pytest.raises(InfeasibleBudgetError) as refused:
+                offremat.optimize(copy.deepcopy(model), copied, budget=budget, solver=solver)
+            assert refused.value.min_budget_bytes - error.min_budget_bytes == saved
+            continue
+        assert reference.chain.input_bytes - optimized.chain.input_bytes == saved
+        peak, grads = step(optimized, sliced)
+        where = f"{solver} at {fraction:.0%}: {peak} + {batch_bytes} B against {budget} B"
+        assert peak + batch_bytes <= budget, where
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True)), where
+        ran += 1
+    assert ran >= 2
+
+
+def test_the_tracker_counts_a_sliced_batch_as_its_copy() -> None:
+    model, sliced, copied, _ = residual_mlp()
+    peaks = []
+    for batch in (sliced, copied):
+        with StepMemory("cpu", batch) as memory:
+            copy.deepcopy(model)(batch).backward()
+        peaks.append(memory.peak_bytes)
+    assert peaks[0] == peaks[1]
+
+
+def test_views_count_the_bytes_they_reach_once() -> None:
+    data = torch.zeros(100, 8)  # 3200 bytes
+    assert storage_bytes([data]) == 3200
+    assert storage_bytes([data[10:20]]) == 320
+    assert storage_bytes([data[10:20], data[15:30]]) == 20 * 32  # rows 10 to 29
+    assert storage_bytes([data[:10], data[90:]]) == 640  # two slices apart
+    assert storage_bytes([data[:, :-1], data[:, 1:]]) == 3200
+    assert storage_bytes([data.t()]) == 3200
+    assert storage_bytes([data[:, 0]]) == 99 * 32 + 4  # a column reaches from first to last row
+    assert storage_bytes([torch.zeros(4, 5).expand(3, 4, 5)]) == 80
+    assert storage_bytes([data[5:5]]) == 0
