@@ -29,24 +29,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.nn.utils import parametrize
 
-from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces, learn, sibling, trim
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
+from offremat._shape_variants import VariantKey, VariantPlanning, parametrize_cache_suspended
 from offremat._signatures import (
     Signature,
     StageState,
-    chain_input_kind,
-    chain_input_shapes,
     describe,
     input_signature,
     stage_state,
@@ -59,8 +55,6 @@ from solvers.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-# A call's signature and the kind of its blocks' inputs (chain_input_kind).
-VariantKey = tuple[Signature, str]
 StatePlans = tuple[
     dict[Signature, "PlanExecutor"],
     dict[Signature, Chain],
@@ -71,23 +65,9 @@ StatePlans = tuple[
 
 KEPT_STATES = 8
 """How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
-KEPT_VARIANTS = 8
-"""How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
 KEPT_SIGNATURES = 64
 """How many input signatures a state keeps plans and profiled chains for (the latest used):
 a number that sizes tensors and changes at every step must not grow them without end."""
-
-
-@contextmanager
-def _parametrize_cache_suspended() -> Iterator[None]:
-    """Profile outside the caller's ``parametrize.cached()``: the profile's backwards would
-    free the graph of a weight the cache keeps for the step's own backward."""
-    enabled, cache = parametrize._cache_enabled, parametrize._cache
-    parametrize._cache_enabled, parametrize._cache = 0, {}
-    try:
-        yield
-    finally:
-        parametrize._cache_enabled, parametrize._cache = enabled, cache
 
 
 @dataclass
@@ -103,7 +83,7 @@ class ShapeCache:
     planning_s: float = 0.0
 
 
-class ShapePlans:
+class ShapePlans(VariantPlanning):
     """The executors of an optimized model, one per input signature, made on first sight.
 
     ``profile`` profiles a batch of a new shape into a chain of the same stages; ``solve``
@@ -179,7 +159,7 @@ class ShapePlans:
             self.cache.predicted += 1
             self.unprofiled.add(signature)
             return predicted
-        with _parametrize_cache_suspended():
+        with parametrize_cache_suspended():
             chain = self.profile(batch)
         self.profiled[signature] = chain
         trim(self.profiled, KEPT_SIGNATURES)
@@ -255,75 +235,6 @@ class ShapePlans:
                 f"it has {chain.length} stages at a budget of {plan.budget_bytes} B, where this "
                 f"model's plans have {made.chain.length} at {made.plan.budget_bytes} B"
             )
-
-    def for_chain_input(self, batch: Any, executor: PlanExecutor, value: Any) -> PlanExecutor:
-        """The executor for the blocks' input ``value`` in a step on ``batch`` that
-        :meth:`executor` gave ``executor``: itself, unless its chain was profiled on block
-        inputs of another kind (:func:`chain_input_kind`), which the same shapes can carry
-        when values differ (a padded batch where the example had none): they save other
-        tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
-        costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
-        kind, shapes = chain_input_kind(value), chain_input_shapes(value)
-        planned = executor.chain.metadata.get("chain_input")
-        # The sizes too: padding removed before the blocks sizes them by the batch's values.
-        # A predicted chain's blocks never ran: its first step (measured) stands for them.
-        executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes
-        planned_shapes = executor.chain.metadata.get(
-            "chain_input_shapes", executor.first_chain_input_shapes
-        )
-        if planned == kind and planned_shapes != shapes:
-            kind = f"{kind} of shapes {shapes}"
-        if planned is None or planned == kind or self.profile_blocks is None:
-            return executor
-        key = (self.numbers.key(input_signature(batch)), kind)
-        if key in self.refused:
-            # A fresh error: a stored one would keep each refused step's frames alive.
-            raise InfeasibleBudgetError(*self.refused[key])
-        variant = self.variants.get(key)
-        if variant is None:
-            variant = self._plan_variant(key, executor.chain, value)
-        if not variant.plain:
-            # The call's own plan may have run plainly where this one does not.
-            reason = plain_autograd_only(self.stages, batch)
-            if reason is not None:
-                raise RuntimeError(reason)
-        self.last = variant
-        return variant
-
-    def _plan_variant(self, key: VariantKey, chain: Chain, value: Any) -> PlanExecutor:
-        """Profile the blocks on ``value`` and plan them; the last few variants are kept, and
-        a refusal is remembered (it comes after the code before the blocks has run)."""
-        self.cache.variants += 1
-        began = time.perf_counter()
-        logger.warning(
-            "the blocks' inputs on this batch are not of the kind or size its shape's plan was "
-            "made for (a padding mask where the example batch had none, padding removed "
-            "before the blocks?): planning them too, for input %s",
-            describe(key[0]),
-        )
-        with _parametrize_cache_suspended():
-            variant_chain = self.profile_blocks(chain, value)
-        try:
-            plan = self._plan(key[0], variant_chain, variant=True)
-        except InfeasibleBudgetError as error:
-            self.refused[key] = (
-                error.budget_bytes,
-                error.min_budget_bytes,
-                error.solver,
-                error.shape,
-                error.exact,
-            )
-            while len(self.refused) > KEPT_VARIANTS:
-                self.refused.pop(next(iter(self.refused)))
-            raise
-        variant = PlanExecutor(
-            self.stages, plan, variant_chain, self.measure_memory, self.in_flight, self.resources
-        )
-        self.variants[key] = variant
-        while len(self.variants) > KEPT_VARIANTS:
-            self.variants.pop(next(iter(self.variants)))
-        self.cache.planning_s += time.perf_counter() - began
-        return variant
 
     def _switch(self, state: StageState) -> None:
         """Put the plans of the stages' state so far aside, and take up those of ``state``.
