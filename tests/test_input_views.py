@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from test_budget_measured import PreNormBlock, SquaredError
 from torch import nn
 
 import offremat
@@ -25,26 +26,6 @@ from solvers.registry import keep_all_peak
 
 ROWS = 32
 DATASET_BATCHES = 20
-
-
-class PreNormBlock(nn.Module):
-    """x + MLP(LayerNorm(x)), passing the regression target on."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, batch):
-        hidden, target = batch
-        return hidden + self.down(torch.relu(self.up(self.norm(hidden)))), target
-
-
-class SquaredError(nn.Module):
-    def forward(self, batch):
-        hidden, target = batch
-        return (hidden - target).pow(2).mean()
 
 
 def residual_mlp() -> tuple[nn.Module, tuple, tuple, int]:
