@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from offremat._buffers import assign_attributes, attribute_values
 from offremat._eager import eager
@@ -275,9 +276,10 @@ def check_device(modules: Sequence[nn.Module], device: torch.device) -> None:
 @contextmanager
 def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Callable[[], None]]:
     """Restore RNG states (the modules' own generators too), buffers, plain attributes,
-    parameter gradients and the parameters a forward changes in place; yields a function that
-    restores buffers, attributes and those parameters now (so that each of several runs starts
-    from the same state).
+    parameter gradients and the parameters a forward changes in place, with the caller's
+    gradient hooks (parameters', modules' backward hooks, and those for every module) set
+    aside; yields a function that restores buffers, attributes and those parameters now (so
+    that each of several runs starts from the same state).
 
     A buffer a forward changes (a counter, a moving average, spectral norm's vectors) is put
     back, in place or in the module where the forward assigned a new tensor. Of the parameters,
@@ -309,14 +311,21 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     for parameter, _ in grads:  # profiling accumulates into gradients of its own
         parameter.grad = None
     # The caller's gradient hooks belong to training steps, not to profiling's backwards: an
-    # optimizer step run in the backward would train on them. Emptied in place, since autograd
-    # holds the tables themselves.
-    hooks = [
-        (table, dict(table))
-        for p in parameters
-        for table in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
-        if table
+    # optimizer step run in the backward would train on them, and a module's backward hooks
+    # (a gradient-norm logger) would see the profile's seeds. Emptied in place, since autograd
+    # and the hooks' handles hold the tables themselves.
+    tables = [
+        *(t for p in parameters for t in (p._backward_hooks, p._post_accumulate_grad_hooks)),
+        *(
+            t
+            for module in modules
+            for owner in module.modules()
+            for t in (owner._backward_hooks, owner._backward_pre_hooks)
+        ),
+        module_hooks._global_backward_hooks,
+        module_hooks._global_backward_pre_hooks,
     ]
+    hooks = [(table, dict(table)) for table in tables if table]
     for table, _ in hooks:
         table.clear()
     attributes = [values for module in modules for values in attribute_values(module.modules())]
