@@ -32,7 +32,7 @@ from offremat._attribute_walk import leaves, map_leaves
 from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
-from offremat._run import RunInterception, run_blocks
+from offremat._run import RunInterception, refuse_hooks, run_blocks
 from offremat._signatures import chain_input_kind, chain_input_shapes
 from offremat._tensors import bitwise_equal, flatten, is_differentiable, storage_bytes, unflatten
 from offremat.measure import StepMemory, tree_leaf_tensors
@@ -60,6 +60,8 @@ class ModelChain:
         with untouched([model], _device(model, batch)):
             run = find_block_run(model, partial(call_model, model, batch), blocks)
             example_input = chain_input(run, partial(call_model, model, batch))
+        # With the caller's backward hooks back, which optimize's own runs set aside.
+        refuse_hooks(run)
         return cls(run, tuple(run_blocks(run)), _leaves(example_input))
 
     def on(self, model: nn.Module, batch: Any) -> ModelChain:

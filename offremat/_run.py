@@ -119,7 +119,7 @@ class RunInterception:
         self._bypassed: list[tuple[nn.Module, dict[int, Any], dict[int, Any]]] = []
 
     def __enter__(self) -> RunInterception:
-        _refuse_hooks(self.run)
+        refuse_hooks(self.run)
         self._install()
         return self
 
@@ -313,7 +313,9 @@ class _Forward:
         return self.interception.call(self.module, self.original, args, kwargs)
 
 
-def _refuse_hooks(run: BlockRun) -> None:
+def refuse_hooks(run: BlockRun) -> None:
+    """Refuse hooks on the run's blocks, their own or those torch runs for every module: the
+    blocks hand their outputs on through offremat, so such hooks would see the wrong ones."""
     _refuse_global_hooks()
     for call in run.calls:
         module = call.module
