@@ -56,6 +56,8 @@ class RecordedCall:
     # The tokens of its output's other tensors, and whether a call after it reads one or the
     # model returns one (else the model drops them: attention weights it did not ask for).
     extra_outputs: tuple[int, ...] = ()
+    # The bytes of its output's first tensor (the hidden state it hands on).
+    output_bytes: int = 0
     extras_read: bool = False
     # For each of those, where it sits among the call's side arguments if it is one of them,
     # handed back (("arg", position) or ("kwarg", name)), else None.
@@ -172,6 +174,7 @@ class _Recorder:
         call["returns_input"] = first is not None and first is split_hidden(args, kwargs)[0]
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
+        call["output_bytes"] = 0 if first is None else first.numel() * first.element_size()
         call["extra_outputs"] = tuple(self.tokens.of(t) for t in tensors[1:])
         places = call.pop("places")
         call["passed"] = tuple(places.get(id(t)) for t in tensors[1:])

@@ -107,6 +107,31 @@ def t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
+def bart() -> nn.Module:
+    """BART: an encoder and a decoder of 3 layers each, every layer Hugging Face's
+    ``GradientCheckpointingLayer``."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        use_cache=False,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    return BartForConditionalGeneration(config).train()
+
+
 def wav2vec2(layerdrop: float) -> nn.Module:
     """An audio encoder whose config sets LayerDrop for its transformer layers."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
