@@ -163,10 +163,25 @@ def refuse_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         )
 
 
+def refuse_mutation_of_saved_tensors(doing: str) -> None:
+    """Refuse to run (``doing`` says what) inside
+    ``torch.autograd.graph.allow_mutation_on_saved_tensors``, whose cloning of a saved tensor
+    changed in place works through saved-tensor hooks, which the executor's own replace."""
+    if torch.autograd.graph._allow_mutation_on_saved_tensors_enabled:
+        raise RuntimeError(
+            f"{doing} inside torch.autograd.graph.allow_mutation_on_saved_tensors(); offremat "
+            "packs the saved tensors of its stages with saved_tensors_hooks of its own, so the "
+            "context's copies of saved tensors changed in place would not be made. Make the "
+            "in-place change out of place (x = x + 1 for x += 1) and leave the context out, or "
+            "train under it with the model itself (om.model)"
+        )
+
+
 def refuse_outer_saved_tensor_hooks() -> None:
     """The executor packs its stages' saved tensors with hooks of its own, innermost, so a
     ``saved_tensors_hooks`` around the step (activation compression, ``save_on_cpu``) would
     not see them: plain autograd's step under those hooks computes something else."""
+    refuse_mutation_of_saved_tensors("this training step runs")
     if innermost_saved_tensor_hooks() is not None:
         raise RuntimeError(
             "this training step runs inside torch.autograd.graph.saved_tensors_hooks (or "

@@ -14,7 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from offremat._call_checks import refuse_disabled_saved_tensor_hooks
+from offremat._call_checks import (
+    refuse_disabled_saved_tensor_hooks,
+    refuse_mutation_of_saved_tensors,
+)
 from offremat._plan_cache import PlanCache
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
@@ -68,6 +71,7 @@ class Request:
     def __post_init__(self) -> None:
         # Checked here, the first thing optimize builds: before any profiling.
         refuse_disabled_saved_tensor_hooks("offremat.optimize is called")
+        refuse_mutation_of_saved_tensors("offremat.optimize is called")
         _refuse_wrong_type("chain", self.chain, Chain, "a path to a chain file (str or Path)")
         _refuse_wrong_type("plan", self.plan, Plan, "a path to a plan file (str or Path)")
 

@@ -705,6 +705,38 @@ def test_saved_tensor_hooks_around_a_planned_step_are_refused() -> None:
     assert packed
 
 
+def test_allowing_mutation_on_saved_tensors_is_refused_naming_the_context() -> None:
+    """Under allow_mutation_on_saved_tensors plain autograd trains a block that changes a
+    tensor it saved; its copies are made by saved-tensor hooks, which a plan's own replace:
+    the step and optimize raised autograd's in-place error, not naming the context."""
+
+    class ChangesASavedTensor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.linear(x))
+            y = h * h
+            h.add_(1.0)  # h is saved by h * h
+            return x + y
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[ChangesASavedTensor() for _ in range(4)])
+    x = torch.randn(64, 32)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        model(x).sum().backward()  # plain autograd trains it there
+        with pytest.raises(RuntimeError, match=r"optimize is called inside .*allow_mutation"):
+            offremat.optimize(model, x, budget=0.9)
+    om = offremat.optimize(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), x, budget=0.8)
+    assert "recompute" in om.plan.decisions.values()
+    with (
+        torch.autograd.graph.allow_mutation_on_saved_tensors(),
+        pytest.raises(RuntimeError, match=r"training step runs inside .*allow_mutation"),
+    ):
+        om(x)
+
+
 def test_a_planned_step_with_saved_tensor_hooks_disabled_is_refused_with_what_to_do() -> None:
     """Under disable_saved_tensors_hooks plain autograd trains, but the executor's own hooks
     raised torch's error with the caller's message from inside the step (and from inside
