@@ -223,7 +223,9 @@ def check_model_chain_output(
             "the blocks that its forward runs one after the other with blocks=; a block whose "
             "forward depends on state that is neither a parameter nor a buffer and that it "
             "changes (a Python counter, say) cannot be recomputed: keep "
-            "such state in buffers"
+            "such state in buffers; and the chain runs the blocks one after the other, so "
+            "random numbers the model draws between their calls (a mask per layer) come from "
+            "another point of the generator: draw them inside the blocks"
         )
 
 

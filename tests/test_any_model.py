@@ -345,6 +345,29 @@ def test_a_full_backward_hook_on_a_found_block_is_refused_naming_the_hook() -> N
         om(x)
 
 
+class _DrawsBetweenBlocks(_Looped):
+    """Draws a random number between block calls (logged): the blocks' dropout then takes
+    other random numbers when the chain runs them one after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.append(torch.nn.Dropout(0.2))
+        self.drawn: list[float] = []
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            self.drawn.append(torch.rand(()).item())
+        return self.head(x).pow(2).mean()
+
+
+def test_random_numbers_drawn_between_blocks_are_named_in_the_refusal() -> None:
+    torch.manual_seed(0)
+    with pytest.raises(offremat.NotAChainError, match="draws between their calls"):
+        offremat.optimize(_DrawsBetweenBlocks(), torch.randn(8, 16), budget=1.0)
+
+
 class _AuxBlock(torch.nn.Module):
     def __init__(self, aux: bool) -> None:
         super().__init__()
