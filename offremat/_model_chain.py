@@ -310,6 +310,10 @@ class _OutsideProbe:
         self.memory.reset_peak()
 
 
+def _drop_grad(parameter: torch.Tensor) -> None:
+    parameter.grad = None
+
+
 def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outside:
     """Run a step with the chain replaced by its output, and measure the code around it."""
     batch_tensors = tree_leaf_tensors(batch)
@@ -319,10 +323,15 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
         last = _last_output([block for _, block in found.blocks], found.example_input)
         # As the chain's own output would, whether or not its input carries a gradient.
         last.requires_grad_(is_differentiable(last))
-        # Gradients exist as after a first step, for the code around the chain alone.
-        for parameter in model.parameters():
-            if parameter.requires_grad and parameter.grad is None and id(parameter) not in chained:
-                parameter.grad = torch.zeros_like(parameter)
+        # Gradients exist as after a first step, for the code around the chain alone: each
+        # part is added to one there and freed. Dropping each once accumulated frees it as
+        # that does, without making those gradients a second time beside the caller's, which
+        # optimize's runs set aside (a new shape is profiled in its step, on its budget).
+        dropping = [
+            parameter.register_post_accumulate_grad_hook(_drop_grad)
+            for parameter in model.parameters()
+            if parameter.requires_grad and id(parameter) not in chained
+        ]
         # The caller's tensors cut from the graphs they came from: this backward must neither
         # run nor free them (a batch computed by the caller's own embedding, say).
         call = as_call(batch)
@@ -336,6 +345,8 @@ def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outsid
             del roots, seeds, output
             setup_backward = memory.peak_so_far_bytes - probe.turn_bytes
             probe.value = None
+        for handle in dropping:
+            handle.remove()
     start = probe.start_bytes
     # The executor's backward keeps the incoming δ_L to its end, as the caller's output.
     held = max(probe.turn_bytes - start, 0)

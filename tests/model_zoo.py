@@ -47,7 +47,7 @@ _DECODER = {
 def llama(**settings: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**_DECODER, **settings))
+    return LlamaForCausalLM(LlamaConfig(**{**_DECODER, **settings}))
 
 
 def qwen2() -> nn.Module:
