@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from offremat._attribute_walk import leaves, map_leaves
 from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
-from offremat._discover import BlockRun, Call, as_call, call_model, chain_input, find_block_run
+from offremat._discover import BlockRun, call_model, chain_input, find_block_run
+from offremat._outside import Outside, measure_outside, run_stages
 from offremat._run import RunInterception, refuse_hooks, run_blocks
 from offremat._signatures import chain_input_kind, chain_input_shapes
-from offremat._tensors import bitwise_equal, flatten, is_differentiable, storage_bytes, unflatten
-from offremat.measure import StepMemory, tree_leaf_tensors
+from offremat._tensors import bitwise_equal, flatten, storage_bytes, unflatten
+from offremat.measure import tree_leaf_tensors
 from offremat.profiler import (
     cover_plain_autograd,
     profile_model,
@@ -79,17 +78,6 @@ def _leaves(example_input: Any) -> Any:
     return unflatten([t.detach().requires_grad_(t.requires_grad) for t in tensors], structure)
 
 
-@dataclass(frozen=True)
-class _Outside:
-    """What the code around the chain holds, in bytes (see the module's notes)."""
-
-    resident_bytes: int
-    setup_transient_bytes: int
-    end_peak_bytes: int
-    held_bytes: int
-    setup_backward_bytes: int
-
-
 def profile_model_chain(
     model: nn.Module,
     batch: Any,
@@ -114,7 +102,14 @@ def profile_model_chain(
             bandwidth=bandwidth,
             **options,
         )
-    outside = _measure_outside(model, batch, found)
+    outside = measure_outside(
+        model,
+        batch,
+        found.run,
+        [block for _, block in found.blocks],
+        found.example_input,
+        _device(model, batch),
+    )
     return _with_outside(chain, outside, found.run.paths, found.example_input)
 
 
@@ -131,12 +126,12 @@ def profile_blocks_on(
     :func:`offremat.profiler.profile_model`."""
     value_bytes = storage_bytes(flatten(value)[0])
     if "chain_input_bytes" in chain.metadata:
-        outside = _Outside(**chain.metadata["outside"])
+        outside = Outside(**chain.metadata["outside"])
         moved = value_bytes - chain.metadata["chain_input_bytes"]
         outside = dataclasses.replace(outside, resident_bytes=outside.resident_bytes + moved)
     else:
         first, last = chain.stages[0], chain.stages[-1]
-        outside = _Outside(
+        outside = Outside(
             resident_bytes=chain.input_bytes
             - chain.metadata.get("kept_by_modules_bytes", 0)
             + value_bytes,
@@ -150,7 +145,7 @@ def profile_blocks_on(
     return _with_outside(profiled, outside, chain.metadata["blocks"], value)
 
 
-def _with_outside(chain: Chain, outside: _Outside, paths: Any, example_input: Any) -> Chain:
+def _with_outside(chain: Chain, outside: Outside, paths: Any, example_input: Any) -> Chain:
     """``chain`` of the blocks with the costs of the code around them folded in."""
     # B(L)'s temporary without what covers plain autograd's keep-all peak on the blocks
     # alone: covered again below, with the code around them.
@@ -198,7 +193,7 @@ def check_model_chain_output(
 
     def run_chain() -> Any:
         with RunInterception(
-            found.run, lambda value: _run_stages(stages, value), check_state=False, check_grad=False
+            found.run, lambda value: run_stages(stages, value), check_state=False, check_grad=False
         ):
             return call_model(model, batch)
 
@@ -247,185 +242,8 @@ def _rounding_difference(
     return largest
 
 
-def _run_stages(stages: Sequence[nn.Module], value: Any) -> Any:
-    for stage in stages:
-        value = stage(value)
-    return value
-
-
 def _device(model: nn.Module, batch: Any) -> torch.device:
     parameter = next(model.parameters(), None)
     if parameter is not None:
         return parameter.device
     return tree_leaf_tensors(batch)[0].device
-
-
-class _Boundary(torch.autograd.Function):
-    """The chain replaced by its output on the example: marks the end code's last backward.
-
-    Its gradient for the chain input is an expanded zero, which allocates nothing.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, probe: _OutsideProbe, hidden: torch.Tensor, last: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.probe = probe
-        ctx.input_shape = hidden.shape
-        # Not a view of ``last``: the code after the chain may change it in place (a DenseNet
-        # applies F.relu(..., inplace=True) to the last block's output), which autograd forbids
-        # on a view a custom function returns.
-        return last.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.probe.turned(grad)
-        return None, grad.new_zeros(()).expand(ctx.input_shape), None
-
-
-class _OutsideProbe:
-    """Marks the memory at the chain's start and at the end code's last backward op."""
-
-    def __init__(self, memory: StepMemory, last: torch.Tensor):
-        self.memory = memory
-        self.last = last
-        self.start_bytes = 0
-        self.setup_peak_bytes = 0
-        self.end_peak_bytes = 0
-        self.turn_bytes = 0
-        self.value: Any = None
-
-    def started(self, value: Any) -> Any:
-        self.start_bytes = self.memory.live_bytes
-        self.setup_peak_bytes = self.memory.peak_so_far_bytes
-        self.memory.reset_peak()
-        # The executor holds a_0 until B(1), so the measured step must too.
-        self.value = value
-        hidden, *side = value
-        return (_Boundary.apply(self, hidden, self.last), *side)
-
-    def turned(self, grad: torch.Tensor) -> None:
-        self.end_peak_bytes = self.memory.peak_so_far_bytes
-        self.turn_bytes = self.memory.live_bytes
-        self.memory.reset_peak()
-
-
-def _drop_grad(parameter: torch.Tensor) -> None:
-    parameter.grad = None
-
-
-def _measure_outside(model: nn.Module, batch: Any, found: ModelChain) -> _Outside:
-    """Run a step with the chain replaced by its output, and measure the code around it."""
-    batch_tensors = tree_leaf_tensors(batch)
-    device = _device(model, batch)
-    chained = {id(p) for _, block in found.blocks for p in block.parameters()}
-    with untouched([model], device):
-        last = _last_output([block for _, block in found.blocks], found.example_input)
-        # As the chain's own output would, whether or not its input carries a gradient.
-        last.requires_grad_(is_differentiable(last))
-        # Gradients exist as after a first step, for the code around the chain alone: each
-        # part is added to one there and freed. Dropping each once accumulated frees it as
-        # that does, without making those gradients a second time beside the caller's, which
-        # optimize's runs set aside (a new shape is profiled in its step, on its budget).
-        dropping = [
-            parameter.register_post_accumulate_grad_hook(_drop_grad)
-            for parameter in model.parameters()
-            if parameter.requires_grad and id(parameter) not in chained
-        ]
-        # The caller's tensors cut from the graphs they came from: this backward must neither
-        # run nor free them (a batch computed by the caller's own embedding, say).
-        call = as_call(batch)
-        cut = Call(tree_map(_cut, call.args), tree_map(_cut, call.kwargs))
-        with StepMemory(device) as memory:
-            probe = _OutsideProbe(memory, last)
-            with RunInterception(found.run, probe.started, check_state=False):
-                output = model(*cut.args, **cut.kwargs)
-            roots, seeds = _seed(output)
-            torch.autograd.backward(roots, seeds)
-            del roots, seeds, output
-            setup_backward = memory.peak_so_far_bytes - probe.turn_bytes
-            probe.value = None
-        for handle in dropping:
-            handle.remove()
-    start = probe.start_bytes
-    # The executor's backward keeps the incoming δ_L to its end, as the caller's output.
-    held = max(probe.turn_bytes - start, 0)
-    return _Outside(
-        resident_bytes=start + storage_bytes(batch_tensors),
-        setup_transient_bytes=max(probe.setup_peak_bytes - start, 0),
-        end_peak_bytes=max(probe.end_peak_bytes - start, 0),
-        held_bytes=held,
-        setup_backward_bytes=max(setup_backward, 0),
-    )
-
-
-def _last_output(blocks: Sequence[nn.Module], value: Any) -> torch.Tensor:
-    """The chain's output on ``value``, for the code after it: run under no_grad, unless the
-    blocks keep tensors as attributes (an attention map that a loss term reads after the
-    loop). Those then carry their graph in a step, so the code after the chain saves tensors
-    for its backward: the blocks run with gradients, one at a time, and each attribute is cut
-    from its block's graph as a leaf of its own, where the measured backward stops."""
-    before = _tensor_attributes(blocks)
-    with torch.no_grad():
-        last = _run_stages(blocks, value)[0]
-    after = _tensor_attributes(blocks)
-    if after.keys() == before.keys() and all(
-        len(after[k]) == len(before[k])
-        and all(a is b for a, b in zip(after[k], before[k], strict=True))
-        for k in after
-    ):
-        return last
-    del last, after
-    for block in blocks:
-        # Each block's input a leaf that needs a gradient, as its input in a step does.
-        hidden = value[0].detach()
-        with torch.enable_grad():
-            value = block((hidden.requires_grad_(is_differentiable(hidden)), *value[1:]))
-        value = (value[0].detach(), *value[1:])
-        for (module, name), tensors in _tensor_attributes([block]).items():
-            if any(tensor.grad_fn is not None for tensor in tensors):
-                module.__dict__[name] = map_leaves(_cut, module.__dict__[name])
-    return value[0]
-
-
-# A module's own tables of parameters, buffers and submodules: not plain attributes.
-_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
-
-
-def _tensor_attributes(
-    blocks: Sequence[nn.Module],
-) -> dict[tuple[nn.Module, str], list[torch.Tensor]]:
-    """The tensors the blocks' modules hold as plain attributes (not parameters or buffers),
-    alone or inside lists, tuples and dicts (one that holds itself walked once), by
-    attribute."""
-    found = {}
-    for block in blocks:
-        for module in block.modules():
-            for name, attribute in vars(module).items():
-                if name in _MODULE_TABLES:
-                    continue
-                tensors = [t for t in leaves(attribute) if isinstance(t, torch.Tensor)]
-                if tensors:
-                    found[(module, name)] = tensors
-    return found
-
-
-def _cut(value: Any) -> Any:
-    """A tensor that needs a gradient as a leaf of its own: the gradient goes to the copy."""
-    if isinstance(value, torch.Tensor) and value.requires_grad:
-        return value.detach().requires_grad_()
-    return value
-
-
-def _seed(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """What the caller calls ``backward`` on: the output's ``loss``, else every output."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return [loss], [torch.ones_like(loss)]
-    roots = [t for t in flatten(output)[0] if t.requires_grad and is_differentiable(t)]
-    if not roots:
-        raise NotAChainError(
-            "the model's output on the example batch carries no gradient: pass a batch on which "
-            "the model computes what training differentiates (a loss, or logits)"
-        )
-    return roots, [torch.ones_like(t) for t in roots]
