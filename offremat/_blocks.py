@@ -329,9 +329,28 @@ def untouched(modules: Sequence[nn.Module], device: torch.device) -> Iterator[Ca
     for table, _ in hooks:
         table.clear()
     attributes = [values for module in modules for values in attribute_values(module.modules())]
+    # Forward hooks a first call installs go with the attributes it sets: Hugging Face's
+    # output capture marks the module with an attribute, which the attributes' restoring
+    # removes, so its hooks must go too, or the next call installs them twice. Hooks removed
+    # meanwhile stay removed (the step's own, its interception ending on an error).
+    forward_hooks = [
+        (table, set(table))
+        for module in modules
+        for owner in module.modules()
+        for table in (
+            owner._forward_pre_hooks,
+            owner._forward_pre_hooks_with_kwargs,
+            owner._forward_hooks,
+            owner._forward_hooks_with_kwargs,
+            owner._forward_hooks_always_called,
+        )
+    ]
 
     def restore() -> None:
         assign_attributes(attributes)  # a call counter, an activation kept for logging
+        for table, before in forward_hooks:
+            for key in table.keys() - before:
+                del table[key]
         with torch.no_grad():
             for owner, name, buffer, copy in buffers:
                 owner._buffers[name] = buffer

@@ -132,6 +132,39 @@ def bart() -> nn.Module:
     return BartForConditionalGeneration(config).train()
 
 
+def llava() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """LLaVA (a CLIP vision tower and a Llama) and a batch of 16 image tokens among 24: its
+    forward asks the tower for its hidden states, which Hugging Face records with hooks it
+    installs on the first call, marking the tower with an attribute."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**_DECODER),
+        image_token_index=95,
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+    )
+    ids = torch.randint(3, 95, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, 1:17] = 95  # (16 / 4)² patches, the class token dropped
+    batch = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16), "labels": ids}
+    return LlavaForConditionalGeneration(config).train(), batch
+
+
 def wav2vec2(layerdrop: float) -> nn.Module:
     """An audio encoder whose config sets LayerDrop for its transformer layers."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification

@@ -124,3 +124,34 @@ def test_optimize_and_new_shapes_leave_the_caller_s_graph_and_gradients_alone() 
     mine, outer.weight.grad = outer.weight.grad, None
     reference(inputs_embeds=outer(longer), labels=longer).loss.backward()
     assert torch.equal(mine, outer.weight.grad)
+
+
+def test_hooks_a_first_call_installs_are_left_to_the_model_as_it_found_them() -> None:
+    """LLaVA asks its vision tower for hidden states, which Hugging Face records with hooks
+    it installs on the first call, marking the tower with an attribute. optimize's runs put
+    the model's attributes back but kept the hooks: the next call installed them twice, read
+    a None among the hidden states, and optimize crashed inside Hugging Face's code, leaving
+    the model itself broken."""
+    from offremat.measure import StepMemory
+
+    model, batch = zoo.llava()
+    reference = copy.deepcopy(model)
+    optimized = offremat.optimize(model, batch, budget=0.8)
+    assert optimized.chain.metadata["blocks"][0].startswith("model.language_model.layers")
+    with torch.no_grad():
+        assert torch.equal(model(**batch).loss, reference(**batch).loss)
+    for _ in range(2):
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        torch.manual_seed(1)
+        with StepMemory("cpu", inputs=batch) as memory:
+            loss = optimized(**batch).loss
+            loss.backward()
+        torch.manual_seed(1)
+        expected = reference(**batch).loss
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert memory.peak_bytes <= optimized.plan.budget_bytes
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    assert optimized.cache_info()["misses"] == 0
