@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import copy
 
-import model_zoo as zoo
 import pytest
 import torch
 
 import offremat
 from offremat.measure import StepMemory
 from solvers.budget import InfeasibleBudgetError
+from tests import model_zoo as zoo
 
 
 def least_budget(model, batch, blocks: str | None) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 
-import model_zoo as zoo
 import pytest
 import torch
 
 import offremat
 from offremat.measure import StepMemory
+from tests import model_zoo as zoo
 
 
 def batch(length: int, seed: int) -> dict[str, torch.Tensor]:
