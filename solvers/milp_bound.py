@@ -100,9 +100,12 @@ def whole_tensor_bound_s(
         if left <= 0:
             break
         best = max(best, _proven_s(chain, budget_bytes, offload, anchored, left))
-    left = deadline - time.monotonic()
-    if intervals and chain.length <= INTERVALS_UP_TO and left > 0:
-        best = max(best, interval_bound_s(chain, budget_bytes, offload, left))
+    # The interval model without copies in flight first: it closes in seconds where the
+    # full one, which proves more, may take minutes (ResNet-50 at 35% of keep-all).
+    for in_flight in (False, True):
+        left = deadline - time.monotonic()
+        if intervals and chain.length <= INTERVALS_UP_TO and left > 0:
+            best = max(best, interval_bound_s(chain, budget_bytes, offload, left, in_flight))
     return best
 
 
