@@ -36,6 +36,9 @@ valid plan (any op the format allows, non-persistent ones and copies included):
   would have read an earlier copy). If X was made before t_k, then at t_k that copy has
   ended, or X is still allocated (an offloaded tensor leaves the GPU when its copy ends): as
   a c_ik, as F*_i's x̄_i, or otherwise (z_ik, x_i bytes or more; with ``in_flight``).
+* A prefetch of a_i that starts in I_m and is not read there (k_im) ends before its instance
+  is first read, in some I_n or by B(i+1), and that instance is a c_il at every t_l between:
+  its copy fits in τ_m and those intervals (with ``in_flight``).
 * Each interval takes at least b_m plus its forwards; the copies that must be back before B(k)
   fit on the host-to-device channel between t_L and t_k, those out by t_k on the
   device-to-host channel between F(1)'s end and t_k (with ``in_flight``, those of stages j
@@ -135,9 +138,10 @@ def interval_bound_s(
     """The least step time the interval model allows at ``budget_bytes`` (``-inf`` when HiGHS
     proves nothing in ``time_limit_s``); for chains without frozen stages whose backwards'
     working sets fit, as :func:`solvers.milp_bound.whole_tensor_bound_s` calls it. With
-    ``in_flight``, also where the instance behind a host copy is while the copy runs, and
-    when each stage's copies can start: tighter (ResNet-50 at 50% of keep-all: 28.34 ms to
-    rotor's 28.67), and slower to close."""
+    ``in_flight``, also where the instance behind a host copy is while the copy runs, when
+    each stage's copies can start and when a prefetch that outlives its interval ends:
+    tighter (ResNet-50 at 50% of keep-all: 28.34 to rotor's 28.67 ms, at 35%: 30.07 to
+    30.53 ms against rotor's 30.56), and slower to close (82 s at 35%)."""
     length = chain.length
     model = _Model(chain, offload and chain.link is not None, in_flight)
     scale = time_unit(chain, offload)
@@ -311,6 +315,7 @@ def _add_copies(model: _Model, scale: float, first_pass: Var, starts: dict) -> N
     if not model.in_flight:
         return
     _add_leaving(model, late_by, again_by, sent_by)
+    _add_fetch_ends(model, h2d, out)
     # A copy of stage i's x̄_i or a_i leaves after the first pass's F(i) has made it: those of
     # stages j and up, out by t_k, fit on the channel between F(j)'s end and t_k.
     for k in range(1, length):
@@ -378,3 +383,24 @@ def _add_fetch_windows(model: _Model, starts: dict, h2d: float, out: dict) -> No
         for n in range(k + 1, min(length, k + WINDOW) + 1):
             inside = pulp.lpSum(term for m in range(k + 1, n + 1) for term in by_interval[m])
             model.problem += starts[k] - starts[n] >= inside / h2d
+
+
+def _add_fetch_ends(model: _Model, h2d: float, out: dict) -> None:
+    """A k_im prefetch starts after t_m and ends before its instance Y is first read: by a
+    forward in I_n (n < m) or by B(i+1) (n = i+1). Y is then a c_il at every t_l, n <= l < m
+    (π_l, contiguous from t_{m-1}), and its copy fits in τ_m plus those intervals (σ_l <= τ_l,
+    capped at the copy's time when π_l)."""
+    problem = model.problem
+    for (i, m), fetch in model.fetched_later.items():
+        copy = out[i] / h2d
+        unread, spans = 1, []
+        for n in range(m - 1, i + 1, -1):
+            unread_here = model.fraction(f"P{i}_{m}_{n}")
+            problem += unread_here <= unread
+            problem += unread_here <= model.held[i, n]
+            span = model.problem.add_variable(f"S{i}_{m}_{n}", 0)
+            problem += span <= model.interval[n]
+            problem += span <= copy * unread_here
+            spans.append(span)
+            unread = unread_here
+        problem += copy * fetch <= model.interval[m] + pulp.lpSum(spans)

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("highspy")
 
-from solvers.chain import Chain, Stage
+from solvers.chain import Chain, Link, Stage
 from solvers.dp import memory_need, solve_dp
 from solvers.milp_bound import whole_tensor_bound_s
 from solvers.milp_bound_intervals import interval_bound_s
@@ -134,3 +134,22 @@ def test_resnet50_at_half_of_keep_all_rotors_plan_is_optimal() -> None:
     rotor = solve_dp(chain, budget).predicted_time_s
     assert interval_bound_s(chain, budget, time_limit_s=300) == pytest.approx(rotor, rel=1e-6)
     assert interval_bound_s(chain, budget, in_flight=False) < rotor * 0.99
+
+
+def test_a_prefetch_longer_than_its_interval_by_hand() -> None:
+    # At 32 bytes rotor's checkpoints a_1, a_2 and the refills of stages 2 and 1 take 19.5 s.
+    # Keeping x̄_2 instead saves F(2) only if a_1 (6 bytes) leaves the GPU while B(3) runs and
+    # comes back for B(2): 6 s on the 1 B/s link, after B(3) starts, and B(3) takes 3 s. The
+    # bound without the prefetch's end proves 18.5 s.
+    stages = (
+        Stage("s1", 3.0, 5.0, 6, 13, 3, 4, grad_bytes=5, refill_s=2.5),
+        Stage("s2", 1.0, 2.0, 4, 10, 3, 0, nograd_fwd_tmp_bytes=2),
+        Stage("s3", 2.0, 3.0, 5, 9, 2, 0, nograd_fwd_tmp_bytes=0, grad_bytes=4, refill_s=1.5),
+    )
+    chain = Chain("late prefetch", 4, stages, Link(4.0, 1.0), held_bytes=2)
+    ops = [forward_checkpoint(1), forward_checkpoint(2), forward_all(3), backward(3)]
+    ops += [forward_all(2), backward(2), forward_all(1), backward(1)]
+    replay = simulate(ops, chain, 32)
+    assert replay.feasible and replay.makespan_s == pytest.approx(19.5)
+    assert interval_bound_s(chain, 32) == pytest.approx(19.5, rel=1e-6)
+    assert interval_bound_s(chain, 32, in_flight=False) < 19
