@@ -387,7 +387,7 @@ def _add_fetch_windows(model: _Model, starts: dict, h2d: float, out: dict) -> No
 
 def _add_fetch_ends(model: _Model, h2d: float, out: dict) -> None:
     """A k_im prefetch starts after t_m and ends before its instance Y is first read: by a
-    forward in I_n (n < m) or by B(i+1) (n = i+1). Y is then a c_il at every t_l, n <= l < m
+    forward in I_n (n < m) or by B(i+1) (then n = i+2). Y is a c_il at every t_l, n <= l < m
     (π_l, contiguous from t_{m-1}), and its copy fits in τ_m plus those intervals (σ_l <= τ_l,
     capped at the copy's time when π_l)."""
     problem = model.problem
@@ -398,7 +398,7 @@ def _add_fetch_ends(model: _Model, h2d: float, out: dict) -> None:
             unread_here = model.fraction(f"P{i}_{m}_{n}")
             problem += unread_here <= unread
             problem += unread_here <= model.held[i, n]
-            span = model.problem.add_variable(f"S{i}_{m}_{n}", 0)
+            span = problem.add_variable(f"S{i}_{m}_{n}", 0)
             problem += span <= model.interval[n]
             problem += span <= copy * unread_here
             spans.append(span)
