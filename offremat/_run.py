@@ -278,7 +278,9 @@ class HandedOn(torch.Tensor):
             f"({getattr(func, '__name__', func)}); the chain runs to {last}, and inside it "
             f"only {last}'s output exists: name a run of blocks whose outputs only feed each "
             "other with blocks= (the container of the blocks, where the chain took in the "
-            "layers after them). "
+            "layers after them), if the model has one: one that reads every block's output "
+            "(a weighted sum of its layers, hidden states it returns) has none, so train it "
+            "with plain autograd or turn that reading off. "
             "(A run of blocks that depends on the input or on random draws, such as an "
             "early exit or LayerDrop, also ends this way: it is no fixed chain)"
         )

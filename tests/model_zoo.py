@@ -165,7 +165,7 @@ def llava() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return LlavaForConditionalGeneration(config).train(), batch
 
 
-def wav2vec2(layerdrop: float) -> nn.Module:
+def wav2vec2(layerdrop: float, **settings: Any) -> nn.Module:
     """An audio encoder whose config sets LayerDrop for its transformer layers."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
 
@@ -183,6 +183,7 @@ def wav2vec2(layerdrop: float) -> nn.Module:
         num_labels=4,
         layerdrop=layerdrop,
         mask_time_prob=0.0,
+        **settings,
     )
     return Wav2Vec2ForSequenceClassification(config).train()
 

@@ -678,6 +678,14 @@ def test_a_layerdrop_setting_leaves_the_models_other_stacks_alone() -> None:
     assert om.chain.stage_names[0] == "wav2vec2.feature_extractor.conv_layers.0"
 
 
+def test_a_model_that_reads_every_blocks_output_is_told_it_has_no_chain() -> None:
+    # A weighted sum of the layers' outputs: the advice to name another run with blocks=
+    # alone sent the caller looking for one that does not exist.
+    model = zoo.wav2vec2(layerdrop=0.0, use_weighted_layer_sum=True)
+    with pytest.raises(RuntimeError, match=r"reads every block's output .* has none"):
+        offremat.optimize(model, AUDIO, budget=0.7)
+
+
 class ResidualBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
