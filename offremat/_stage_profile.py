@@ -85,6 +85,7 @@ class StageProfile:
         excluded: set[int],
         check_inputs: bool = True,
         shared_buffers: frozenset[int] = frozenset(),
+        summed: Sequence[torch.Tensor] = (),
     ):
         self.name = name
         self.module = module
@@ -95,6 +96,10 @@ class StageProfile:
         self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         self.check_inputs = check_inputs
         self.shared_buffers = shared_buffers
+        # Parameters other stages use too, whose gradient sum this backward makes: in a step it
+        # holds each part from when it is made (offremat._shared_grads), where a gradient of
+        # the stage's alone is added to .grad and freed.
+        self.summed = list(summed)
 
     def forward(
         self, grad: bool, marks: list[Any] | None = None, hooks: bool = True
@@ -194,13 +199,20 @@ class StageProfile:
         out_tensors.clear()  # the profiler's last reference to the outputs, as at B(i)'s start
         let_go = sum(nbytes for storage, nbytes in unsaved if storage() is None)
         del unsaved
-        with backward_memory:
-            produced = sum(
-                map(
-                    storage_allocated_bytes,
-                    unique_storages(self.backward(roots, grads, slot)).values(),
+        kept_grads = [p.grad for p in self.summed]
+        for parameter in self.summed:
+            parameter.grad = None  # the part made lands in .grad, and stays
+        try:
+            with backward_memory:
+                produced = sum(
+                    map(
+                        storage_allocated_bytes,
+                        unique_storages(self.backward(roots, grads, slot)).values(),
+                    )
                 )
-            )
+        finally:
+            for parameter, grad in zip(self.summed, kept_grads, strict=True):
+                parameter.grad = grad
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
         # Negative when the backward has freed part of x̄_i by its peak (solvers.chain.Stage).
         return max(backward_memory.step_peak_bytes - produced - let_go, -saved_bytes), handed

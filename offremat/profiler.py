@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -301,13 +302,17 @@ def _profile_all(
     shared_buffers = shared_buffer_keys([scan.buffers for scan in scans])
     shared = set(unique_storages(tensors))
     value = unflatten([t.detach() for t in tensors], structure)
+    # Parameters several stages use: B(L) makes the sums of those the last stage uses, which
+    # the chain's held bytes count only from B(L)'s end.
+    users = Counter(id(p) for _, module in stages for p in set(module.parameters()))
     results = []
     for name, module in stages:
+        last = len(results) == len(stages) - 1
+        summed = [p for p in module.parameters() if last and p.requires_grad and users[id(p)] > 1]
         # Sizes only group blocks into stages; the in-place check is for the stages themselves.
         stage = StageProfile(
-            name, module, value, flags, excluded | shared, not sizes_only, shared_buffers
+            name, module, value, flags, excluded | shared, not sizes_only, shared_buffers, summed
         )
-        last = len(results) == len(stages) - 1
         measured, output = stage.measure(warmup, repeats, sizes_only, last)
         results.append(measured)
         out_tensors, out_structure = flatten(output)

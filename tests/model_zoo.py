@@ -165,6 +165,24 @@ def llava() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return LlavaForConditionalGeneration(config).train(), batch
 
 
+def albert() -> nn.Module:
+    """ALBERT: one layer module called as each of 4 layers, its parameters every stage's."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = AlbertConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=96,
+        max_position_embeddings=64,
+        embedding_size=16,
+        num_labels=3,
+    )
+    return AlbertForSequenceClassification(config).train()
+
+
 def wav2vec2(layerdrop: float, **settings: Any) -> nn.Module:
     """An audio encoder whose config sets LayerDrop for its transformer layers."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
