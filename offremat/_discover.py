@@ -14,9 +14,9 @@ Design notes.
   model's source, so a new release of a library changes nothing as long as its blocks are
   still called one after the other.
 - Which run. The longest, preferring Hugging Face's ``GradientCheckpointingLayer`` (its mark
-  on decoder and encoder layers), then the run whose blocks hand on the most bytes (of an
-  encoder and a decoder as deep, the one that reads the longer sequence: it holds the most
-  activations), then the run holding the most parameters. ResNet's
+  on decoder and encoder layers), then the run whose blocks save the most activations
+  (of an encoder and a decoder as deep, the one that reads the longer sequence, unless it is
+  frozen), then the run holding the most parameters. ResNet's
   ``BasicBlock`` calls form one run across ``layer1``...``layer4``: a ``Sequential`` hands its
   input to its first child unchanged. ``blocks="model.layers"`` names the container instead.
 - Side values other than tensors are kept as they are when they are plain data (None, numbers,
@@ -378,9 +378,9 @@ def _preference(run: list[RecordedCall]) -> tuple[bool, int, int, int]:
     marked = any(
         cls.__name__ == "GradientCheckpointingLayer" for cls in type(run[0].module).__mro__
     )
-    handed_on = sum(r.output_bytes for r in run)
+    saved = sum(r.saved_bytes for r in run)
     parameters = sum(p.numel() for r in run for p in r.module.parameters())
-    return marked, len(run), handed_on, parameters
+    return marked, len(run), saved, parameters
 
 
 def _containers(model: nn.Module) -> list[str]:

@@ -56,8 +56,9 @@ class RecordedCall:
     # The tokens of its output's other tensors, and whether a call after it reads one or the
     # model returns one (else the model drops them: attention weights it did not ask for).
     extra_outputs: tuple[int, ...] = ()
-    # The bytes of its output's first tensor (the hidden state it hands on).
-    output_bytes: int = 0
+    # The bytes of the activations autograd saved during the call (what a plan of the run
+    # could release): not parameters, each storage once.
+    saved_bytes: int = 0
     extras_read: bool = False
     # For each of those, where it sits among the call's side arguments if it is one of them,
     # handed back (("arg", position) or ("kwarg", name)), else None.
@@ -142,6 +143,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.tokens = _Tokens()
+        self.saved = _SavedBytes()
         self.calls: list[dict[str, Any]] = []
         self.open: list[dict[str, Any]] = []
         self.counts: dict[int, int] = {}
@@ -162,19 +164,22 @@ class _Recorder:
             "side": (tuple(self.tokens.of(t) for t in side_tensors), side_structure),
             "places": side_places(side_args, side_kwargs),
             "checkpointed": checkpointed_by_caller(module),
+            "saved": {},
         }
         self.calls.append(call)
         self.open.append(call)
+        self.saved.open.append(call["saved"])
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         call = self.open.pop()
+        self.saved.open.pop()
         tensors, structure = flatten(output)
         first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
         call["output"] = None if first is None else self.tokens.of(first)
         call["returns_input"] = first is not None and first is split_hidden(args, kwargs)[0]
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
-        call["output_bytes"] = 0 if first is None else first.numel() * first.element_size()
+        call["saved_bytes"] = sum(call.pop("saved").values())
         call["extra_outputs"] = tuple(self.tokens.of(t) for t in tensors[1:])
         places = call.pop("places")
         call["passed"] = tuple(places.get(id(t)) for t in tensors[1:])
@@ -219,7 +224,10 @@ def _record_calls(
         handles.append(module.register_forward_hook(recorder.after, with_kwargs=True))
     try:
         # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
-        with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
+        with (
+            _as_in_training(keep_saved, recorder.saved),
+            torch.compiler.set_stance("force_eager"),
+        ):
             returned = frozenset(recorder.tokens.of(t) for t in flatten(run_model())[0])
     finally:
         for handle in handles:
@@ -336,20 +344,39 @@ class _PathHook:
 
 
 @contextmanager
-def _as_in_training(keep_saved: bool = False) -> Iterator[None]:
+def _as_in_training(
+    keep_saved: bool = False, pack: Callable[[torch.Tensor], None] | None = None
+) -> Iterator[None]:
     """Gradients on, as in training, so that inputs say which of them carry a gradient;
-    saved tensors dropped at once, so memory is that of a forward without autograd, unless
-    ``keep_saved`` (a backward inside the forward reads them)."""
+    saved tensors dropped at once (by ``pack``, which keeps nothing), so memory is that of a
+    forward without autograd, unless ``keep_saved`` (a backward inside the forward reads
+    them)."""
     with torch.enable_grad():
         if keep_saved:
             yield
             return
-        with torch.autograd.graph.saved_tensors_hooks(_drop, _refuse_unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack or _drop, _refuse_unpack):
             yield
 
 
 def _drop(_: Any) -> None:
     return None
+
+
+class _SavedBytes:
+    """A pack hook that keeps nothing, counting the bytes of the activations autograd saves
+    for each call running (by storage, parameters left out). The graph holds it, so it holds
+    numbers only, not the recorder and its modules."""
+
+    def __init__(self) -> None:
+        self.open: list[dict[int, int]] = []
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        for counts in self.open:
+            counts[storage._cdata] = storage.nbytes()
 
 
 def _refuse_unpack(_: Any) -> torch.Tensor:
