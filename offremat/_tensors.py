@@ -222,15 +222,28 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     A batch sliced from a larger tensor (``data[i : i + 64]`` of a dataset kept on the
     device) holds its slice for the step, not the dataset, which was there before the step
     and stays after it; two views of one tensor (``ids[:, :-1]`` and ``ids[:, 1:]``) count
-    the bytes they cover together once.
+    the bytes they cover together once. Where the views' own elements take fewer bytes than
+    that range (a column of a dataset), those count.
     """
     reached: dict[int, list[tuple[int, int]]] = {}
+    elements: dict[int, int] = {}
     for tensor in tensors:
         for part in _strided_parts(tensor):
             storage = part.untyped_storage()
             if storage.nbytes() > 0 and part.numel() > 0:
-                reached.setdefault(storage._cdata, []).append(_byte_range(part))
-    return sum(_covered(ranges) for ranges in reached.values())
+                key = storage._cdata
+                reached.setdefault(key, []).append(_byte_range(part))
+                elements[key] = elements.get(key, 0) + _element_bytes(part)
+    return sum(min(_covered(ranges), elements[key]) for key, ranges in reached.items())
+
+
+def _element_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of the strided ``tensor``'s elements; of its range where a stride of 0
+    repeats them (an expanded tensor)."""
+    if any(stride == 0 and n > 1 for n, stride in zip(tensor.shape, tensor.stride(), strict=True)):
+        start, stop = _byte_range(tensor)
+        return stop - start
+    return tensor.numel() * tensor.element_size()
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
