@@ -339,7 +339,9 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
         return (
             f"{record.path} takes other side arguments than {previous.path} (a mask or an "
             "argument of its own per layer, as in models whose layers alternate kinds of "
-            "attention); every block of a chain takes the same ones"
+            "attention); every block of a chain takes the same ones, so offremat cannot plan "
+            "this run: train the model with plain autograd, or with its own gradient "
+            "checkpointing (model.gradient_checkpointing_enable()) instead"
         )
     return None
 

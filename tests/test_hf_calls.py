@@ -180,3 +180,25 @@ def test_one_layer_used_as_every_stage_fits_its_budget(budget: float) -> None:
     assert memory.peak_bytes <= optimized.plan.budget_bytes
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
+def test_layers_alternating_kinds_of_attention_are_refused_saying_what_to_do() -> None:
+    """Gemma-2's layers alternate sliding-window and full attention, each kind with a mask of
+    its own: no chain (every block takes the same side arguments). The refusal said why but
+    not what to do (a hunt)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=96,
+        sliding_window=8,
+    )
+    model = Gemma2ForCausalLM(config).train()
+    with pytest.raises(NotAChainError, match=r"alternate kinds .*gradient_checkpointing_enable"):
+        offremat.optimize(model, BATCH, budget=0.5, blocks="model.layers")
