@@ -36,7 +36,7 @@ def shared_gradient_bytes(
     last such stage to that of the first; each earlier stage's backward adds its part to it
     out of place (the step still holds the old sum), so it holds one more such gradient."""
     held, added = 0, [0] * len(stage_parameters)
-    for parameter, stages in _users(stage_parameters).values():
+    for parameter, stages in parameter_users(stage_parameters).values():
         if len(stages) > 1:
             held += parameter.numel() * parameter.element_size()
         for i in stages[:-1]:
@@ -44,7 +44,7 @@ def shared_gradient_bytes(
     return held, added
 
 
-def _users(
+def parameter_users(
     stage_parameters: Sequence[Sequence[torch.Tensor]],
 ) -> dict[int, tuple[torch.Tensor, list[int]]]:
     """Each trainable parameter, by id, with the stages (1-based, in order) that use it."""
@@ -60,7 +60,7 @@ class SharedGradients:
     """The running gradient sums of the parameters that more than one stage uses."""
 
     def __init__(self, stage_parameters: Sequence[Sequence[torch.Tensor]]):
-        users = _users(stage_parameters)
+        users = parameter_users(stage_parameters)
         # Stage i's shared parameters, each with whether B(i) is the last backward to use it.
         self.used_by: dict[int, list[tuple[torch.Tensor, bool]]] = {}
         if any(len(stages) > 1 for _, stages in users.values()):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -36,7 +35,7 @@ from offremat._blocks import (
 from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._scan import fixed_storages, scan_modules
-from offremat._shared_grads import shared_gradient_bytes
+from offremat._shared_grads import parameter_users, shared_gradient_bytes
 from offremat._stage import AutocastState
 from offremat._stage_profile import Measured, StageProfile
 from offremat._tensors import (
@@ -304,14 +303,21 @@ def _profile_all(
     value = unflatten([t.detach() for t in tensors], structure)
     # Parameters several stages use: B(L) makes the sums of those the last stage uses, which
     # the chain's held bytes count only from B(L)'s end.
-    users = Counter(id(p) for _, module in stages for p in set(module.parameters()))
+    users = parameter_users([list(module.parameters()) for _, module in stages])
+    summed = [p for p, used in users.values() if len(used) > 1 and used[-1] == len(stages)]
     results = []
     for name, module in stages:
         last = len(results) == len(stages) - 1
-        summed = [p for p in module.parameters() if last and p.requires_grad and users[id(p)] > 1]
         # Sizes only group blocks into stages; the in-place check is for the stages themselves.
         stage = StageProfile(
-            name, module, value, flags, excluded | shared, not sizes_only, shared_buffers, summed
+            name,
+            module,
+            value,
+            flags,
+            excluded | shared,
+            not sizes_only,
+            shared_buffers,
+            summed if last else (),
         )
         measured, output = stage.measure(warmup, repeats, sizes_only, last)
         results.append(measured)
