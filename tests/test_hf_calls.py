@@ -15,6 +15,7 @@ from torch import nn
 
 import offremat
 from offremat import NotAChainError
+from offremat.measure import StepMemory
 from tests import model_zoo as zoo
 
 pytest.importorskip("transformers")
@@ -126,14 +127,31 @@ def test_optimize_and_new_shapes_leave_the_caller_s_graph_and_gradients_alone() 
     assert torch.equal(mine, outer.weight.grad)
 
 
+def step_within_budget_as_plain_autograd(optimized, model, reference, batch) -> None:
+    """One step of ``optimized`` (over ``model``) and of plain autograd on ``reference``, from
+    gradients allocated as after a first step: the same loss and gradients, bit for bit, and
+    a peak measured independently (``StepMemory``) within the budget."""
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = optimized(**batch).loss
+        loss.backward()
+    torch.manual_seed(1)
+    expected = reference(**batch).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert memory.peak_bytes <= optimized.plan.budget_bytes
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
 def test_hooks_a_first_call_installs_are_left_to_the_model_as_it_found_them() -> None:
     """LLaVA asks its vision tower for hidden states, which Hugging Face records with hooks
     it installs on the first call, marking the tower with an attribute. optimize's runs put
     the model's attributes back but kept the hooks: the next call installed them twice, read
     a None among the hidden states, and optimize crashed inside Hugging Face's code, leaving
     the model itself broken."""
-    from offremat.measure import StepMemory
-
     model, batch = zoo.llava()
     reference = copy.deepcopy(model)
     optimized = offremat.optimize(model, batch, budget=0.8)
@@ -141,19 +159,7 @@ def test_hooks_a_first_call_installs_are_left_to_the_model_as_it_found_them() ->
     with torch.no_grad():
         assert torch.equal(model(**batch).loss, reference(**batch).loss)
     for _ in range(2):
-        for parameter in (*model.parameters(), *reference.parameters()):
-            parameter.grad = torch.zeros_like(parameter)
-        torch.manual_seed(1)
-        with StepMemory("cpu", inputs=batch) as memory:
-            loss = optimized(**batch).loss
-            loss.backward()
-        torch.manual_seed(1)
-        expected = reference(**batch).loss
-        expected.backward()
-        assert torch.equal(loss, expected)
-        assert memory.peak_bytes <= optimized.plan.budget_bytes
-        pairs = zip(model.parameters(), reference.parameters(), strict=True)
-        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+        step_within_budget_as_plain_autograd(optimized, model, reference, batch)
     assert optimized.cache_info()["misses"] == 0
 
 
@@ -162,24 +168,13 @@ def test_one_layer_used_as_every_stage_fits_its_budget(budget: float) -> None:
     """ALBERT calls one layer module as each layer: its parameters' gradient sums come into
     being in the last stage's backward, and were counted only after it (1.008 times the
     budget, at keep-all too)."""
-    from offremat.measure import StepMemory
-
     model = zoo.albert()
     reference = copy.deepcopy(model)
     ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": torch.tensor([0, 2])}
     optimized = offremat.optimize(model, batch, budget=budget)
     assert len(set(optimized.chain.metadata["blocks"])) == 1 < optimized.chain.length
-    for parameter in (*model.parameters(), *reference.parameters()):
-        parameter.grad = torch.zeros_like(parameter)
-    torch.manual_seed(1)
-    with StepMemory("cpu", inputs=batch) as memory:
-        optimized(**batch).loss.backward()
-    torch.manual_seed(1)
-    reference(**batch).loss.backward()
-    assert memory.peak_bytes <= optimized.plan.budget_bytes
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    step_within_budget_as_plain_autograd(optimized, model, reference, batch)
 
 
 def test_layers_alternating_kinds_of_attention_are_refused_saying_what_to_do() -> None:
