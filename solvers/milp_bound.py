@@ -254,7 +254,7 @@ def _proven_s(
             )
         problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
-        problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+        problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0))
     info = problem.solverModel.getInfo()
     proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
     return proven * scale * (1 - 1e-9)

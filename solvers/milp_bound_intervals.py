@@ -159,7 +159,7 @@ def interval_bound_s(
     if model.copying:
         _add_copies(model, scale, first_pass, starts)
     with native_stdout_silenced():  # HiGHS prints its banner from C
-        model.problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+        model.problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0))
     info = model.problem.solverModel.getInfo()
     proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
     return proven * scale * (1 - 1e-9)
