@@ -1,8 +1,10 @@
 """The values a block call takes and returns: its hidden state, and side inputs made safe.
 
-A block of the chain receives the previous block's hidden state and side inputs that every
-block receives alike (masks, position embeddings, flags). A side input is passed through every
-stage, so it must be a value a block cannot change: tensors and plain values. Hugging Face's
+A block of the chain receives the previous block's hidden state and side inputs (masks,
+position embeddings, flags): every block the same ones, or each block those of its pattern
+(layers alternating sliding-window and full attention take two masks in turn). Side inputs
+are passed through every stage, so they must be values a block cannot change: tensors and
+plain values. Hugging Face's
 KV caches are dropped (and ``use_cache`` set False), as its gradient checkpointing does.
 """
 
@@ -47,19 +49,19 @@ def continues_run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     output: torch.Tensor | None,
-    side: tuple[tuple[Any, ...], dict[str, Any]],
+    sides: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
 ) -> bool:
     """Whether a call of a block with ``args`` and ``kwargs`` takes the run's ``output`` as its
-    hidden state and the run's ``side`` inputs: by the rule the run was found with, a further
-    block of it (a depth chosen per step), which would run outside the plan. A call with other
-    inputs (a block used again elsewhere) is the model's own code."""
+    hidden state and side inputs of the run (one of its ``sides``): by the rule the run was
+    found with, a further block of it (a depth chosen per step), which would run outside the
+    plan. A call with other inputs (a block used again elsewhere) is the model's own code."""
     if output is None or split_hidden(args, kwargs)[0] is not output:
         return False
     try:
         _, this_side = side_inputs_of("", args, kwargs)
     except NotAChainError:  # an argument no block of the run takes: not a further block
         return False
-    return same_values(this_side, side)
+    return any(same_values(this_side, side) for side in sides)
 
 
 def same_values(a: Any, b: Any) -> bool:

@@ -9,8 +9,10 @@ Design notes.
 - Found by watching, not by tracing. The model is run once, eagerly, with forward hooks that
   record every module call: its first tensor argument (the hidden state), its other
   arguments, and its output. A run is a sequence of calls of modules of one type where each
-  call takes the previous call's output as its hidden state and the very same other arguments
-  (the side inputs: attention masks, rotary embeddings, position ids). Nothing depends on the
+  call takes the previous call's output as its hidden state. Its other arguments are the side
+  inputs (attention masks, rotary embeddings, position ids): mostly the very same for every
+  call, but layers that alternate kinds of attention take a mask per kind in turns, so each
+  call's are numbered among the run's different ones (its ``pattern``). Nothing depends on the
   model's source, so a new release of a library changes nothing as long as its blocks are
   still called one after the other.
 - Which run. The longest, preferring Hugging Face's ``GradientCheckpointingLayer`` (its mark
@@ -50,7 +52,7 @@ from offremat._discover_refusals import (
     refuse_skipping_blocks,
     scripted_note,
 )
-from offremat._record import RecordedCall, capture_call, record_calls
+from offremat._record import RecordedCall, capture_calls, record_calls
 from offremat._tensors import Structure, same_structure
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,9 @@ class BlockCall:
     state its first tensor; ``side`` says whether it takes the run's side inputs;
     ``passed`` says, for each of its output's other tensors, which of its side arguments it
     is (("arg", position) or ("kwarg", name): a position bias handed on, as T5's blocks
-    return theirs), or None: one the model drops.
+    return theirs), or None: one the model drops. ``pattern`` numbers the side arguments it
+    takes among the run's (layers alternating sliding-window and full attention take two
+    masks in turn); ``nth`` counts the module's calls before this one.
     """
 
     path: str
@@ -74,6 +78,8 @@ class BlockCall:
     output: Structure
     side: bool
     passed: tuple[tuple[str, Any] | None, ...] = ()
+    pattern: int = 0
+    nth: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,16 @@ class BlockRun:
 
     calls: tuple[BlockCall, ...]
     units: tuple[tuple[int, ...], ...]
-    first_nth: int = 0
 
     @property
     def paths(self) -> list[str]:
         """The module path of each call, in order."""
         return [call.path for call in self.calls]
+
+    @property
+    def patterns(self) -> int:
+        """How many different sets of side arguments the run's blocks take."""
+        return 1 + max(call.pattern for call in self.calls)
 
 
 class Call(NamedTuple):
@@ -149,7 +159,7 @@ def find_block_run(
     first = best[0]
     prefix: list[RecordedCall] = []
     suffix: list[RecordedCall] = []
-    if blocks is None and not first.side[0] and _no_values(first.side[1]):
+    if blocks is None and all(not r.side[0] and _no_values(r.side[1]) for r in best):
         # Blocks that take nothing but the state: the stem before them and the pooling after
         # them are chain blocks too (a ResNet's stem holds much of its activation memory).
         prefix, suffix = _stem(records, first), _tail(records, best[-1])
@@ -169,6 +179,7 @@ def find_block_run(
     refuse_other_readers(records, members)
     refuse_callers_checkpoint(members)
     added = {id(r) for r in (*prefix, *suffix)}
+    patterns = _side_patterns(best)
     calls = tuple(
         BlockCall(
             r.path,
@@ -177,6 +188,8 @@ def find_block_run(
             hidden_output(r.output_structure),
             id(r) not in added,
             r.passed,
+            patterns.get(id(r), 0),
+            r.nth,
         )
         for r in members
     )
@@ -194,23 +207,44 @@ def find_block_run(
         len(best),
         type(first.module).__name__,
     )
-    return BlockRun(calls, tuple(tuple(unit) for unit in units), members[0].nth)
+    return BlockRun(calls, tuple(tuple(unit) for unit in units))
+
+
+def _side_patterns(run: list[RecordedCall]) -> dict[int, int]:
+    """Each call's number among the different side arguments of the run, by ``id``."""
+    seen: list[tuple[tuple[int, ...], Structure]] = []
+    patterns = {}
+    for record in run:
+        tokens, structure = record.side
+        pattern = next(
+            (k for k, (t, s) in enumerate(seen) if t == tokens and same_structure(s, structure)),
+            len(seen),
+        )
+        if pattern == len(seen):
+            seen.append(record.side)
+        patterns[id(record)] = pattern
+    return patterns
 
 
 def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
-    """The chain's first input ``(hidden, args, kwargs)`` on ``run_model()``'s call.
+    """The chain's first input ``(hidden, sides)`` on ``run_model()``'s call: the first
+    block's hidden state, and each pattern's side arguments ``(args, kwargs)``.
 
-    The model runs up to the run's first call, with gradients on as in training, and stops.
+    The model runs up to the first call of the run's last pattern, with gradients on as in
+    training (saving nothing), and stops.
     """
-    first = run.calls[0]
-    args, kwargs = capture_call(run_model, first.module, run.first_nth)
-    if any(cache_in(value) for value in (*args, *kwargs.values())):
+    firsts = [next(c for c in run.calls if c.pattern == p) for p in range(run.patterns)]
+    captured = capture_calls(run_model, [(call.module, call.nth) for call in firsts])
+    if any(cache_in(value) for args, kwargs in captured for value in (*args, *kwargs.values())):
         logger.warning(
             "the blocks' key-value cache is not filled in training steps (as with Hugging "
             "Face's gradient checkpointing): recomputed blocks would fill it twice"
         )
-    hidden, side = side_inputs_of(first.path, args, kwargs)
-    return (hidden, *side)
+    inputs = [
+        side_inputs_of(call.path, args, kwargs)
+        for call, (args, kwargs) in zip(firsts, captured, strict=True)
+    ]
+    return inputs[0][0], tuple(side for _, side in inputs)
 
 
 def _no_values(structure: Structure) -> bool:
@@ -335,14 +369,6 @@ def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
                 f"{rule}, so call the blocks with the state there"
             )
         return f"{record.path} does not take {previous.path}'s output as its hidden state ({rule})"
-    if previous.side[0] != record.side[0] or not same_structure(previous.side[1], record.side[1]):
-        return (
-            f"{record.path} takes other side arguments than {previous.path} (a mask or an "
-            "argument of its own per layer, as in models whose layers alternate kinds of "
-            "attention); every block of a chain takes the same ones, so offremat cannot plan "
-            "this run: train the model with plain autograd, or with its own gradient "
-            "checkpointing (model.gradient_checkpointing_enable()) instead"
-        )
     return None
 
 

@@ -51,7 +51,7 @@ class _Guard:
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         done = self.interception
-        if done.ran and continues_run(args, kwargs, done.handed, done.side):
+        if done.ran and continues_run(args, kwargs, done.handed, done.sides):
             raise NotAChainError(further_block_message(self.path, self.run))
 
 

@@ -13,7 +13,7 @@ import functools
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -291,14 +291,18 @@ class _Captured(Exception):
     """Ends the model's call once the arguments wanted are captured."""
 
 
-def capture_call(
-    run_model: Callable[[], Any], module: nn.Module, nth: int
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of ``module``'s call number ``nth`` in ``run_model()``, which stops there."""
+def capture_calls(
+    run_model: Callable[[], Any], targets: Sequence[tuple[nn.Module, int]]
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments of each target's call, a module's call number ``nth`` in
+    ``run_model()``, which stops once it made the last of them."""
 
     def attempt(keep_saved: bool) -> _Capture:
-        capture = _Capture(nth)  # counting from the start of this run
-        handle = module.register_forward_pre_hook(capture, with_kwargs=True)
+        capture = _Capture(targets)  # counting from the start of this run
+        modules = {id(module): module for module, _ in targets}.values()
+        handles = [
+            module.register_forward_pre_hook(capture, with_kwargs=True) for module in modules
+        ]
         try:
             # Eagerly: compiled blocks would trace these hooks and keep code compiled with them.
             with _as_in_training(keep_saved), torch.compiler.set_stance("force_eager"):
@@ -306,11 +310,14 @@ def capture_call(
         except _Captured:
             pass
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         return capture
 
     capture = _in_training(attempt)
-    if capture.arguments is None:
+    missing = [k for k, arguments in enumerate(capture.arguments) if arguments is None]
+    if missing:
+        module, nth = targets[missing[0]]
         raise NotAChainError(
             f"the model did not call {type(module).__name__} {nth + 1} times when run again: "
             "its run of blocks changes from call to call (a model whose blocks depend on random "
@@ -320,16 +327,19 @@ def capture_call(
 
 
 class _Capture:
-    def __init__(self, nth: int):
-        self.nth = nth
-        self.seen = 0
-        self.arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    def __init__(self, targets: Sequence[tuple[nn.Module, int]]):
+        self.wanted = {(id(module), nth): k for k, (module, nth) in enumerate(targets)}
+        self.seen: dict[int, int] = {}
+        self.arguments: list[Any] = [None] * len(targets)
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.seen == self.nth:
-            self.arguments = (tuple(args), dict(kwargs))
-            raise _Captured
-        self.seen += 1
+        nth = self.seen.get(id(module), 0)
+        self.seen[id(module)] = nth + 1
+        k = self.wanted.get((id(module), nth))
+        if k is not None:
+            self.arguments[k] = (tuple(args), dict(kwargs))
+            if all(arguments is not None for arguments in self.arguments):
+                raise _Captured
 
 
 class _PathHook:

@@ -3,17 +3,22 @@
 Design notes.
 
 - Block. :class:`RunBlock` is one call of a block as a chain block: it takes and returns the
-  chain's value ``(hidden, args, kwargs)``, calling the block with the side inputs every call
-  of the run received. Side tensors pass through every stage unchanged, so their gradients
-  add up stage by stage as plain autograd adds them, and they are the chain input a_0's
-  storages, resident for the whole step and counted once.
+  chain's value ``(hidden, sides)``, calling the block with the side inputs ``(args,
+  kwargs)`` of its pattern: one for every call of most runs, one per kind of layer where
+  layers alternate kinds of attention, each with a mask of its own. Side tensors pass
+  through every stage unchanged, so their gradients add up stage by stage as plain autograd
+  adds them, and they are the chain input a_0's storages, resident for the whole step and
+  counted once.
 - Interception. While a :class:`RunInterception` is active, the model's call of the run's
   first block runs the whole chain through ``execute`` (the plan's executor) and returns the
   last block's output; the model's calls of the other blocks hand that output on unchanged.
-  The model's own code before and after the run runs as it is, under plain autograd. Each
-  call is checked: the right block, the state the interception returned, the same side
-  inputs; anything else raises rather than runs another model. The interception is installed
-  for one call of the model and removed after it, also on an error.
+  A run of several patterns learns a pattern's side inputs only when the model calls its
+  first block, so it runs the chain at the model's call of the last block instead, and the
+  calls before get a stand-in that may only be passed to the next block. The model's own
+  code before and after the run runs as it is, under plain autograd. Each call is checked:
+  the right block, the state the interception returned, its pattern's side inputs; anything
+  else raises rather than runs another model. The interception is installed for one call of
+  the model and removed after it, also on an error.
 - Hooks. A forward hook on a block would see the handed-on output at every block after the
   first, so blocks with hooks are refused (this is how Hugging Face records
   ``output_hidden_states``: ask for those from a model run without offremat). FSDP2's hooks
@@ -49,6 +54,9 @@ from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
 from offremat._fsdp import sharding_hooks
 
+Side = tuple[tuple[Any, ...], dict[str, Any]]
+"""The side arguments of a block's call: ``(args, kwargs)``."""
+
 
 class RunBlock(nn.Module):
     """One unit of a :class:`BlockRun` (a call, with the in-place calls after it) as a block."""
@@ -58,9 +66,10 @@ class RunBlock(nn.Module):
         self.calls = tuple(calls)
         self.modules_ = nn.ModuleList(call.module for call in calls)
 
-    def forward(self, value: tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]) -> Any:
-        hidden, args, kwargs = value
+    def forward(self, value: tuple[torch.Tensor, tuple[Side, ...]]) -> Any:
+        hidden, sides = value
         for call in self.calls:
+            args, kwargs = sides[call.pattern]
             if not call.side:
                 output = call.module(hidden)
             elif call.hidden_keyword is None:
@@ -68,7 +77,7 @@ class RunBlock(nn.Module):
             else:
                 output = call.module(*args, **{call.hidden_keyword: hidden}, **kwargs)
             hidden = hidden_of(output, call.path, call.output)
-        return hidden, args, kwargs
+        return hidden, sides
 
     def extra_repr(self) -> str:
         return "+".join(call.path for call in self.calls)
@@ -90,7 +99,7 @@ def run_blocks(run: BlockRun) -> list[tuple[str, nn.Module]]:
 class RunInterception:
     """For one call of the model: its run of blocks goes through ``execute`` as a chain.
 
-    ``execute`` takes the chain input ``(hidden, args, kwargs)`` and returns the chain output.
+    ``execute`` takes the chain input ``(hidden, sides)`` and returns the chain output.
     """
 
     def __init__(
@@ -112,9 +121,11 @@ class RunInterception:
         self.position = 0
         self.result: torch.Tensor | None = None
         self.handed: torch.Tensor | None = None
-        self.side: Any = None
+        self.sides: list[Side] = []
+        self.hidden: torch.Tensor | None = None  # the first block's, until the chain runs
         self.context: CallContext | None = None
         self.states: dict[int, BlockState] = {}
+        self.deferred = run.patterns > 1
         self._installed: list[tuple[nn.Module, Any]] = []
         self._bypassed: list[tuple[nn.Module, dict[int, Any], dict[int, Any]]] = []
 
@@ -173,7 +184,7 @@ class RunInterception:
             # the plan; other calls are the model's own. Blocks the run does not hold:
             # offremat/_further_blocks.py.
             block = any(call.side and call.module is module for call in calls)
-            if block and continues_run(args, kwargs, self.handed, self.side):
+            if block and continues_run(args, kwargs, self.handed, self.sides):
                 raise NotAChainError(further_block_message(_path_of(module, calls), self.run))
             return original(*args, **kwargs)
         expected = calls[self.position]
@@ -188,15 +199,8 @@ class RunInterception:
         hidden, side = side_inputs_of(expected.path, args, kwargs)
         if self.position == 0:
             self.context = CallContext.now()
-            self._uninstall()
-            try:
-                output = self.execute((hidden, *side))
-            finally:
-                self._install()
-            self.result = output[0]
-            self.side = side
-            self.states = {id(c.module): BlockState.of(c.module) for c in calls[1:]}
-        elif hidden is not self.handed or (expected.side and not same_values(side, self.side)):
+            self.hidden = hidden
+        elif hidden is not self.handed or not self._takes_its_side(expected, side):
             raise NotAChainError(
                 f"the model changed the hidden state or the other arguments between "
                 f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
@@ -204,45 +208,89 @@ class RunInterception:
             )
         else:
             self._check_unchanged(expected)
+        if expected.pattern == len(self.sides):
+            self.sides.append(side)
         self.position += 1
-        if self.position == len(calls):
+        last = self.position == len(calls)
+        if self.deferred:
+            self.states.setdefault(id(module), BlockState.of(module))
+        runs_now = last if self.deferred else self.position == 1
+        if runs_now:
+            if self.deferred:
+                self._check_unchanged_since_called()
+            self._execute()
+        if last:
             self.handed = self.result
+        elif self.deferred:
+            self.handed = HandedOn.deferred(expected.path, calls[-1].path)
         else:
             self.handed = HandedOn.of(self.result, expected.path, calls[-1].path)
         return block_output(expected.output, self.handed, expected.path, expected.passed, side)
 
+    def _takes_its_side(self, expected: BlockCall, side: Side) -> bool:
+        """Whether a call takes the side inputs its pattern's first call took (a first call
+        takes any)."""
+        if not expected.side or expected.pattern >= len(self.sides):
+            return True
+        return same_values(side, self.sides[expected.pattern])
+
+    def _execute(self) -> None:
+        self._uninstall()
+        try:
+            output = self.execute((self.hidden, tuple(self.sides)))
+        finally:
+            self._install()
+        self.hidden = None
+        self.result = output[0]
+        if not self.deferred:
+            self.states = {id(c.module): BlockState.of(c.module) for c in self.run.calls[1:]}
+
     def _check_unchanged(self, expected: BlockCall) -> None:
         """Refuse a later call made in another mode, or after the model changed the block.
 
-        The chain ran every block at the model's call of the first, so whatever the model's
-        code does between its calls came too late for the blocks after the first: a
-        ``torch.no_grad()`` around some calls (freezing them), another autocast, or an
-        attribute it sets on a block (a timestep embedding, a dropout rate for that depth).
-        The block's state is compared with the one it had when the chain had run, which
-        already holds what the block's own forward wrote.
+        The chain runs every block at one of the model's calls (:attr:`_runs_at`), so whatever
+        the model's code does between its calls comes too late for the blocks before it, or
+        after it: a ``torch.no_grad()`` around some calls (freezing them), another autocast,
+        or an attribute it sets on a block (a timestep embedding, a dropout rate for that
+        depth). The block's state is compared with the one it had when the chain had run
+        (which holds what the block's own forward wrote), or, where the chain runs at the
+        last call, when the model called it before.
         """
         changed = self.context.differs_from(CallContext.now(), self.check_grad)
         if changed:
             raise NotAChainError(
                 f"the model calls block {expected.path} {changed}, unlike its call of "
-                f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
-                "model's call of the first, so every call must run under the same grad mode, "
+                f"{self.run.calls[0].path}; offremat runs the whole run of blocks at "
+                f"{self._runs_at}, so every call must run under the same grad mode, "
                 "autocast and saved-tensor hooks: freeze blocks with requires_grad_(False) "
                 "rather than torch.no_grad(), or name a run called in one mode with blocks="
             )
-        module = expected.module
-        after_run = self.states.get(id(module))
-        if after_run is None or not self.check_state:
+        self._check_state(expected.module, expected.path)
+
+    def _check_unchanged_since_called(self) -> None:
+        """Refuse a chain run at the last call whose earlier blocks changed since called."""
+        for call in self.run.calls:
+            self._check_state(call.module, call.path)
+
+    def _check_state(self, module: nn.Module, path: str) -> None:
+        before = self.states.get(id(module))
+        if before is None or not self.check_state:
             return
-        what = after_run.change_in(BlockState.of(module))
+        what = before.change_in(BlockState.of(module))
         if what is not None:
             raise NotAChainError(
-                f"the model changed {what} of block {expected.path} after its call of "
-                f"{self.run.calls[0].path}; offremat runs the whole run of blocks at the "
-                "model's call of the first, so the block ran with the value it had before: "
-                "set what the blocks read before the model calls the first of them, or pass "
-                "it to every block as an argument"
+                f"the model changed {what} of block {path} between its calls of "
+                f"{self.run.calls[0].path} and {self.run.calls[-1].path}; offremat runs the "
+                f"whole run of blocks at {self._runs_at}, so the block ran with another "
+                "value than the model gave it: set what the blocks read before the model "
+                "calls the first of them, or pass it to every block as an argument"
             )
+
+    @property
+    def _runs_at(self) -> str:
+        if self.deferred:
+            return "the model's call of the last (its blocks take side inputs in turns)"
+        return "the model's call of the first"
 
 
 class HandedOn(torch.Tensor):
@@ -251,31 +299,48 @@ class HandedOn(torch.Tensor):
     The chain computed that block's output but does not hand it out: the model gets a tensor
     that it may only pass to the next block (and ask its shape, dtype or device). Any other
     use, such as keeping it for a loss or a skip connection, raises instead of computing with
-    the chain's final state.
+    the chain's final state. Where the chain runs at the last block's call (``deferred``),
+    no output exists yet, and even its shape is refused rather than guessed.
     """
 
     path: str
     last: str  # the chain's last unit: a head after the blocks, where the chain took one in
+    ahead: bool  # the chain runs at the model's call of its last block, after this one
 
     @staticmethod
     def of(result: torch.Tensor, path: str, last: str) -> HandedOn:
         handed = torch.Tensor._make_subclass(HandedOn, result.detach(), result.requires_grad)
-        handed.path, handed.last = path, last
+        handed.path, handed.last, handed.ahead = path, last, False
+        return handed
+
+    @staticmethod
+    def deferred(path: str, last: str) -> HandedOn:
+        handed = torch.Tensor._make_subclass(HandedOn, torch.empty(0))
+        handed.path, handed.last, handed.ahead = path, last, True
         return handed
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _METADATA:
+        handed = stand_in(HandedOn, args, kwargs)
+        if func in _METADATA and not (handed is not None and handed.ahead):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        handed = stand_in(HandedOn, args, kwargs)
         path = "a block" if handed is None else handed.path
         last = "its last unit" if handed is None else handed.last
+        name = getattr(func, "__name__", func)
+        if handed is not None and handed.ahead:
+            raise RuntimeError(
+                f"the model used {path}'s output for more than calling the next block "
+                f"({name}); its blocks take side inputs in turns (a mask per kind of "
+                f"attention), so offremat runs them as a chain at the model's call of {last}, "
+                "and until then no block's output exists, not even its shape: train a model "
+                "whose code reads the blocks' outputs between their calls with plain autograd"
+            )
         # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
         # operators such as +, and the message would be lost.
         raise RuntimeError(
             f"the model used {path}'s output for more than calling the next block "
-            f"({getattr(func, '__name__', func)}); the chain runs to {last}, and inside it "
+            f"({name}); the chain runs to {last}, and inside it "
             f"only {last}'s output exists: name a run of blocks whose outputs only feed each "
             "other with blocks= (the container of the blocks, where the chain took in the "
             "layers after them), if the model has one: one that reads every block's output "

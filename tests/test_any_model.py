@@ -398,12 +398,41 @@ class _AuxModel(torch.nn.Module):
         return x.pow(2).mean() + total
 
 
+class _Parallel(_AuxModel):
+    """Blocks that each take the model's input: no chain."""
+
+    def __init__(self) -> None:
+        super().__init__(per_layer=True)
+
+    def forward(self, x):
+        return sum(block(x) for block in self.blocks).pow(2).mean()
+
+
 def test_a_named_container_that_is_no_chain_says_what_breaks_it() -> None:
-    model, x = _AuxModel(per_layer=True), torch.randn(8, 16)
+    model, x = _Parallel(), torch.randn(8, 16)
     with pytest.raises(offremat.NotAChainError, match="the error then says what breaks"):
         offremat.optimize(model, x, budget=1.0)
-    with pytest.raises(offremat.NotAChainError, match="takes other side arguments"):
+    with pytest.raises(offremat.NotAChainError, match=r"does not take blocks\.0's output"):
         offremat.optimize(model, x, budget=1.0, blocks="blocks")
+
+
+@pytest.mark.parametrize("blocks", [None, "blocks"])
+def test_blocks_each_taking_a_number_of_their_own_train_as_plain_autograd(blocks) -> None:
+    """Refused before (a chain's blocks took the same side arguments): each block's scale is
+    a side input of its own, and the chain runs at the last block's call."""
+    torch.manual_seed(0)
+    model, x = _AuxModel(per_layer=True), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    om = offremat.optimize(model, x, budget=0.8, blocks=blocks)
+    assert om.chain.metadata["blocks"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert "recompute" in om.plan.decisions.values()
+    loss = om(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
 
 
 @pytest.mark.parametrize("blocks", [None, "blocks"])
@@ -435,9 +464,9 @@ def test_a_dropped_output_used_inside_a_list_is_refused_by_name() -> None:
         offremat.optimize(_StackedAuxModel(), torch.randn(8, 16), budget=1.0)
 
 
-class _LastBlockScaled(_AuxModel):
-    """Blocks of one type, the last called with an argument of its own (as a model whose
-    every third layer attends globally): a chain of the first two."""
+class _LastBlockElsewhere(_AuxModel):
+    """Blocks of one type, the last called on another tensor than the one before returned
+    (as a second tower of the same layers): a chain of the first two."""
 
     def __init__(self) -> None:
         super().__init__(per_layer=True)
@@ -445,17 +474,17 @@ class _LastBlockScaled(_AuxModel):
     def forward(self, x):
         for block in self.blocks[:2]:
             x = block(x)
-        return self.blocks[2](x, scale=2.0).pow(2).mean()
+        return self.blocks[2](2.0 * x).pow(2).mean()
 
 
 def test_a_chain_of_part_of_the_blocks_says_where_the_run_breaks(caplog) -> None:
     with caplog.at_level("WARNING", logger="offremat"):
-        om = offremat.optimize(_LastBlockScaled(), torch.randn(8, 16), budget=1.0)
+        om = offremat.optimize(_LastBlockElsewhere(), torch.randn(8, 16), budget=1.0)
     assert [stage.name for stage in om.chain.stages[:2]] == ["blocks.0", "blocks.1"]
     assert "the chain holds 2 of the model's 3 calls of _AuxBlock (blocks.0 .. blocks.1)" in (
         caplog.text
     )
-    assert "between blocks.1 and blocks.2, where blocks.2 takes other side" in caplog.text
+    assert "between blocks.1 and blocks.2, where blocks.2 does not take" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="offremat"):
         offremat.optimize(zoo.ResidualNet(depth=3), torch.randn(8, 16), budget=1.0)

@@ -177,23 +177,85 @@ def test_one_layer_used_as_every_stage_fits_its_budget(budget: float) -> None:
     step_within_budget_as_plain_autograd(optimized, model, reference, batch)
 
 
-def test_layers_alternating_kinds_of_attention_are_refused_saying_what_to_do() -> None:
-    """Gemma-2's layers alternate sliding-window and full attention, each kind with a mask of
-    its own: no chain (every block takes the same side arguments). The refusal said why but
-    not what to do (a hunt)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def _alternating(kind: str) -> nn.Module:
+    """A small model whose layers alternate sliding-window and full attention."""
+    import transformers as hf
 
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        num_hidden_layers=4,
-        hidden_size=32,
+    shape = {"vocab_size": 96, "hidden_size": 32, "num_attention_heads": 4}
+    if kind == "gemma2":
+        config = hf.Gemma2Config(
+            **shape,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=8,
+        )
+        return hf.Gemma2ForCausalLM(config)
+    if kind == "gemma3":
+        config = hf.Gemma3TextConfig(
+            **shape,
+            num_hidden_layers=8,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=8,
+        )
+        return hf.Gemma3ForCausalLM(config)
+    if kind == "gpt-oss":
+        config = hf.GptOssConfig(
+            **shape,
+            num_hidden_layers=4,
+            intermediate_size=32,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        )
+        return hf.GptOssForCausalLM(config)
+    if kind == "qwen2":  # sliding windows in the first max_window_layers layers only
+        config = hf.Qwen2Config(
+            **shape,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=2,
+        )
+        return hf.Qwen2ForCausalLM(config)
+    config = hf.ModernBertConfig(
+        **shape,
+        num_hidden_layers=6,
         intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=96,
-        sliding_window=8,
+        global_attn_every_n_layers=3,
+        local_attention=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
     )
-    model = Gemma2ForCausalLM(config).train()
-    with pytest.raises(NotAChainError, match=r"alternate kinds .*gradient_checkpointing_enable"):
-        offremat.optimize(model, BATCH, budget=0.5, blocks="model.layers")
+    return hf.ModernBertForMaskedLM(config)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "gpt-oss", "qwen2", "modernbert"])
+def test_layers_alternating_kinds_of_attention_train_within_budget_as_plain_autograd(
+    kind: str,
+) -> None:
+    """Gemma-2 and -3, GPT-OSS, Qwen2 with sliding windows and ModernBERT give their layers
+    a mask per kind of attention, in turns: they were refused (every block of a chain took
+    the same side arguments). Each kind's mask is now a side input of its own, every layer
+    of the run in the chain, on a sequence longer than the sliding window and on a shorter
+    one (another plan)."""
+    torch.manual_seed(0)
+    model = _alternating(kind).train()
+    reference = copy.deepcopy(model)
+    optimized = offremat.optimize(model, BATCH, budget=0.6)
+    layers = model.config.num_hidden_layers
+    assert len(optimized.chain.metadata["blocks"]) >= layers
+    for ids in (IDS, IDS[:, :6].contiguous()):
+        step_within_budget_as_plain_autograd(
+            optimized, model, reference, {"input_ids": ids, "labels": ids}
+        )

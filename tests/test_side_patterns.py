@@ -1,0 +1,136 @@
+"""Runs of blocks whose calls take side inputs in turns (a mask per kind of attention) or each
+its own (a tensor per depth): each pattern's side inputs are a chain input of their own, and
+the chain runs at the model's call of the last block. Oracles: plain autograd, bit for bit,
+and the live storages of the step (``StepMemory``) against the budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from offremat import NotAChainError
+from offremat.measure import StepMemory
+
+WIDTH = 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, 4 * WIDTH)
+        self.out = nn.Linear(4 * WIDTH, WIDTH)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.out(torch.tanh(self.linear(x * side)))
+
+
+class Stack(nn.Module):
+    """Six blocks; ``sides`` says what each takes beside its input: ``"turns"`` two masks in
+    turns, ``"own"`` a tensor of its own made from the input."""
+
+    def __init__(self, sides: str, depth: int = 6) -> None:
+        super().__init__()
+        self.sides = sides
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.gates = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+        self.between = None  # what the model does between the first two calls
+        self.copied_at: int | None = None  # the block given a copy of its side input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.sides == "turns":
+            banded = (torch.arange(WIDTH) % 2).to(h.dtype)
+            sides = [torch.ones(WIDTH) if k % 2 else banded for k in range(len(self.blocks))]
+        else:
+            sides = [torch.sigmoid(gate(x)) for gate in self.gates]
+        for k, (block, side) in enumerate(zip(self.blocks, sides, strict=True)):
+            if k == 1 and self.between is not None:
+                self.between(h)
+            h = block(h, side.clone() if k == self.copied_at else side)
+        return self.head(h).square().mean()
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("sides", ["turns", "own"])
+@pytest.mark.parametrize("solver", ["dp", "milp"])
+@pytest.mark.parametrize("fraction", [0.6, 0.8])
+def test_blocks_taking_other_side_inputs_train_within_budget_as_plain_autograd(
+    sides: str, solver: str, fraction: float
+) -> None:
+    torch.manual_seed(0)
+    model = Stack(sides)
+    reference = copy.deepcopy(model)
+    x = batch()
+    optimized = offremat.optimize(model, x, budget=fraction, solver=solver)
+    assert optimized.chain.metadata["blocks"] == [f"blocks.{k}" for k in range(6)]
+    assert any(op.kind != "F_all" for op in optimized.plan.ops if op.kind.startswith("F"))
+    for _ in range(2):
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = torch.zeros_like(parameter)
+        with StepMemory("cpu", inputs=x) as memory:
+            loss = optimized(x)
+            loss.backward()
+        expected = reference(x)
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert memory.peak_bytes <= optimized.plan.budget_bytes
+        pairs = zip(model.parameters(), reference.parameters(), strict=True)
+        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
+def test_a_block_output_read_before_the_chain_ran_is_refused() -> None:
+    """The chain runs at the last block's call, so no earlier block's output exists to read,
+    not even its shape: refused rather than guessed."""
+    model = Stack("turns")
+    optimized = offremat.optimize(model, batch(), budget=0.5)
+    model.between = lambda h: h.shape
+    with pytest.raises(RuntimeError, match="no block's output exists, not even its shape"):
+        optimized(batch())
+
+
+def test_a_block_changed_after_its_call_is_refused() -> None:
+    """Plain autograd runs block 0 with the scale it had when called; the chain, run at the
+    last call, would read the one set after."""
+    model = Stack("turns")
+    optimized = offremat.optimize(model, batch(), budget=0.5)
+    model.between = lambda h: setattr(model.blocks[0], "scale", 2.0)
+    with pytest.raises(NotAChainError, match=r"changed 'scale' of block blocks.0 between"):
+        optimized(batch())
+
+
+def test_a_block_set_up_right_before_its_call_runs_with_that_setting() -> None:
+    """A setting the model gives a block right before calling it (a rate per depth) reaches
+    it: the chain runs after the last call. Under a chain run at the first call the same
+    model is refused."""
+    model = Stack("turns")
+    reference = copy.deepcopy(model)
+    optimized = offremat.optimize(model, batch(), budget=0.5)
+    for network in (model, reference):
+        network.between = lambda h, network=network: setattr(network.blocks[1], "scale", 0.5)
+    loss = optimized(batch())
+    loss.backward()
+    expected = reference(batch())
+    expected.backward()
+    assert torch.equal(loss, expected)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
+def test_a_call_taking_another_tensor_than_its_pattern_is_refused() -> None:
+    """Blocks 0, 2 and 4 took one mask when the chain was found; a step that gives block 2
+    another would run it with block 0's."""
+    model = Stack("turns")
+    optimized = offremat.optimize(model, batch(), budget=0.5)
+    model.copied_at = 2
+    with pytest.raises(NotAChainError, match="changed the hidden state or the other arguments"):
+        optimized(batch())
