@@ -155,7 +155,8 @@ def test_padding_on_a_predicted_length_gets_a_plan_within_the_budget() -> None:
         if padded:
             mask[1, length * 3 // 4 :] = 0
             mask[3, length // 2 :] = 0
-        batch = {"input_ids": ids[:, :length], "attention_mask": mask, "labels": ids[:, :length]}
+        cut = ids[:, :length].contiguous()  # as a loader's batch: a view is another layout
+        batch = {"input_ids": cut, "attention_mask": mask, "labels": cut}
         for parameter in (*model.parameters(), *reference.parameters()):
             parameter.grad = torch.zeros_like(parameter)
         with StepMemory("cpu", inputs=batch) as memory:
@@ -183,7 +184,8 @@ def test_a_length_predicted_from_padded_and_unpadded_profiles_plans_each_kind() 
         if padded:
             mask[1, length * 3 // 4 :] = 0
             mask[3, length // 2 :] = 0
-        return {"input_ids": ids[:, :length], "attention_mask": mask, "labels": ids[:, :length]}
+        cut = ids[:, :length].contiguous()  # as a loader's batch: a view is another layout
+        return {"input_ids": cut, "attention_mask": mask, "labels": cut}
 
     with StepMemory("cpu", inputs=batch(48, True)) as plain:
         copy.deepcopy(model)(**batch(48, True)).loss.backward()
