@@ -203,20 +203,20 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
     return tuple(modules), tuple(modes)
 
 
-# The attributes attention modules hand to scaled_dot_product_attention as its dropout rate.
-_DROPOUT_NAMES = ("dropout", "attention_dropout", "attn_dropout", "dropout_p", "dropout_rate")
-
-
-def _dropout_rates(module: nn.Module) -> tuple[float, ...]:
-    """The module's dropout rates: what a dropout layer, or an attention module whose rate is
-    a plain attribute, saves depends on them (a mask, attention's probabilities), and a
-    dropout schedule changes them between steps. Other plain attributes are left out: one may
-    count steps."""
-    attributes = module.__dict__
+def _dropout_rates(module: nn.Module) -> tuple[tuple[str, float], ...]:
+    """The module's dropout rates: what a dropout layer, or a module whose rate is a plain
+    attribute, saves depends on them (a mask, attention's probabilities), and a dropout
+    schedule changes them between steps. A plain rate is a float whose name says ``drop``
+    (``dropout``, ``attention_dropout``, BART's ``activation_dropout``, GPT-2's
+    ``resid_pdrop``, ``drop_prob``): a fixed list of names missed the feed-forward rates, and
+    a plan made at 0 ran at 1.23 times its budget once a schedule raised them. Other plain
+    attributes are left out: one may count steps."""
     if isinstance(module, _DropoutNd):
-        return (module.p,)
+        return (("p", module.p),)
     return tuple(
-        value for name in _DROPOUT_NAMES if isinstance(value := attributes.get(name), float)
+        (name, value)
+        for name, value in module.__dict__.items()
+        if isinstance(value, float) and "drop" in name.lower()
     )
 
 

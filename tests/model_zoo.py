@@ -107,9 +107,9 @@ def t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
-def bart() -> nn.Module:
+def bart(**settings: Any) -> nn.Module:
     """BART: an encoder and a decoder of 3 layers each, every layer Hugging Face's
-    ``GradientCheckpointingLayer``."""
+    ``GradientCheckpointingLayer`` (``settings`` override the config's)."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
@@ -129,6 +129,8 @@ def bart() -> nn.Module:
         eos_token_id=2,
         decoder_start_token_id=2,
     )
+    for name, value in settings.items():
+        setattr(config, name, value)
     return BartForConditionalGeneration(config).train()
 
 

@@ -304,3 +304,31 @@ def test_a_dropout_rate_changed_after_optimize_is_planned_again() -> None:
     plain = reference(batch)
     plain.backward()
     assert torch.equal(loss, plain) and same_gradients(model, reference)
+
+
+def test_a_feed_forward_dropout_rate_changed_after_optimize_is_planned_again() -> None:
+    """BART's activation_dropout (the feed-forward's rate, a plain float in many Hugging Face
+    families) raised from 0 after optimize: no plan was made again, and every step ran at
+    1.23 times its budget (a hunt): only five names of rates were read."""
+    pytest.importorskip("transformers")
+    model = zoo.bart(encoder_ffn_dim=256, decoder_ffn_dim=256, activation_dropout=0.0)
+    ids = torch.randint(3, 96, (4, 48), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.flip(1)}
+    om = offremat.optimize(model, batch, budget=0.9, solver="dp")
+    raised = [m for m in model.modules() if isinstance(m.__dict__.get("activation_dropout"), float)]
+    assert raised
+    for module in raised:
+        module.activation_dropout = 0.1
+    reference = copy.deepcopy(model)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = om(**batch).loss
+        loss.backward()
+    assert om.cache_info()["misses"] == 1  # planned again
+    assert memory.peak_bytes <= om.plan.budget_bytes
+    torch.manual_seed(1)
+    plain = reference(**batch).loss
+    plain.backward()
+    assert torch.equal(loss, plain) and same_gradients(model, reference)
