@@ -164,7 +164,10 @@ class Compute:
                 if isinstance(packer, DeferringPacker):
                     stack.enter_context(packer.watching())
             else:
-                stack.enter_context(torch.no_grad())
+                # Nothing here needs a gradient, so autograd records nothing; but plain
+                # autograd runs the stage with grad mode on, and code may read the mode (an
+                # inference fast path taken under no_grad computed other numbers).
+                stack.enter_context(torch.enable_grad())
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
         if watch is not None:

@@ -1094,3 +1094,51 @@ def test_a_backward_in_the_code_before_the_chain_trains_exactly() -> None:
         reference(x).backward()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+class _FastWithoutGrad(nn.Module):
+    """A layer that takes a cheaper path when grad mode is off (as inference fast paths do:
+    a bf16 product where no graph is recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            weight, bias = self.linear.weight.bfloat16(), self.linear.bias.bfloat16()
+            return torch.tanh(nn.functional.linear(x.bfloat16(), weight, bias).float())
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("solver", ["dp", "offload-all"])
+def test_frozen_stages_run_in_the_grad_mode_plain_autograd_runs_them_in(solver: str) -> None:
+    """Frozen first stages ran under torch.no_grad() in every plan but keep-all, where plain
+    autograd runs them with grad mode on: code reading the mode computed other numbers
+    (gradients 1.15e-05 apart, a hunt)."""
+    from offremat.measure import StepMemory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        _FastWithoutGrad(),
+        _FastWithoutGrad(),
+        *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)],
+        nn.Linear(64, 1),
+    )
+    model[:2].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(128, 64)
+    optimized = offremat.optimize(model, x, budget=0.9, solver=solver, bandwidth=1e9)
+    assert optimized.chain.frozen_stages == 2
+    for parameter in (*model.parameters(), *reference.parameters()):
+        if parameter.requires_grad:  # as after a first step: gradients are not activations
+            parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=x) as memory:
+        loss = optimized(x).square().mean()
+        loss.backward()
+    expected = reference(x).square().mean()
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert memory.peak_bytes <= optimized.plan.budget_bytes
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
