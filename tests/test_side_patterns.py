@@ -134,3 +134,38 @@ def test_a_call_taking_another_tensor_than_its_pattern_is_refused() -> None:
     model.copied_at = 2
     with pytest.raises(NotAChainError, match="changed the hidden state or the other arguments"):
         optimized(batch())
+
+
+def test_swin_stages_each_taking_their_own_dimensions_form_the_chain() -> None:
+    """Swin calls each of its stages with the feature map's own (height, width): the chain was
+    the first stage's two blocks alone (infeasible at 70% of keep-all), and is now the three
+    stages."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.SwinConfig(
+        image_size=32,
+        patch_size=2,
+        embed_dim=16,
+        depths=[2, 2, 2],
+        num_heads=[2, 2, 4],
+        window_size=4,
+        num_labels=2,
+    )
+    model = transformers.SwinForImageClassification(config).train()
+    reference = copy.deepcopy(model)
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
+    optimized = offremat.optimize(model, batch, budget=0.7)
+    assert optimized.chain.metadata["blocks"] == [f"swin.encoder.layers.{k}" for k in range(3)]
+    for parameter in (*model.parameters(), *reference.parameters()):
+        parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=batch) as memory:
+        loss = optimized(**batch).loss
+        loss.backward()
+    torch.manual_seed(1)
+    expected = reference(**batch).loss
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert memory.peak_bytes <= optimized.plan.budget_bytes
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
