@@ -11,6 +11,7 @@ KV caches are dropped (and ``use_cache`` set False), as its gradient checkpointi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,56 @@ def side_inputs_of(
     if safe_kwargs.get("use_cache") is True:
         safe_kwargs["use_cache"] = False
     return hidden, (safe_args, safe_kwargs)
+
+
+Side = tuple[tuple[Any, ...], dict[str, Any]]
+"""The side arguments of a block's call: ``(args, kwargs)``."""
+
+
+@dataclass(frozen=True)
+class SameAs:
+    """In a pattern's side inputs, a tensor an earlier pattern's hold already: the ``index``-th
+    tensor of pattern ``pattern``'s. Each tensor is then one input of the chain, so its
+    gradient adds up stage by stage, in plain autograd's order; as two inputs, one per
+    pattern, their sums were added at the end (a residual input ``x0`` every block takes:
+    gradients apart by rounding)."""
+
+    pattern: int
+    index: int
+
+
+def shared_sides(sides: Sequence[Side]) -> tuple[Side, ...]:
+    """The patterns' side inputs, each tensor an earlier pattern holds as :class:`SameAs`."""
+    seen: dict[int, SameAs] = {}
+    shared = []
+    for pattern, side in enumerate(sides):
+        tensors, structure = flatten(side)
+        kept: list[Any] = []
+        mine: dict[int, SameAs] = {}
+        for tensor in tensors:
+            if id(tensor) in seen:
+                kept.append(seen[id(tensor)])
+            else:
+                mine.setdefault(id(tensor), SameAs(pattern, len(kept)))
+                kept.append(tensor)
+        seen.update(mine)
+        shared.append(unflatten(kept, structure))
+    return tuple(shared)
+
+
+def side_of(sides: Sequence[Side], pattern: int) -> Side:
+    """Pattern ``pattern``'s side inputs, from :func:`shared_sides`'s."""
+    return sides[0] if len(sides) == 1 else _resolved(sides[pattern], sides)
+
+
+def _resolved(item: Any, sides: Sequence[Side]) -> Any:
+    if isinstance(item, SameAs):
+        return flatten(sides[item.pattern])[0][item.index]
+    if isinstance(item, (tuple, list)):
+        return type(item)(_resolved(child, sides) for child in item)
+    if isinstance(item, dict):
+        return {key: _resolved(child, sides) for key, child in item.items()}
+    return item
 
 
 def continues_run(
@@ -219,8 +270,9 @@ def further_block_message(path: str, run: BlockRun) -> str:
     """The refusal of a call of ``path`` that continues ``run`` past its last block."""
     return (
         f"the model called {path} on the output of the chain's last block "
-        f"{run.calls[-1].path}, with the same other arguments: it runs more blocks than the "
-        f"{len(run.calls)} calls the chain was found with (a depth chosen per step?), which "
+        f"{run.calls[-1].path}, with other arguments a block of the chain took: it runs more "
+        f"blocks than the {len(run.calls)} calls the chain was found with (a depth chosen per "
+        "step?), which "
         "would run outside the plan. A run of blocks that depends on the input is no fixed "
         "chain: optimize the model with a batch that runs every block it will run"
     )

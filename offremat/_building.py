@@ -9,6 +9,7 @@ first, and :class:`offremat._shapes.ShapePlans` keeps the functions that profile
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from offremat._blocks import (
 )
 from offremat._call_checks import recorded_output_flags, refuse_kv_cache, refuse_recorded_outputs
 from offremat._discover import BlockRun, Call, call_of
+from offremat._handed_on import DeferredOutputError
 from offremat._model_chain import (
     ModelChain,
     check_model_chain_output,
@@ -37,6 +39,9 @@ from offremat._shapes import ShapePlans
 from offremat._tensors import flatten, storage_bytes
 from offremat.profiler import profile_model, stage_modules
 from solvers.chain import Chain
+from solvers.plan import Plan
+
+logger = logging.getLogger(__name__)
 
 # The model the optimized module wraps, its plans, and its run of blocks.
 Built = tuple[nn.Module, ShapePlans, BlockRun | None]
@@ -57,7 +62,6 @@ def build(
     """The model to wrap, its plans by input shape, and its run of blocks (None for a chain
     of blocks given as such)."""
     tensors, _ = flatten(example_batch)
-    stages, bandwidth = request.stages, request.bandwidth
     if blocks is None and _is_block_list(model):
         return _build_sequential(model, example_batch, request)
     if not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList):
@@ -71,22 +75,38 @@ def build(
     refuse_recorded_outputs(model, recorded_output_flags(model), call.kwargs)
     refuse_kv_cache(call.args, call.kwargs)
     found = ModelChain.find(model, call, blocks)
-    try:  # the first runs of the model with its blocks as a chain
-        chain, plan = request.example_plan(
-            call,
-            lambda: profile_model_chain(model, call, found, stages, bandwidth),
-            functools.partial(model_chain_stages, found),
-        )
-        modules = model_chain_stages(found, chain)
-        check_model_chain_output(model, call, found, modules)
-    except DroppedOutputError as error:  # the model reads a block output the chain drops
-        raise NotAChainError(str(error)) from error
+    try:
+        chain, plan, modules = _first_runs(model, call, found, request)
+    except DeferredOutputError as error:
+        # A run of several patterns runs at its last call, too late for code that reads a
+        # block's output between the calls: plan a run taking one pattern instead.
+        logger.warning("%s: planning blocks that take the same side inputs", error)
+        found = ModelChain.find(model, call, blocks, same_sides=True)
+        chain, plan, modules = _first_runs(model, call, found, request)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 
     profile_shape = functools.partial(_profile_model_shape, model, found, chain, stage_blocks)
     profile_blocks = functools.partial(_profile_blocks, stage_blocks)
     plans = request.plans(modules, call, chain, plan, profile_shape, profile_blocks, model)
     return model, plans, found.run
+
+
+def _first_runs(
+    model: nn.Module, call: Call, found: ModelChain, request: Request
+) -> tuple[Chain, Plan, list[nn.Module]]:
+    """The first runs of the model with its blocks as a chain: the example's chain and plan
+    (profiled, or read from the disk cache), its stages, the chain's output checked."""
+    try:
+        chain, plan = request.example_plan(
+            call,
+            lambda: profile_model_chain(model, call, found, request.stages, request.bandwidth),
+            functools.partial(model_chain_stages, found),
+        )
+        modules = model_chain_stages(found, chain)
+        check_model_chain_output(model, call, found, modules)
+    except DroppedOutputError as error:  # the model reads a block output the chain drops
+        raise NotAChainError(str(error)) from error
+    return chain, plan, modules
 
 
 # Module-level functions rather than closures, so that an optimized model pickles.

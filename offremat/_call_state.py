@@ -1,10 +1,11 @@
 """What a model's later call of a block must share with the chain that already ran it.
 
-Design note. Inside a model's forward the whole run of blocks runs as one chain at the
-model's call of its first block (:mod:`offremat._run`); the model's calls of the others only
-receive that result. So the model's own code between two block calls runs after every block
-has run, and anything it changes there, that the block would have read, came too late. Two
-kinds of change are seen, and refused:
+Design note. Inside a model's forward the whole run of blocks runs as one chain at one of
+the model's calls of its blocks (:mod:`offremat._run`): the first, or the last where the
+blocks take side inputs in turns; the model's other calls only receive that result, or a
+stand-in. So the model's own code between two block calls runs after or before the blocks
+do, and anything it changes there, that a block would have read, comes too late or too
+early. Two kinds of change are seen, and refused:
 
 - the mode of the call (:class:`CallContext`): grad mode, inference mode, autocast and the
   innermost ``saved_tensors_hooks``. ``torch.no_grad()`` around the first blocks is a common

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from offremat._block_values import cache_in, hidden_output, side_inputs_of
+from offremat._block_values import hidden_output
 from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
     end_of,
@@ -52,8 +52,9 @@ from offremat._discover_refusals import (
     refuse_skipping_blocks,
     scripted_note,
 )
-from offremat._record import RecordedCall, capture_calls, record_calls
-from offremat._tensors import Structure, same_structure
+from offremat._record import RecordedCall, record_calls
+from offremat._side_patterns import other_sides, same_side_parts, side_patterns
+from offremat._tensors import Structure
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +138,14 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 
 
 def find_block_run(
-    model: nn.Module, run_model: Callable[[], Any], blocks: str | None = None
+    model: nn.Module,
+    run_model: Callable[[], Any],
+    blocks: str | None = None,
+    same_sides: bool = False,
 ) -> BlockRun:
-    """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container)."""
+    """The run of repeated blocks that ``run_model()`` calls (``blocks`` names its container);
+    with ``same_sides``, one whose blocks all take the same side inputs (for a model that
+    reads a block's output between calls, which a chain of several patterns runs later)."""
     records, returned = record_calls(model, run_model)
     # Run again, the random generators moved on: see refuse_random_runs.
     again, _ = record_calls(model, run_model)
@@ -147,11 +153,16 @@ def find_block_run(
         container = _container(model, blocks)
         children = {id(child) for child in container.children()}
         candidates = [_chained([r for r in records if id(r.module) in children], blocks)]
+        if same_sides and len(parts := same_side_parts(candidates[0])) > 1:
+            reason = other_sides(parts[0][-1], parts[1][0])
+            raise NotAChainError(f"blocks={blocks!r}: the blocks are not a chain: {reason}")
     else:
         by_type: dict[type, list[RecordedCall]] = {}
         for record in records:
             by_type.setdefault(type(record.module), []).append(record)
         candidates = [run for group in by_type.values() for run in _runs(group)]
+        if same_sides:
+            candidates = [part for run in candidates for part in same_side_parts(run)]
         candidates = [run for run in candidates if len(run) >= 2]
         if not candidates:
             raise NotAChainError(no_run_message(model, _containers(model)))
@@ -179,7 +190,7 @@ def find_block_run(
     refuse_other_readers(records, members)
     refuse_callers_checkpoint(members)
     added = {id(r) for r in (*prefix, *suffix)}
-    patterns = _side_patterns(best)
+    patterns = side_patterns(best)
     calls = tuple(
         BlockCall(
             r.path,
@@ -208,43 +219,6 @@ def find_block_run(
         type(first.module).__name__,
     )
     return BlockRun(calls, tuple(tuple(unit) for unit in units))
-
-
-def _side_patterns(run: list[RecordedCall]) -> dict[int, int]:
-    """Each call's number among the different side arguments of the run, by ``id``."""
-    seen: list[tuple[tuple[int, ...], Structure]] = []
-    patterns = {}
-    for record in run:
-        tokens, structure = record.side
-        pattern = next(
-            (k for k, (t, s) in enumerate(seen) if t == tokens and same_structure(s, structure)),
-            len(seen),
-        )
-        if pattern == len(seen):
-            seen.append(record.side)
-        patterns[id(record)] = pattern
-    return patterns
-
-
-def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
-    """The chain's first input ``(hidden, sides)`` on ``run_model()``'s call: the first
-    block's hidden state, and each pattern's side arguments ``(args, kwargs)``.
-
-    The model runs up to the first call of the run's last pattern, with gradients on as in
-    training (saving nothing), and stops.
-    """
-    firsts = [next(c for c in run.calls if c.pattern == p) for p in range(run.patterns)]
-    captured = capture_calls(run_model, [(call.module, call.nth) for call in firsts])
-    if any(cache_in(value) for args, kwargs in captured for value in (*args, *kwargs.values())):
-        logger.warning(
-            "the blocks' key-value cache is not filled in training steps (as with Hugging "
-            "Face's gradient checkpointing): recomputed blocks would fill it twice"
-        )
-    inputs = [
-        side_inputs_of(call.path, args, kwargs)
-        for call, (args, kwargs) in zip(firsts, captured, strict=True)
-    ]
-    return inputs[0][0], tuple(side for _, side in inputs)
 
 
 def _no_values(structure: Structure) -> bool:
@@ -319,7 +293,7 @@ def _container(model: nn.Module, path: str) -> nn.Module:
 
 
 def _chained(records: list[RecordedCall], where: str) -> list[RecordedCall]:
-    """``records`` if each takes the previous one's output and the same side inputs."""
+    """``records`` if each takes the previous one's output as its hidden state."""
     if len(records) < 2:
         raise NotAChainError(
             f"blocks={where!r}: the model called {len(records)} of its blocks; a chain needs two "
@@ -398,7 +372,9 @@ def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall
         group[last].path,
         previous.path,
         record.path,
-        _break(previous, record) or "they are not called one after the other",
+        _break(previous, record)
+        or other_sides(previous, record)
+        or "they are not called one after the other",
     )
 
 

@@ -120,6 +120,14 @@ def refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall
     another tensor.
     """
     produced = {r.output: r for r in members[:-1] if r.output is not None}
+    for member in members:  # a block taking an earlier one's output beside its state
+        taken = next((produced[t] for t in member.side[0] if t in produced), None)
+        if taken is not None:
+            raise NotAChainError(
+                f"{member.path} takes {taken.path}'s output beside its hidden state (a skip "
+                "connection), which a chain does not keep for anything but the next block; "
+                "name a run of blocks whose outputs only feed each other with blocks="
+            )
     positions = {position_of(records, member) for member in members}
     inside: set[int] = set()
     for start in positions:
@@ -180,7 +188,7 @@ def no_run_message(model: nn.Module, containers: list[str]) -> str:
     ]
     return (
         f"found no run of repeated blocks in {type(model).__name__}: no two calls of one module "
-        f"type take each other's output and the same other arguments. If some do, name them "
+        f"type take each other's output as their hidden state. If some do, name them "
         f"with {hint} (offremat profile: --blocks PATH); the error then says what breaks the "
         "chain"
         + (f". {scripted_note(scripted)}" if scripted else "")

@@ -29,9 +29,10 @@ from torch import nn
 
 from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
-from offremat._discover import BlockRun, call_model, chain_input, find_block_run
+from offremat._discover import BlockRun, call_model, find_block_run
 from offremat._outside import Outside, measure_outside, run_stages
 from offremat._run import RunInterception, refuse_hooks, run_blocks
+from offremat._side_patterns import chain_input
 from offremat._signatures import chain_input_kind, chain_input_shapes
 from offremat._tensors import bitwise_equal, flatten, storage_bytes, unflatten
 from offremat.measure import tree_leaf_tensors
@@ -53,11 +54,14 @@ class ModelChain:
     example_input: Any
 
     @classmethod
-    def find(cls, model: nn.Module, batch: Any, blocks: str | None = None) -> ModelChain:
-        """The chain of ``model`` called with ``batch`` (``blocks`` names its container)."""
+    def find(
+        cls, model: nn.Module, batch: Any, blocks: str | None = None, same_sides: bool = False
+    ) -> ModelChain:
+        """The chain of ``model`` called with ``batch`` (``blocks`` names its container; see
+        :func:`offremat._discover.find_block_run` for ``same_sides``)."""
         # Watching the model run must leave it as it was (BatchNorm statistics, RNG states).
         with untouched([model], _device(model, batch)):
-            run = find_block_run(model, partial(call_model, model, batch), blocks)
+            run = find_block_run(model, partial(call_model, model, batch), blocks, same_sides)
             example_input = chain_input(run, partial(call_model, model, batch))
         # With the caller's backward hooks back, which optimize's own runs set aside.
         refuse_hooks(run)

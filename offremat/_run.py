@@ -6,15 +6,17 @@ Design notes.
   chain's value ``(hidden, sides)``, calling the block with the side inputs ``(args,
   kwargs)`` of its pattern: one for every call of most runs, one per kind of layer where
   layers alternate kinds of attention, each with a mask of its own. Side tensors pass
-  through every stage unchanged, so their gradients add up stage by stage as plain autograd
-  adds them, and they are the chain input a_0's storages, resident for the whole step and
-  counted once.
+  through every stage unchanged, each once however many patterns take it
+  (:class:`offremat._block_values.SameAs`), so their gradients add up stage by stage as
+  plain autograd adds them, and they are the chain input a_0's storages, resident for the
+  whole step and counted once.
 - Interception. While a :class:`RunInterception` is active, the model's call of the run's
   first block runs the whole chain through ``execute`` (the plan's executor) and returns the
   last block's output; the model's calls of the other blocks hand that output on unchanged.
   A run of several patterns learns a pattern's side inputs only when the model calls its
-  first block, so it runs the chain at the model's call of the last block instead, and the
-  calls before get a stand-in that may only be passed to the next block. The model's own
+  first block, so it runs the chain at the model's call of the last block instead (it is
+  ``deferred``), and the calls before get a stand-in that may only be passed to the next
+  block; the tensors the chain will take must not change in place meanwhile. The model's own
   code before and after the run runs as it is, under plain autograd. Each call is checked:
   the right block, the state the interception returned, its pattern's side inputs; anything
   else raises rather than runs another model. The interception is installed for one call of
@@ -41,21 +43,22 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from offremat._block_values import (
+    Side,
     block_output,
     continues_run,
     further_block_message,
     hidden_of,
     same_values,
+    shared_sides,
     side_inputs_of,
-    stand_in,
+    side_of,
 )
 from offremat._blocks import NotAChainError, output_capture_hooks
 from offremat._call_state import BlockState, CallContext
 from offremat._discover import BlockCall, BlockRun
 from offremat._fsdp import sharding_hooks
-
-Side = tuple[tuple[Any, ...], dict[str, Any]]
-"""The side arguments of a block's call: ``(args, kwargs)``."""
+from offremat._handed_on import HandedOn
+from offremat._tensors import describe_kind, flatten, tensor_kind, version_of
 
 
 class RunBlock(nn.Module):
@@ -69,7 +72,7 @@ class RunBlock(nn.Module):
     def forward(self, value: tuple[torch.Tensor, tuple[Side, ...]]) -> Any:
         hidden, sides = value
         for call in self.calls:
-            args, kwargs = sides[call.pattern]
+            args, kwargs = side_of(sides, call.pattern)
             if not call.side:
                 output = call.module(hidden)
             elif call.hidden_keyword is None:
@@ -125,6 +128,7 @@ class RunInterception:
         self.hidden: torch.Tensor | None = None  # the first block's, until the chain runs
         self.context: CallContext | None = None
         self.states: dict[int, BlockState] = {}
+        self.versions: list[tuple[torch.Tensor, int]] = []
         self.deferred = run.patterns > 1
         self._installed: list[tuple[nn.Module, Any]] = []
         self._bypassed: list[tuple[nn.Module, dict[int, Any], dict[int, Any]]] = []
@@ -200,29 +204,32 @@ class RunInterception:
         if self.position == 0:
             self.context = CallContext.now()
             self.hidden = hidden
-        elif hidden is not self.handed or not self._takes_its_side(expected, side):
+        elif hidden is not self.handed:
             raise NotAChainError(
-                f"the model changed the hidden state or the other arguments between "
-                f"{calls[self.position - 1].path} and {expected.path}; offremat runs the "
-                "blocks as one chain, so their inputs must flow from block to block"
+                f"the model changed the hidden state between {calls[self.position - 1].path} "
+                f"and {expected.path}; offremat runs the blocks as one chain, so their inputs "
+                "must flow from block to block"
             )
+        elif not self._takes_its_side(expected, side):
+            raise NotAChainError(self._other_side_message(expected))
         else:
             self._check_unchanged(expected)
         if expected.pattern == len(self.sides):
             self.sides.append(side)
+            if self.deferred:
+                self._note_versions(side if self.position else (hidden, side))
         self.position += 1
         last = self.position == len(calls)
         if self.deferred:
             self.states.setdefault(id(module), BlockState.of(module))
-        runs_now = last if self.deferred else self.position == 1
-        if runs_now:
+        if last if self.deferred else self.position == 1:  # the call the chain runs at
             if self.deferred:
                 self._check_unchanged_since_called()
             self._execute()
         if last:
             self.handed = self.result
         elif self.deferred:
-            self.handed = HandedOn.deferred(expected.path, calls[-1].path)
+            self.handed = HandedOn.before_run(expected.path, calls[-1].path)
         else:
             self.handed = HandedOn.of(self.result, expected.path, calls[-1].path)
         return block_output(expected.output, self.handed, expected.path, expected.passed, side)
@@ -234,16 +241,33 @@ class RunInterception:
             return True
         return same_values(side, self.sides[expected.pattern])
 
+    def _other_side_message(self, expected: BlockCall) -> str:
+        first = next(c for c in self.run.calls if c.pattern == expected.pattern)
+        return (
+            f"the model gives {expected.path} other side arguments than {first.path}, which "
+            "took the same ones when the chain was found (a mask per kind of attention that "
+            "differs only on longer sequences, a number per depth that was equal then); "
+            "offremat runs the blocks as one chain, each call with the side inputs of its "
+            "group: optimize with a batch on which the blocks take theirs as in training "
+            "(a sequence longer than the sliding window, say)"
+        )
+
+    def _note_versions(self, value: Any) -> None:
+        """Note the versions of the tensors the chain will take: it runs on them later."""
+        self.versions += [(t, version_of(t)) for t in flatten(value)[0]]
+
     def _execute(self) -> None:
         self._uninstall()
         try:
-            output = self.execute((self.hidden, tuple(self.sides)))
+            output = self.execute((self.hidden, shared_sides(self.sides)))
         finally:
             self._install()
+        if not self.deferred:
+            # Blocks may change their side inputs in place; later calls must not.
+            self._note_versions(self.sides)
+            self.states = {id(c.module): BlockState.of(c.module) for c in self.run.calls[1:]}
         self.hidden = None
         self.result = output[0]
-        if not self.deferred:
-            self.states = {id(c.module): BlockState.of(c.module) for c in self.run.calls[1:]}
 
     def _check_unchanged(self, expected: BlockCall) -> None:
         """Refuse a later call made in another mode, or after the model changed the block.
@@ -256,6 +280,15 @@ class RunInterception:
         (which holds what the block's own forward wrote), or, where the chain runs at the
         last call, when the model called it before.
         """
+        moved = next((t for t, version in self.versions if version_of(t) != version), None)
+        if moved is not None:
+            raise NotAChainError(
+                f"the model changed a {describe_kind(tensor_kind(moved))} tensor that the "
+                f"blocks take (the first one's input, or a side input) in place before "
+                f"calling {expected.path}; offremat runs the whole run of blocks at "
+                f"{self._runs_at}, so some blocks would compute with the other value: make "
+                "the change out of place"
+            )
         changed = self.context.differs_from(CallContext.now(), self.check_grad)
         if changed:
             raise NotAChainError(
@@ -291,76 +324,6 @@ class RunInterception:
         if self.deferred:
             return "the model's call of the last (its blocks take side inputs in turns)"
         return "the model's call of the first"
-
-
-class HandedOn(torch.Tensor):
-    """What the model sees a block other than the last return inside a training step.
-
-    The chain computed that block's output but does not hand it out: the model gets a tensor
-    that it may only pass to the next block (and ask its shape, dtype or device). Any other
-    use, such as keeping it for a loss or a skip connection, raises instead of computing with
-    the chain's final state. Where the chain runs at the last block's call (``deferred``),
-    no output exists yet, and even its shape is refused rather than guessed.
-    """
-
-    path: str
-    last: str  # the chain's last unit: a head after the blocks, where the chain took one in
-    ahead: bool  # the chain runs at the model's call of its last block, after this one
-
-    @staticmethod
-    def of(result: torch.Tensor, path: str, last: str) -> HandedOn:
-        handed = torch.Tensor._make_subclass(HandedOn, result.detach(), result.requires_grad)
-        handed.path, handed.last, handed.ahead = path, last, False
-        return handed
-
-    @staticmethod
-    def deferred(path: str, last: str) -> HandedOn:
-        handed = torch.Tensor._make_subclass(HandedOn, torch.empty(0))
-        handed.path, handed.last, handed.ahead = path, last, True
-        return handed
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        handed = stand_in(HandedOn, args, kwargs)
-        if func in _METADATA and not (handed is not None and handed.ahead):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        path = "a block" if handed is None else handed.path
-        last = "its last unit" if handed is None else handed.last
-        name = getattr(func, "__name__", func)
-        if handed is not None and handed.ahead:
-            raise RuntimeError(
-                f"the model used {path}'s output for more than calling the next block "
-                f"({name}); its blocks take side inputs in turns (a mask per kind of "
-                f"attention), so offremat runs them as a chain at the model's call of {last}, "
-                "and until then no block's output exists, not even its shape: train a model "
-                "whose code reads the blocks' outputs between their calls with plain autograd"
-            )
-        # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
-        # operators such as +, and the message would be lost.
-        raise RuntimeError(
-            f"the model used {path}'s output for more than calling the next block "
-            f"({name}); the chain runs to {last}, and inside it "
-            f"only {last}'s output exists: name a run of blocks whose outputs only feed each "
-            "other with blocks= (the container of the blocks, where the chain took in the "
-            "layers after them), if the model has one: one that reads every block's output "
-            "(a weighted sum of its layers, hidden states it returns) has none, so train it "
-            "with plain autograd or turn that reading off. "
-            "(A run of blocks that depends on the input or on random draws, such as an "
-            "early exit or LayerDrop, also ends this way: it is no fixed chain)"
-        )
-
-
-_METADATA = {
-    torch.Tensor.shape.__get__,
-    torch.Tensor.dtype.__get__,
-    torch.Tensor.device.__get__,
-    torch.Tensor.ndim.__get__,
-    torch.Tensor.requires_grad.__get__,
-    torch.Tensor.size,
-    torch.Tensor.dim,
-    torch.Tensor.__repr__,
-}
 
 
 class _Forward:

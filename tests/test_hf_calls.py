@@ -259,3 +259,22 @@ def test_layers_alternating_kinds_of_attention_train_within_budget_as_plain_auto
         step_within_budget_as_plain_autograd(
             optimized, model, reference, {"input_ids": ids, "labels": ids}
         )
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2"])
+def test_layers_of_two_kinds_optimized_on_a_sequence_shorter_than_the_window(kind: str) -> None:
+    """Under sdpa, a sequence no longer than the sliding window gives both kinds of layer no
+    mask: one group of side inputs was found, and a longer step was refused (Qwen2, Cohere2,
+    Exaone4; a review). The layers' kinds (config.layer_types) now group them."""
+    torch.manual_seed(0)
+    model = _alternating(kind).train()
+    reference = copy.deepcopy(model)
+    short = IDS[:, :6].contiguous()
+    with StepMemory("cpu", inputs=BATCH) as plain:
+        copy.deepcopy(model)(**BATCH).loss.backward()
+    budget = int(0.8 * plain.peak_bytes)
+    optimized = offremat.optimize(model, {"input_ids": short, "labels": short}, budget=budget)
+    for ids in (IDS, short):
+        step_within_budget_as_plain_autograd(
+            optimized, model, reference, {"input_ids": ids, "labels": ids}
+        )
