@@ -47,7 +47,14 @@ from solvers.chain import Chain
 from solvers.dp_exact import ExactTable
 from solvers.dp_family import fastest_fitting
 from solvers.dp_table import FORWARD_ALL, Sizes, Table, operations, single_stage_times
-from solvers.frozen import least_budget, lift, trained_part, with_frozen_prefix
+from solvers.frozen import (
+    least_budget,
+    lift,
+    lift_merged,
+    merged,
+    trained_part,
+    with_frozen_prefix,
+)
 from solvers.plan import Plan
 from solvers.simulator import score, simulate
 
@@ -297,8 +304,13 @@ def least_memory_plan(chain: Chain) -> Plan:
     The DP rounds sizes up to its slots, so at rotor's exact least memory it may find nothing;
     this plan follows the least-memory recurrence itself and always fits there.
     """
-    if chain.frozen_stages:
-        return score(lift(least_memory_plan(trained_part(chain)), chain), chain, None)
+    if chain.frozen_stages:  # memory_need's two ways: the lesser peak
+        plans = (
+            lift(least_memory_plan(trained_part(chain)), chain),
+            lift_merged(least_memory_plan(merged(chain)), chain),
+        )
+        scored = [score(plan, chain, None) for plan in plans]
+        return min(scored, key=lambda plan: plan.predicted_peak_bytes or 0)
     sizes, _, choice = _least_memory(chain)
     ops = operations(1, chain.length, 0, lambda s, t, m: int(choice[s, t]), sizes)
     plan = Plan(tuple(ops), chain.stage_names, "least-memory", chain_name=chain.name)
