@@ -144,7 +144,8 @@ class Chain:
     those bytes are a_L inside x̄_L and δ_L; after it, nothing in the plan holds them.
     ``frozen_stages`` is p when stages 1..p need no backward: neither their parameters nor the
     input need a gradient (a frozen backbone, fine-tuning), so like plain autograd a plan runs
-    them once, without autograd, and keeps nothing for them (:mod:`solvers.frozen`).
+    them without autograd and keeps nothing for them but a_p, which it may drop and remake
+    from a_0 (:mod:`solvers.frozen`).
     """
 
     name: str
