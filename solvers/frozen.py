@@ -188,8 +188,8 @@ def with_frozen_prefix(
         except InfeasibleBudgetError as error:
             errors.append(error)
             continue
-        # The lift can break a rule the merged chain's plan kept (none of the solvers' plans
-        # tested did); such a plan is not handed on.
+        # The lift can break a rule the merged chain's plan kept: a MILP plan can hold a_1 and
+        # x̄_1 at once, both a_p here. Such a plan is not handed on.
         if not validate(plan, chain) and simulate(plan, chain, budget_bytes).feasible:
             return plan
     if not errors:  # a merged plan's later-issued copies passed the budget, and no other fits
