@@ -25,7 +25,7 @@ import offremat
 from offremat.measure import StepMemory
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link
-from solvers.frozen import prefix_peak, trained_part
+from solvers.frozen import prefix_peak, trained_part, with_frozen_prefix
 from solvers.plan import (
     BACKWARD,
     F_ALL,
@@ -317,3 +317,24 @@ def test_freezing_the_first_stage_of_a_model_planned_at_its_least_budget() -> No
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert (ours.grad is None) == (theirs.grad is None)
         assert ours.grad is None or torch.equal(ours.grad, theirs.grad)
+
+
+def test_a_merged_stage_plan_whose_lift_breaks_a_rule_gives_way_to_the_trained_parts() -> None:
+    # The merged chain's a_1 and x̄_1 are both a_p: a plan holding both (a MILP's can) lifts
+    # to one that makes a_p twice, which is not handed on.
+    chain = frozen_chain(5)
+    budget = keep_all_peak(chain)
+
+    def solve_part(part: Chain, room: int) -> Plan:
+        if part.length == chain.length - chain.frozen_stages + 1:  # the merged chain
+            ops = [forward_checkpoint(1), *(forward_all(i) for i in range(1, part.length + 1))]
+            ops += [backward(i) for i in range(part.length, 0, -1)]
+            plan = Plan(tuple(ops), part.stage_names, "hand")
+            assert validate(plan, part) == []
+            return plan
+        return solve(part, room, "dp")
+
+    plan = with_frozen_prefix(chain, budget, solve_part)
+    assert validate(plan, chain) == []
+    assert plan.solver == "dp"
+    assert simulate(plan, chain, budget).peak_bytes <= budget
