@@ -152,7 +152,17 @@ def find_block_run(
     if blocks is not None:
         container = _container(model, blocks)
         children = {id(child) for child in container.children()}
-        candidates = [_chained([r for r in records if id(r.module) in children], blocks)]
+        called = [r for r in records if id(r.module) in children]
+        if (
+            not called
+            and children
+            and all(isinstance(c, nn.ModuleList) for c in container.children())
+        ):
+            raise NotAChainError(
+                f"blocks={blocks!r} holds ModuleLists, which the model never calls itself: "
+                f"name one whose children it calls, such as blocks={blocks + '.0'!r}"
+            )
+        candidates = [_chained(called, blocks)]
         if same_sides and len(parts := same_side_parts(candidates[0])) > 1:
             reason = other_sides(parts[0][-1], parts[1][0])
             raise NotAChainError(f"blocks={blocks!r}: the blocks are not a chain: {reason}")

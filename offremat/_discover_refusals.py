@@ -122,6 +122,13 @@ def refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall
     produced = {r.output: r for r in members[:-1] if r.output is not None}
     for member in members:  # a block taking an earlier one's output beside its state
         taken = next((produced[t] for t in member.side[0] if t in produced), None)
+        if taken is not None and taken.output == member.hidden:
+            raise NotAChainError(
+                f"{member.path} takes its hidden state ({taken.path}'s output) again among its "
+                "other arguments (as attention's key and value, say); a chain hands each block "
+                "its hidden state once. Wrap the blocks so that each takes it once, or train "
+                "the model with plain autograd"
+            )
         if taken is not None:
             raise NotAChainError(
                 f"{member.path} takes {taken.path}'s output beside its hidden state (a skip "

@@ -249,3 +249,36 @@ def test_blocks_taking_earlier_blocks_outputs_beside_their_state_are_refused() -
     optimize's own output check, blaming side inputs in turns (a review)."""
     with pytest.raises(NotAChainError, match=r"blocks\.3 takes blocks\.2's output beside"):
         offremat.optimize(Skips(), batch(), budget=0.8)
+
+
+class _Attends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return query + torch.tanh(self.linear(query * key))
+
+
+class _Grouped(nn.Module):
+    """Funnel's layout: blocks of layers (ModuleLists), each layer taking its state as query
+    and again as key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList(_Attends() for _ in range(3)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            for layer in block:
+                x = layer(x, x)
+        return x.square().mean()
+
+
+def test_blocks_taking_their_state_twice_and_containers_never_called_say_so() -> None:
+    """Funnel was refused as "the model called 0 of its blocks" (its blocks are ModuleLists)
+    and, named inside, for taking another's output "as a skip connection"."""
+    with pytest.raises(NotAChainError, match=r"holds ModuleLists, .* blocks='blocks\.0'"):
+        offremat.optimize(_Grouped(), batch(), budget=0.8, blocks="blocks")
+    with pytest.raises(NotAChainError, match=r"blocks\.0\.1 takes its hidden state .* again"):
+        offremat.optimize(_Grouped(), batch(), budget=0.8, blocks="blocks.0")
