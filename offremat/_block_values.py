@@ -70,12 +70,14 @@ def shared_sides(sides: Sequence[Side]) -> tuple[Side, ...]:
         tensors, structure = flatten(side)
         kept: list[Any] = []
         mine: dict[int, SameAs] = {}
+        count = 0  # the tensors kept: a SameAs left in their places is no tensor of the side
         for tensor in tensors:
             if id(tensor) in seen:
                 kept.append(seen[id(tensor)])
             else:
-                mine.setdefault(id(tensor), SameAs(pattern, len(kept)))
+                mine.setdefault(id(tensor), SameAs(pattern, count))
                 kept.append(tensor)
+                count += 1
         seen.update(mine)
         shared.append(unflatten(kept, structure))
     return tuple(shared)
