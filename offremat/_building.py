@@ -81,7 +81,14 @@ def build(
         # A run of several patterns runs at its last call, too late for code that reads a
         # block's output between the calls: plan a run taking one pattern instead.
         logger.warning("%s: planning blocks that take the same side inputs", error)
-        found = ModelChain.find(model, call, blocks, same_sides=True)
+        try:
+            found = ModelChain.find(model, call, blocks, same_sides=True)
+        except NotAChainError as refused:
+            raise NotAChainError(
+                f"{error}; and no two blocks called one after the other take the same side "
+                f"inputs ({refused}). Train this model with plain autograd, or read the "
+                "blocks' outputs only after the last block"
+            ) from error
         chain, plan, modules = _first_runs(model, call, found, request)
     stage_blocks = list(zip(chain.stage_names, modules, strict=True))
 

@@ -50,6 +50,8 @@ class HandedOn(torch.Tensor):
         path = "a block" if handed is None else handed.path
         last = "its last unit" if handed is None else handed.last
         name = getattr(func, "__name__", func)
+        if name == "__get__":  # a property: shape, dtype, device
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
         if handed is not None and handed.deferred:
             raise DeferredOutputError(
                 f"the model used {path}'s output for more than calling the next block "

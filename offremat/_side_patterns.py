@@ -18,7 +18,7 @@ from torch import nn
 
 from offremat._block_values import cache_in, shared_sides, side_inputs_of
 from offremat._record import RecordedCall, capture_calls
-from offremat._tensors import Structure, same_structure
+from offremat._tensors import same_structure
 
 if TYPE_CHECKING:
     from offremat._discover import BlockRun
@@ -31,23 +31,23 @@ def side_patterns(run: list[RecordedCall]) -> dict[int, int]:
     layers of another kind (:func:`layer_kind`: sliding-window and full attention) differ
     even where their masks agree on the example batch (both None, a sequence no longer than
     the window), since on longer ones they do not."""
-    seen: list[tuple[tuple[int, ...], Structure, Any]] = []
+    firsts: list[RecordedCall] = []
     patterns = {}
     for record in run:
-        tokens, structure = record.side
-        kind = layer_kind(record.module)
-        pattern = next(
-            (
-                k
-                for k, (t, s, a) in enumerate(seen)
-                if t == tokens and same_structure(s, structure) and a == kind
-            ),
-            len(seen),
-        )
-        if pattern == len(seen):
-            seen.append((tokens, structure, kind))
+        pattern = next((k for k, f in enumerate(firsts) if _same_group(f, record)), len(firsts))
+        if pattern == len(firsts):
+            firsts.append(record)
         patterns[id(record)] = pattern
     return patterns
+
+
+def _same_group(a: RecordedCall, b: RecordedCall) -> bool:
+    """Whether two calls take the same side inputs, as layers of one kind."""
+    return (
+        a.side[0] == b.side[0]
+        and same_structure(a.side[1], b.side[1])
+        and layer_kind(a.module) == layer_kind(b.module)
+    )
 
 
 def layer_kind(block: nn.Module) -> Any:
@@ -72,13 +72,14 @@ def same_side_parts(run: list[RecordedCall]) -> list[list[RecordedCall]]:
 
 
 def other_sides(previous: RecordedCall, record: RecordedCall) -> str | None:
-    """Why ``record`` takes other side inputs than ``previous``, or None if it does not."""
-    if previous.side[0] == record.side[0] and same_structure(previous.side[1], record.side[1]):
+    """Why ``record`` is in another group of side inputs than ``previous``, or None."""
+    if _same_group(previous, record):
         return None
     return (
-        f"{record.path} takes other side arguments than {previous.path}, and the model reads "
-        "a block's output between its calls of the blocks, which a chain of blocks taking "
-        "side inputs in turns runs only at the last call"
+        f"{record.path} takes other side arguments than {previous.path} (or is a layer of "
+        "another kind), and the model reads a block's output between its calls of the "
+        "blocks, which a chain of blocks taking side inputs in turns runs only at the last "
+        "call"
     )
 
 

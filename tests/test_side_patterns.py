@@ -329,3 +329,62 @@ def test_tensors_shared_by_some_groups_and_not_others_train_as_plain_autograd() 
     assert torch.equal(loss, expected)
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
     assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+
+
+def test_blocks_in_turns_whose_outputs_the_model_reads_between_calls_are_refused() -> None:
+    """No chain runs them (the last call's is too late for the read, and no two blocks in a
+    row take the same side inputs): refused by optimize, saying so; it said "found no run of
+    repeated blocks", or raised the stand-in's own error (a hunt)."""
+    model = Stack("turns")
+    model.between = lambda h, sides: h.shape
+    with pytest.raises(NotAChainError, match=r"blocks\.0's output .*\(shape\).* no two blocks"):
+        offremat.optimize(model, batch(), budget=0.8)
+
+
+class _KindedLayer(Block):
+    """A layer holding Hugging Face's marks of its kind: ``layer_idx`` and a config."""
+
+    def __init__(self, index: int, config: object) -> None:
+        super().__init__()
+        self.layer_idx, self.config = index, config
+
+
+class _TwoKinds(nn.Module):
+    """Three sliding-window layers, then three full ones, one mask for all on this batch; the
+    loop reads the state's shape between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        kinds = ["sliding_attention"] * 3 + ["full_attention"] * 3
+        config = SimpleNamespace(layer_types=kinds)
+        self.layers = nn.ModuleList(_KindedLayer(k, config) for k in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(WIDTH)
+        for layer in self.layers:
+            assert x.shape[-1] == WIDTH
+            x = layer(x, mask)
+        return x.square().mean()
+
+
+def test_a_fallback_to_one_group_keeps_layers_of_one_kind() -> None:
+    """The fallback cut the run where side inputs differ, not where layers change kind: its
+    run was two groups again, and optimize died of the stand-in's error (a hunt)."""
+    torch.manual_seed(0)
+    model = _TwoKinds()
+    reference = copy.deepcopy(model)
+    x = batch()
+    optimized = offremat.optimize(model, x, budget=0.8)
+    assert optimized.chain.metadata["blocks"] in (
+        [f"layers.{k}" for k in range(3)],
+        [f"layers.{k}" for k in range(3, 6)],
+    )
+    loss = optimized(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    assert torch.equal(loss, expected)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
