@@ -26,7 +26,7 @@ from offremat._blocks import (
 )
 from offremat._call_checks import recorded_output_flags, refuse_kv_cache, refuse_recorded_outputs
 from offremat._discover import BlockRun, Call, call_of
-from offremat._handed_on import DeferredOutputError
+from offremat._handed_on import DeferredOutputError, UnknownShapeError
 from offremat._model_chain import (
     ModelChain,
     check_model_chain_output,
@@ -111,7 +111,7 @@ def _first_runs(
         )
         modules = model_chain_stages(found, chain)
         check_model_chain_output(model, call, found, modules)
-    except DroppedOutputError as error:  # the model reads a block output the chain drops
+    except (DroppedOutputError, UnknownShapeError) as error:  # reads what the chain drops
         raise NotAChainError(str(error)) from error
     return chain, plan, modules
 

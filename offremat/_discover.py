@@ -93,6 +93,9 @@ class BlockRun:
 
     calls: tuple[BlockCall, ...]
     units: tuple[tuple[int, ...], ...]
+    # Whether every call returned a state of its input's shape on the example batch: then
+    # the chain's output has each block's shape, which the model may ask of a block's.
+    keeps_shape: bool = True
 
     @property
     def paths(self) -> list[str]:
@@ -228,7 +231,8 @@ def find_block_run(
         len(best),
         type(first.module).__name__,
     )
-    return BlockRun(calls, tuple(tuple(unit) for unit in units))
+    keeps = all(r.keeps_shape for r in members)
+    return BlockRun(calls, tuple(tuple(unit) for unit in units), keeps)
 
 
 def _no_values(structure: Structure) -> bool:

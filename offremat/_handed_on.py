@@ -19,32 +19,36 @@ class HandedOn(torch.Tensor):
     """What the model sees a block other than the last return inside a training step.
 
     The chain computed that block's output but does not hand it out: the model gets a tensor
-    that it may only pass to the next block (and ask its shape, dtype or device). Any other
-    use, such as keeping it for a loss or a skip connection, raises instead of computing with
-    the chain's final state. Where the chain runs at the last block's call (``deferred``),
-    no output exists yet, and even its shape is refused rather than guessed.
+    that it may only pass to the next block (and ask its shape, dtype or device, those of the
+    chain's output, where every block keeps its input's shape). Any other use, such as
+    keeping it for a loss or a skip connection, raises instead of computing with the chain's
+    final state. Where the blocks change the shape (strided stages), the block's own shape is
+    not known, and where the chain runs at the last block's call (``deferred``) no output
+    exists yet: even the shape is then refused rather than guessed.
     """
 
     path: str
     last: str  # the chain's last unit: a head after the blocks, where the chain took one in
     deferred: bool  # the chain runs at the model's call of its last block, after this one
+    described: bool  # its shape, dtype and device are the block output's
 
     @staticmethod
-    def of(result: torch.Tensor, path: str, last: str) -> HandedOn:
+    def of(result: torch.Tensor, path: str, last: str, described: bool) -> HandedOn:
         handed = torch.Tensor._make_subclass(HandedOn, result.detach(), result.requires_grad)
         handed.path, handed.last, handed.deferred = path, last, False
+        handed.described = described
         return handed
 
     @staticmethod
     def before_run(path: str, last: str) -> HandedOn:
         handed = torch.Tensor._make_subclass(HandedOn, torch.empty(0))
-        handed.path, handed.last, handed.deferred = path, last, True
+        handed.path, handed.last, handed.deferred, handed.described = path, last, True, False
         return handed
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         handed = stand_in(HandedOn, args, kwargs)
-        if func in _METADATA and not (handed is not None and handed.deferred):
+        if func in _METADATA and (handed is None or handed.described):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         path = "a block" if handed is None else handed.path
@@ -63,6 +67,13 @@ class HandedOn(torch.Tensor):
                 "autograd. (A run of blocks that depends on the input or on random draws, "
                 "such as an early exit, also ends this way: it is no fixed chain)"
             )
+        if func in _METADATA:
+            raise UnknownShapeError(
+                f"the model asked {path}'s output its {name}; the blocks change the shape of "
+                f"their state (strided stages), and the chain, which runs to {last}, hands "
+                "on no block's output but its last, so that block's is not known: read the "
+                "shapes before the blocks or after the last, or train with plain autograd"
+            )
         # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
         # operators such as +, and the message would be lost.
         raise RuntimeError(
@@ -76,6 +87,10 @@ class HandedOn(torch.Tensor):
             "(A run of blocks that depends on the input or on random draws, such as an "
             "early exit or LayerDrop, also ends this way: it is no fixed chain)"
         )
+
+
+class UnknownShapeError(RuntimeError):
+    """A block output's shape asked where only the chain's last is known."""
 
 
 class DeferredOutputError(RuntimeError):

@@ -60,6 +60,9 @@ class RecordedCall:
     # could release): not parameters, each storage once.
     saved_bytes: int = 0
     extras_read: bool = False
+    # Whether its output's first tensor has the shape of its hidden state (a transformer
+    # layer's does; a strided stage's does not).
+    keeps_shape: bool = True
     # For each of those, where it sits among the call's side arguments if it is one of them,
     # handed back (("arg", position) or ("kwarg", name)), else None.
     passed: tuple[tuple[str, Any] | None, ...] = ()
@@ -176,7 +179,11 @@ class _Recorder:
         tensors, structure = flatten(output)
         first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
         call["output"] = None if first is None else self.tokens.of(first)
-        call["returns_input"] = first is not None and first is split_hidden(args, kwargs)[0]
+        hidden = split_hidden(args, kwargs)[0]
+        call["returns_input"] = first is not None and first is hidden
+        call["keeps_shape"] = (
+            first is not None and hidden is not None and first.shape == hidden.shape
+        )
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
         call["saved_bytes"] = sum(call.pop("saved").values())

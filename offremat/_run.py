@@ -231,7 +231,9 @@ class RunInterception:
         elif self.deferred:
             self.handed = HandedOn.before_run(expected.path, calls[-1].path)
         else:
-            self.handed = HandedOn.of(self.result, expected.path, calls[-1].path)
+            self.handed = HandedOn.of(
+                self.result, expected.path, calls[-1].path, self.run.keeps_shape
+            )
         return block_output(expected.output, self.handed, expected.path, expected.passed, side)
 
     def _takes_its_side(self, expected: BlockCall, side: Side) -> bool:

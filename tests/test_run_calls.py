@@ -257,3 +257,38 @@ def test_an_attribute_set_over_a_class_default_between_calls_is_refused() -> Non
     reference.rate = mine.rate = 0.5
     with pytest.raises(NotAChainError, match=r"'gain' \(over the class's\) of block blocks\.0"):
         optimized(_batch(2))
+
+
+class _Down(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x))
+
+
+class _Halving(nn.Module):
+    """Strided stages whose lengths the model reads between calls (to scale a loss term)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(4, 16, 1)
+        self.blocks = nn.ModuleList(_Down() for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        lengths = []
+        for block in self.blocks:
+            h = block(h)
+            lengths.append(h.shape[-1])
+        return self.head(h.mean(-1)).square().mean() * sum(lengths)
+
+
+def test_the_shape_of_a_block_output_that_the_chain_does_not_know_is_refused() -> None:
+    """A block's stand-in answered with the chain's last output's shape: blocks that halve
+    the length gave the model 4, 4, 4 where plain autograd gives 32, 16, 8 (a hunt; silently
+    wrong where the model computes with it)."""
+    with pytest.raises(NotAChainError, match=r"asked blocks\.0's output its shape"):
+        offremat.optimize(_Halving(), torch.randn(8, 4, 64), budget=0.8)
