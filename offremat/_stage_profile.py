@@ -125,7 +125,12 @@ class StageProfile:
                     stack.enter_context(packer.hooks())
                 inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
             else:
-                stack.enter_context(torch.no_grad())
+                # As the executor runs it: a stage that nothing of needs a gradient (frozen)
+                # with grad mode on, as plain autograd does, which code may read.
+                frozen = not self.diff and not any(
+                    p.requires_grad for p in self.module.parameters()
+                )
+                stack.enter_context(torch.enable_grad() if frozen else torch.no_grad())
                 inputs = self.tensors
             output = self.module(unflatten(inputs, self.structure))
         refuse_sparse_outputs(self.name, flatten(output)[0], self.tensors)
