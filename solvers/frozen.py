@@ -169,20 +169,20 @@ def lift_merged(plan: Plan, chain: Chain) -> Plan:
 def with_frozen_prefix(
     chain: Chain, budget_bytes: int, solve: Callable[[Chain, int], Plan]
 ) -> Plan:
-    """``solve``'s plan of :func:`merged` where it fits ``budget_bytes`` on ``chain`` by the
-    simulator, else its plan of :func:`trained_part`, lifted (unscored). Raises
+    """``solve``'s plan of :func:`trained_part` where it fits ``budget_bytes`` on ``chain``
+    by the simulator, else its plan of :func:`merged`, lifted (unscored). Raises
     :class:`InfeasibleBudgetError` with the lesser of the two least budgets when neither
     fits.
 
-    The merged chain's plans include the trained part's (a_p kept from the first forward to
-    B(p+1), and its free backward right after), at the same time and memory, so where the
-    merged plan fits it is the faster one; the trained part's can fit where the merged
-    chain's does not only with a solver that does not find its optimum (greedy, timed out)
-    or where a merged plan's copies, issued after the frozen forwards, passed the budget."""
+    The merged chain's plans include the trained part's, so where both fit the merged one
+    is at least as fast; but it may run the frozen stages again, which some cannot be (an
+    ``nn.Embedding(max_norm=...)`` renormalises its weight in place at each forward, and the
+    step refuses to recompute it: a review found such models, which trained beside a_p,
+    refused). So the frozen stages are run again only where keeping a_p does not fit."""
     from solvers.simulator import simulate  # the simulator reads plans, which read this
 
     errors: list[InfeasibleBudgetError] = []
-    for plan_part in (_merged_plan, _trained_part_plan):
+    for plan_part in (_trained_part_plan, _merged_plan):
         try:
             plan = plan_part(chain, budget_bytes, solve)
         except InfeasibleBudgetError as error:

@@ -338,3 +338,37 @@ def test_a_merged_stage_plan_whose_lift_breaks_a_rule_gives_way_to_the_trained_p
     assert validate(plan, chain) == []
     assert plan.solver == "dp"
     assert simulate(plan, chain, budget).peak_bytes <= budget
+
+
+def test_a_frozen_stage_that_cannot_be_recomputed_keeps_training_beside_its_output() -> None:
+    """A frozen nn.Embedding(max_norm=...) renormalises its weight at each forward, so the
+    step refuses to run it again: plans that kept its output trained, and after frozen
+    stages could be run again they were refused at 80% of keep-all (a review). Where keeping
+    the output fits, the frozen stages run once."""
+    import copy
+
+    import offremat
+    from offremat.measure import StepMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(96, 64, max_norm=1.0),
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)],
+        torch.nn.Linear(64, 1),
+    )
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (512,), generator=torch.Generator().manual_seed(0))
+    optimized = offremat.optimize(model, ids, budget=0.8)
+    for parameter in (*model.parameters(), *reference.parameters()):
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", inputs=ids) as memory:
+        loss = optimized(ids).square().mean()
+        loss.backward()
+    expected = reference(ids).square().mean()
+    expected.backward()
+    assert torch.equal(loss, expected)
+    assert memory.peak_bytes <= optimized.plan.budget_bytes
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
