@@ -145,10 +145,13 @@ class Compute:
                 self._enter_replay(stack, i, name, refill=False)
             for state in self.autocast:
                 state.enter(stack)
-            # F_ck and F_none keep their graph without its saved tensors (see _deferred).
+            # Grad mode on, as plain autograd runs every stage, also one of which nothing
+            # needs a gradient (frozen: autograd records nothing), since code may read the
+            # mode (an inference fast path under no_grad computed other numbers). F_ck and
+            # F_none keep their graph without its saved tensors (see _deferred).
+            stack.enter_context(torch.enable_grad())
             grad = op.kind == F_ALL or self.trainable[i - 1] or any(self.flags[i - 1])
             if grad:
-                stack.enter_context(torch.enable_grad())
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
                 if op.kind == F_ALL:
                     packer = None if direct else SavedTensorPacker(name, inputs, self.excluded)
@@ -163,11 +166,6 @@ class Compute:
                     stack.enter_context(packer.hooks())
                 if isinstance(packer, DeferringPacker):
                     stack.enter_context(packer.watching())
-            else:
-                # Nothing here needs a gradient, so autograd records nothing; but plain
-                # autograd runs the stage with grad mode on, and code may read the mode (an
-                # inference fast path taken under no_grad computed other numbers).
-                stack.enter_context(torch.enable_grad())
             result = stage(unflatten(inputs, source.structure))
         check_unmodified(name, source.tensors, versions)
         if watch is not None:
