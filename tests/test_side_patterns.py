@@ -67,6 +67,30 @@ def batch() -> torch.Tensor:
     return torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(0))
 
 
+def step_as_plain_autograd(optimized, model, reference, *args, **kwargs) -> int:
+    """One step of ``optimized`` (over ``model``) and of plain autograd on ``reference``, the
+    same seed, from gradients allocated as after a first step: the same loss and gradients,
+    bit for bit. Returns the step's peak, measured independently (``StepMemory``)."""
+    for parameter in (*model.parameters(), *reference.parameters()):
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    torch.manual_seed(1)
+    with StepMemory("cpu", inputs=(args, kwargs)) as memory:
+        loss = _loss(optimized(*args, **kwargs))
+        loss.backward()
+    torch.manual_seed(1)
+    expected = _loss(reference(*args, **kwargs))
+    expected.backward()
+    assert torch.equal(loss, expected)
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
+    return memory.peak_bytes
+
+
+def _loss(output):
+    return getattr(output, "loss", output)
+
+
 @pytest.mark.parametrize("sides", ["turns", "own", "residual"])
 @pytest.mark.parametrize("solver", ["dp", "milp"])
 @pytest.mark.parametrize("fraction", [0.6, 0.8])
@@ -81,17 +105,8 @@ def test_blocks_taking_other_side_inputs_train_within_budget_as_plain_autograd(
     assert optimized.chain.metadata["blocks"] == [f"blocks.{k}" for k in range(6)]
     assert any(op.kind != "F_all" for op in optimized.plan.ops if op.kind.startswith("F"))
     for _ in range(2):
-        for parameter in (*model.parameters(), *reference.parameters()):
-            parameter.grad = torch.zeros_like(parameter)
-        with StepMemory("cpu", inputs=x) as memory:
-            loss = optimized(x)
-            loss.backward()
-        expected = reference(x)
-        expected.backward()
-        assert torch.equal(loss, expected)
-        assert memory.peak_bytes <= optimized.plan.budget_bytes
-        pairs = zip(model.parameters(), reference.parameters(), strict=True)
-        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+        peak = step_as_plain_autograd(optimized, model, reference, x)
+        assert peak <= optimized.plan.budget_bytes
 
 
 def test_a_block_output_read_before_the_chain_ran_is_refused() -> None:
@@ -123,13 +138,7 @@ def test_a_block_set_up_right_before_its_call_runs_with_that_setting() -> None:
     optimized = offremat.optimize(model, batch(), budget=0.5)
     for network in (model, reference):
         network.between = lambda h, sides, network=network: setattr(network.blocks[1], "scale", 0.5)
-    loss = optimized(batch())
-    loss.backward()
-    expected = reference(batch())
-    expected.backward()
-    assert torch.equal(loss, expected)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
+    step_as_plain_autograd(optimized, model, reference, batch())
 
 
 def test_a_call_taking_another_tensor_than_its_pattern_is_refused() -> None:
@@ -164,19 +173,8 @@ def test_swin_stages_each_taking_their_own_dimensions_form_the_chain() -> None:
     batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
     optimized = offremat.optimize(model, batch, budget=0.7)
     assert optimized.chain.metadata["blocks"] == [f"swin.encoder.layers.{k}" for k in range(3)]
-    for parameter in (*model.parameters(), *reference.parameters()):
-        parameter.grad = torch.zeros_like(parameter)
-    torch.manual_seed(1)
-    with StepMemory("cpu", inputs=batch) as memory:
-        loss = optimized(**batch).loss
-        loss.backward()
-    torch.manual_seed(1)
-    expected = reference(**batch).loss
-    expected.backward()
-    assert torch.equal(loss, expected)
-    assert memory.peak_bytes <= optimized.plan.budget_bytes
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    peak = step_as_plain_autograd(optimized, model, reference, **batch)
+    assert peak <= optimized.plan.budget_bytes
 
 
 def test_a_side_input_changed_in_place_between_calls_is_refused() -> None:
@@ -220,13 +218,7 @@ def test_a_model_reading_a_block_output_between_calls_plans_a_run_of_one_pattern
         optimized = offremat.optimize(model, x, budget=0.8)
     assert optimized.chain.metadata["blocks"] == [f"decoder.{k}" for k in range(4)]
     assert "planning blocks that take the same side inputs" in caplog.text
-    loss = optimized(x)
-    loss.backward()
-    expected = reference(x)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    step_as_plain_autograd(optimized, model, reference, x)
 
 
 class Skips(nn.Module):
@@ -322,13 +314,7 @@ def test_tensors_shared_by_some_groups_and_not_others_train_as_plain_autograd() 
     reference = copy.deepcopy(model)
     x = batch()
     optimized = offremat.optimize(model, x, budget=0.7)
-    loss = optimized(x)
-    loss.backward()
-    expected = reference(x)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    step_as_plain_autograd(optimized, model, reference, x)
 
 
 def test_blocks_in_turns_whose_outputs_the_model_reads_between_calls_are_refused() -> None:
@@ -381,10 +367,4 @@ def test_a_fallback_to_one_group_keeps_layers_of_one_kind() -> None:
         [f"layers.{k}" for k in range(3)],
         [f"layers.{k}" for k in range(3, 6)],
     )
-    loss = optimized(x)
-    loss.backward()
-    expected = reference(x)
-    expected.backward()
-    assert torch.equal(loss, expected)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    step_as_plain_autograd(optimized, model, reference, x)
