@@ -45,7 +45,7 @@ from offremat._tensors import (
     unique_storages,
     version_of,
 )
-from offremat.measure import LiveStorageTracker, StepMemory
+from offremat.measure import Allocations, StepMemory
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class StageProfile:
                     stack.enter_context(packer.hooks())
                 inputs = enter_stage(self.tensors, self.diff, slot, self.anchor)
             else:
-                # As the executor runs it: a stage that nothing of needs a gradient (frozen)
+                # As the executor runs it: a stage of which nothing needs a gradient (frozen)
                 # with grad mode on, as plain autograd does, which code may read.
                 frozen = not self.diff and not any(
                     p.requires_grad for p in self.module.parameters()
@@ -234,7 +234,7 @@ class StageProfile:
     def _unhooked_backward_temporary(self, last: bool, saved_bytes: int) -> int:
         """B(i)'s temporary after a forward without saved-tensor hooks, as autograd alone runs
         it: every storage that forward left is x̄_i or an output."""
-        allocations = _Allocations(self.device)
+        allocations = Allocations(self.device)
         with allocations:
             output, slot, _ = self.forward(grad=True, hooks=False)
         pending = [output, slot, allocations.alive()]
@@ -272,7 +272,7 @@ class StageProfile:
         slots = scan.buffers
         before = [module._buffers[name] for module, name in slots]
         buffers = FirstForward(tuple(self.module.modules()), slots, shared=self.shared_buffers)
-        allocations = _Allocations(self.device)
+        allocations = Allocations(self.device)
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         buffers.finish(self.name)
@@ -387,44 +387,3 @@ class StageProfile:
             "refill_s": min(statistics.median(refill_times), forward_s),
         }
         return dataclasses.replace(sizes, **timed_figures), handed
-
-
-class _Allocations:
-    """The storages a block of code allocates, to find those still alive later.
-
-    On CPU a :class:`offremat.measure.LiveStorageTracker`; on CUDA the allocator's count, which
-    a dispatch mode would change (compiled blocks would run eagerly under it).
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.tracker = LiveStorageTracker() if device.type != "cuda" else None
-        self.before = 0
-
-    def __enter__(self) -> _Allocations:
-        if self.tracker is None:
-            self.before = torch.cuda.memory_allocated(self.device)
-        else:
-            self.tracker.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.tracker is not None:
-            self.tracker.__exit__(*exc)
-
-    def alive(self) -> dict[int, torch.UntypedStorage]:
-        """The storages allocated inside and alive now, by key (none known on CUDA, where the
-        allocator sees every free anyway)."""
-        if self.tracker is None:
-            return {}
-        return self.tracker.live_storages()
-
-    def alive_bytes(
-        self, handed: dict[int, torch.UntypedStorage], state: dict[int, torch.UntypedStorage]
-    ) -> int:
-        """Bytes allocated inside and alive now, but for the outputs ``handed`` on (allocated
-        inside) and the modules' ``state`` (parameters and buffers, allocated before)."""
-        if self.tracker is None:
-            inside = torch.cuda.memory_allocated(self.device) - self.before
-            return max(inside - sum(s.nbytes() for s in handed.values()), 0)
-        return sum(s.nbytes() for k, s in self.alive().items() if k not in handed | state)

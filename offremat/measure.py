@@ -239,3 +239,44 @@ def cuda_blocks_split_exactly() -> bool:
             if key.strip() == "expandable_segments" and value.strip().lower() == "true":
                 return True
     return False
+
+
+class Allocations:
+    """The storages a block of code allocates, to find those still alive later.
+
+    On CPU a :class:`LiveStorageTracker`; on CUDA the allocator's count, which
+    a dispatch mode would change (compiled blocks would run eagerly under it).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tracker = LiveStorageTracker() if device.type != "cuda" else None
+        self.before = 0
+
+    def __enter__(self) -> Allocations:
+        if self.tracker is None:
+            self.before = torch.cuda.memory_allocated(self.device)
+        else:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def alive(self) -> dict[int, torch.UntypedStorage]:
+        """The storages allocated inside and alive now, by key (none known on CUDA, where the
+        allocator sees every free anyway)."""
+        if self.tracker is None:
+            return {}
+        return self.tracker.live_storages()
+
+    def alive_bytes(
+        self, handed: dict[int, torch.UntypedStorage], state: dict[int, torch.UntypedStorage]
+    ) -> int:
+        """Bytes allocated inside and alive now, but for the outputs ``handed`` on (allocated
+        inside) and the modules' ``state`` (parameters and buffers, allocated before)."""
+        if self.tracker is None:
+            inside = torch.cuda.memory_allocated(self.device) - self.before
+            return max(inside - sum(s.nbytes() for s in handed.values()), 0)
+        return sum(s.nbytes() for k, s in self.alive().items() if k not in handed | state)
