@@ -17,6 +17,7 @@ import offremat
 from offremat import NotAChainError
 from offremat.measure import StepMemory
 from tests import model_zoo as zoo
+from tests.oracles import step_within_budget
 
 pytest.importorskip("transformers")
 
@@ -127,25 +128,6 @@ def test_optimize_and_new_shapes_leave_the_caller_s_graph_and_gradients_alone() 
     assert torch.equal(mine, outer.weight.grad)
 
 
-def step_within_budget_as_plain_autograd(optimized, model, reference, batch) -> None:
-    """One step of ``optimized`` (over ``model``) and of plain autograd on ``reference``, from
-    gradients allocated as after a first step: the same loss and gradients, bit for bit, and
-    a peak measured independently (``StepMemory``) within the budget."""
-    for parameter in (*model.parameters(), *reference.parameters()):
-        parameter.grad = torch.zeros_like(parameter)
-    torch.manual_seed(1)
-    with StepMemory("cpu", inputs=batch) as memory:
-        loss = optimized(**batch).loss
-        loss.backward()
-    torch.manual_seed(1)
-    expected = reference(**batch).loss
-    expected.backward()
-    assert torch.equal(loss, expected)
-    assert memory.peak_bytes <= optimized.plan.budget_bytes
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
-
-
 def test_hooks_a_first_call_installs_are_left_to_the_model_as_it_found_them() -> None:
     """LLaVA asks its vision tower for hidden states, which Hugging Face records with hooks
     it installs on the first call, marking the tower with an attribute. optimize's runs put
@@ -159,7 +141,7 @@ def test_hooks_a_first_call_installs_are_left_to_the_model_as_it_found_them() ->
     with torch.no_grad():
         assert torch.equal(model(**batch).loss, reference(**batch).loss)
     for _ in range(2):
-        step_within_budget_as_plain_autograd(optimized, model, reference, batch)
+        step_within_budget(optimized, model, reference, **batch)
     assert optimized.cache_info()["misses"] == 0
 
 
@@ -174,7 +156,7 @@ def test_one_layer_used_as_every_stage_fits_its_budget(budget: float) -> None:
     batch = {"input_ids": ids, "labels": torch.tensor([0, 2])}
     optimized = offremat.optimize(model, batch, budget=budget)
     assert len(set(optimized.chain.metadata["blocks"])) == 1 < optimized.chain.length
-    step_within_budget_as_plain_autograd(optimized, model, reference, batch)
+    step_within_budget(optimized, model, reference, **batch)
 
 
 def _alternating(kind: str) -> nn.Module:
@@ -256,9 +238,7 @@ def test_layers_alternating_kinds_of_attention_train_within_budget_as_plain_auto
     layers = model.config.num_hidden_layers
     assert len(optimized.chain.metadata["blocks"]) >= layers
     for ids in (IDS, IDS[:, :6].contiguous()):
-        step_within_budget_as_plain_autograd(
-            optimized, model, reference, {"input_ids": ids, "labels": ids}
-        )
+        step_within_budget(optimized, model, reference, input_ids=ids, labels=ids)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "gemma2"])
@@ -275,6 +255,4 @@ def test_layers_of_two_kinds_optimized_on_a_sequence_shorter_than_the_window(kin
     budget = int(0.8 * plain.peak_bytes)
     optimized = offremat.optimize(model, {"input_ids": short, "labels": short}, budget=budget)
     for ids in (IDS, short):
-        step_within_budget_as_plain_autograd(
-            optimized, model, reference, {"input_ids": ids, "labels": ids}
-        )
+        step_within_budget(optimized, model, reference, input_ids=ids, labels=ids)

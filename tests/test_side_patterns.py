@@ -13,7 +13,7 @@ from torch import nn
 
 import offremat
 from offremat import NotAChainError
-from offremat.measure import StepMemory
+from tests.oracles import step_as_plain_autograd, step_within_budget
 
 WIDTH = 16
 
@@ -67,30 +67,6 @@ def batch() -> torch.Tensor:
     return torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(0))
 
 
-def step_as_plain_autograd(optimized, model, reference, *args, **kwargs) -> int:
-    """One step of ``optimized`` (over ``model``) and of plain autograd on ``reference``, the
-    same seed, from gradients allocated as after a first step: the same loss and gradients,
-    bit for bit. Returns the step's peak, measured independently (``StepMemory``)."""
-    for parameter in (*model.parameters(), *reference.parameters()):
-        if parameter.requires_grad:
-            parameter.grad = torch.zeros_like(parameter)
-    torch.manual_seed(1)
-    with StepMemory("cpu", inputs=(args, kwargs)) as memory:
-        loss = _loss(optimized(*args, **kwargs))
-        loss.backward()
-    torch.manual_seed(1)
-    expected = _loss(reference(*args, **kwargs))
-    expected.backward()
-    assert torch.equal(loss, expected)
-    pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in pairs)
-    return memory.peak_bytes
-
-
-def _loss(output):
-    return getattr(output, "loss", output)
-
-
 @pytest.mark.parametrize("sides", ["turns", "own", "residual"])
 @pytest.mark.parametrize("solver", ["dp", "milp"])
 @pytest.mark.parametrize("fraction", [0.6, 0.8])
@@ -105,8 +81,7 @@ def test_blocks_taking_other_side_inputs_train_within_budget_as_plain_autograd(
     assert optimized.chain.metadata["blocks"] == [f"blocks.{k}" for k in range(6)]
     assert any(op.kind != "F_all" for op in optimized.plan.ops if op.kind.startswith("F"))
     for _ in range(2):
-        peak = step_as_plain_autograd(optimized, model, reference, x)
-        assert peak <= optimized.plan.budget_bytes
+        step_within_budget(optimized, model, reference, x)
 
 
 def test_a_block_output_read_before_the_chain_ran_is_refused() -> None:
@@ -173,8 +148,7 @@ def test_swin_stages_each_taking_their_own_dimensions_form_the_chain() -> None:
     batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
     optimized = offremat.optimize(model, batch, budget=0.7)
     assert optimized.chain.metadata["blocks"] == [f"swin.encoder.layers.{k}" for k in range(3)]
-    peak = step_as_plain_autograd(optimized, model, reference, **batch)
-    assert peak <= optimized.plan.budget_bytes
+    step_within_budget(optimized, model, reference, **batch)
 
 
 def test_a_side_input_changed_in_place_between_calls_is_refused() -> None:
@@ -405,5 +379,4 @@ def test_the_backward_of_the_code_making_side_inputs_is_counted(groups: int) -> 
     with pytest.raises(InfeasibleBudgetError) as least:
         offremat.optimize(copy.deepcopy(model), x, budget=64)
     optimized = offremat.optimize(model, x, budget=least.value.min_budget_bytes)
-    peak = step_as_plain_autograd(optimized, model, reference, x)
-    assert peak <= optimized.plan.budget_bytes
+    step_within_budget(optimized, model, reference, x)
