@@ -171,7 +171,7 @@ class _Step(Compute):
         self.verifying = executor.verify_next
         # The gradients this step will make for parameters whose .grad is None: the budget
         # does not count them (design.md), so the check of a first step leaves them out.
-        self.new_grad_bytes = _new_grad_bytes(scans) if self.verifying else 0
+        self.new_grad_bytes = _new_grad_bytes(scans) if measuring else 0
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
@@ -258,21 +258,37 @@ class _Step(Compute):
         executor.verify_next = over and not executor.over_budget
 
     def _report_over_budget(self, measured: int) -> None:
-        """Warn, once per plan, when the independent measurement exceeds the budget."""
-        budget = self.executor.plan.budget_bytes
-        if budget is None or measured <= budget or self.executor.reported_over_budget:
+        """Warn, once per plan and reason, when the independent measurement exceeds the
+        budget: by the parameters' gradients the step made, which the budget leaves out, or
+        by more."""
+        executor = self.executor
+        budget = executor.plan.budget_bytes
+        if budget is None or measured <= budget:
             return
-        self.executor.reported_over_budget = True
+        reason = "gradients" if measured - self.new_grad_bytes <= budget else "activations"
+        if reason in executor.reported_over_budget:
+            return
+        executor.reported_over_budget.add(reason)
+        if reason == "gradients":
+            logger.warning(
+                "this step measured %s, over its budget of %s by no more than the %s of "
+                "parameters' gradients it allocated (their .grad was None): the budget leaves "
+                "those out, and steps that keep them (optimizer.zero_grad(set_to_none=False)) "
+                "stay within it",
+                format_bytes(measured),
+                format_bytes(budget),
+                format_bytes(self.new_grad_bytes),
+            )
+            return
         logger.warning(
             "this step measured %s of activations, over its budget of %s (its plan "
-            "predicted %s). Either the step allocated the parameters' gradients (keep them "
-            "between steps: zero_grad(set_to_none=False)), or the model's activation sizes "
-            "depend on more than the input's shapes (the values of a padding mask, a routing "
-            "decision) or differ from the sizes predicted for this shape: then lower the "
-            "budget given to offremat.optimize by that margin",
+            "predicted %s). The model's activation sizes depend on more than the input's "
+            "shapes (the values of a padding mask, a routing decision) or differ from the "
+            "sizes predicted for this shape: lower the budget given to offremat.optimize by "
+            "that margin",
             format_bytes(measured),
             format_bytes(budget),
-            format_bytes(self.executor.plan.predicted_peak_bytes or 0),
+            format_bytes(executor.plan.predicted_peak_bytes or 0),
         )
 
     def hooked_parameters(self) -> list[torch.Tensor]:

@@ -152,7 +152,7 @@ class PlanExecutor:
         forwards = Counter(op.index for op in plan.ops if op.kind in FORWARD_KINDS)
         self.recomputed = frozenset(i for i, count in forwards.items() if count > 1)
         _refuse_recomputed_renorm(self.stages, self.recomputed, chain.stage_names)
-        self.reported_over_budget = False
+        self.reported_over_budget: set[str] = set()  # the reasons warned of
         # Measure the next step (a chain not profiled at this shape), and what it found.
         self.verify_next = False
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).

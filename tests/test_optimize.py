@@ -563,6 +563,25 @@ def test_a_step_measured_over_its_budget_is_reported(caplog) -> None:
     assert caplog.text.count("over its budget") == 1  # once per plan
 
 
+def test_a_first_step_over_by_its_new_gradients_alone_says_so(caplog) -> None:
+    """A step whose parameters' .grad is None allocates them, and the budget leaves them out:
+    over the budget by them alone, the warning told the user to keep them between steps
+    (which they did) or to lower the budget (a README trial)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)]
+    model = nn.Sequential(*blocks, nn.Linear(256, 1))
+    x = torch.randn(64, 256)
+    om = offremat.optimize(model, x, budget=1.0, measure_memory=True)
+    om(x).sum().backward()
+    assert om.stats.measured_peak_bytes > om.plan.budget_bytes
+    assert caplog.text.count("by no more than") == 1
+    assert "lower the budget" not in caplog.text
+    model.zero_grad(set_to_none=False)
+    om(x).sum().backward()
+    assert om.stats.measured_peak_bytes <= om.plan.budget_bytes
+    assert caplog.text.count("over its budget") == 1
+
+
 def test_a_sparse_embedding_trains_as_plain_autograd_within_its_budget() -> None:
     """nn.Embedding(sparse=True) makes a sparse gradient, which has no storage of its own: the
     independent measurement counts its indices and values (it used to fail on it)."""

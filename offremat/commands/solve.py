@@ -70,7 +70,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--slots",
         type=integer_at_least(1),
         metavar="N",
-        help="dp/milp memory discretization (default 500)",
+        help="dp, checkmate and milp memory discretization (default 500)",
     )
     add_bandwidth_option(parser, "replacing the chain's (offloading needs one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -80,7 +80,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"(default {DEFAULT_MILP_TIME_LIMIT_S:g})",
     )
     parser.add_argument(
-        "--slots", type=integer_at_least(1), metavar="N", help="dp/milp memory discretization"
+        "--slots",
+        type=integer_at_least(1),
+        metavar="N",
+        help="dp, checkmate and milp memory discretization",
     )
     add_bandwidth_option(
         parser,
