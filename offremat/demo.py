@@ -171,7 +171,8 @@ def run_demo(
         chain = chain.with_link(Link(CPU_STAND_IN_BANDWIDTH, CPU_STAND_IN_BANDWIDTH))
         link_note = (
             f"no GPU: the milp plans with a stand-in {CPU_STAND_IN_BANDWIDTH / 1e9:.0f} GB/s host "
-            "link (--bandwidth sets another), and the CPU executor runs its offloads as synchronous copies"
+            "link (--bandwidth sets another), and the CPU executor runs its offloads as "
+            "synchronous copies"
         )
     else:
         link_note = (
