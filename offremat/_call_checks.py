@@ -187,7 +187,7 @@ def refuse_outer_saved_tensor_hooks() -> None:
             "this training step runs inside torch.autograd.graph.saved_tensors_hooks (or "
             "save_on_cpu); offremat packs the saved tensors of its stages itself, so those "
             "hooks would not see them. Leave the hooks out and let the plan offload (give "
-            "optimize a bandwidth), or put them inside the blocks' forward"
+            "optimize a bandwidth)"
         )
 
 

@@ -71,6 +71,9 @@ class Measured:
     # gradients B(i) gives them (see _measure).
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
+    # Made by the forward and held until the backward by something the stage's saved-tensor
+    # hooks do not see (see _measure).
+    hidden_bytes: int = 0
 
 
 class StageProfile:
@@ -276,6 +279,8 @@ class StageProfile:
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         buffers.finish(self.name)
+        # By key and size only: holding a storage here would keep it past the backward.
+        left = {key: storage.nbytes() for key, storage in allocations.alive().items()}
         # A buffer the forward replaces (self.gain = self.gain * 0.999) leaves its new tensor,
         # made during the step, to its end, while the graph may still hold the old one.
         replaced = [
@@ -297,6 +302,7 @@ class StageProfile:
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
         ) + norm_statistics_bytes(scan.norms)
         unsaved_leaves = leaves.keys() - saved.keys()
+        seen = saved.keys() | leaves.keys()
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
@@ -324,7 +330,19 @@ class StageProfile:
         # before another forward replaces it.
         state = unique_storages([*self.module.parameters(), *self.module.buffers()])
         kept = allocations.alive_bytes(unique_storages(flatten(handed)[0]), state)
-        del allocations
+        # What the forward left and the backward freed, that offremat's packer never saw, the
+        # graph held past its hooks: saved_tensors_hooks or save_on_cpu inside the block (on
+        # the device: on CPU its host copies are the same memory), a tensor a hook's closure
+        # holds, a stash a custom Function empties in its backward. No plan drops or moves
+        # it; the first forward's graph holds it to B(i) (not seen on CUDA, see Allocations).
+        accounted = seen | allocations.alive().keys()
+        hidden = sum(size for key, size in left.items() if key not in accounted)
+        del allocations, left, accounted
+        if hidden:  # what holds them may hold the stage's input too, past the plan's free
+            inputs = unique_storages(self.tensors)
+            hidden += sum(
+                storage_allocated_bytes(s) for k, s in inputs.items() if k not in self.excluded
+            )
         # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
         # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
         # more at once (a bias gradient beside a weight gradient's input): the larger counts.
@@ -362,6 +380,7 @@ class StageProfile:
             changed_buffer_bytes=changed_buffers,
             leaf_bytes=leaf_bytes,
             leaf_grad_bytes=leaf_grad_bytes,
+            hidden_bytes=hidden,
         )
         if sizes_only:
             return sizes, handed

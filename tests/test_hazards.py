@@ -694,6 +694,53 @@ def test_an_output_a_module_keeps_is_counted_through_its_backward() -> None:
     assert memory.peak_bytes <= plan.predicted_peak_bytes
 
 
+class KeepsItsSavedTensors(nn.Module):
+    """Runs its layers under saved-tensor hooks of its own, which hide its saved tensors from
+    the executor's (activation compression, save_on_cpu: here the identity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH), nn.Tanh()
+        )
+
+    def forward(self, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return self.layers(x)
+
+
+class Mean(nn.Module):
+    def forward(self, x):
+        return x.mean()
+
+
+@pytest.mark.parametrize(("of", "fraction"), [("plain", 0.9), ("plain", 1.15), ("keep-all", 0.97)])
+def test_what_saved_tensor_hooks_inside_a_block_keep_is_counted(of: str, fraction: float) -> None:
+    """The profile saw none of it: a plan at 97% of keep-all measured 3.5 times its budget,
+    and a budget below plain autograd's peak got a plan (a hunt). It now counts as resident
+    for the whole step, with the block's input: a plan fits, or the budget is refused."""
+    from offremat.measure import StepMemory
+    from solvers.budget import InfeasibleBudgetError
+    from tests.oracles import step_within_budget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[KeepsItsSavedTensors() for _ in range(6)], Mean())
+    reference = copy.deepcopy(model)
+    x = torch.randn(ROWS, WIDTH)
+    plain = copy.deepcopy(model)
+    for parameter in plain.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    with StepMemory("cpu", x) as memory:
+        plain(x).backward()
+    budget = int(fraction * memory.peak_bytes) if of == "plain" else fraction
+    if fraction < 0.95:
+        with pytest.raises(InfeasibleBudgetError):
+            offremat.optimize(model, x, budget=budget)
+        return
+    optimized = offremat.optimize(model, x, budget=budget)
+    step_within_budget(optimized, model, reference, x)
+
+
 class AuxiliaryLoss(nn.Module):
     """Stores a loss term computed inside the block, as mixture-of-experts blocks store their
     load-balancing loss."""
