@@ -358,6 +358,15 @@ class _PlanFunction(torch.autograd.Function):
                 "step, each time on part of the gradient. Run one backward per forward, or "
                 "remove the hooks (clip gradients after the backward)"
             )
+        if any(g is not None and _batched(g) for g in grads):
+            step.abandon()
+            raise RuntimeError(
+                "a batched backward (torch.autograd.grad(..., is_grads_batched=True), "
+                "torch.autograd.functional.jacobian(..., vectorize=True)) runs under vmap, "
+                "which a plan's backward cannot: it holds, moves and frees the storages of its "
+                "tensors, and batched tensors have none. Loop over the gradient vectors, or "
+                "compute it on a model run without offremat"
+            )
         if torch.is_grad_enabled():
             step.abandon()
             raise RuntimeError(
@@ -366,3 +375,10 @@ class _PlanFunction(torch.autograd.Function):
                 "as the backward goes. Compute the penalty on a model run without offremat"
             )
         return (None, None, *step.run_backward(grads, accumulate))
+
+
+def _batched(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is batched by vmap: torch.func's, or the older one that
+    ``is_grads_batched=True`` runs a backward under."""
+    functorch = torch._C._functorch
+    return functorch.is_batchedtensor(tensor) or functorch.is_legacy_batchedtensor(tensor)

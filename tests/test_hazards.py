@@ -386,6 +386,20 @@ def test_gradients_with_respect_to_parameters_are_reported_unused_and_of_gradien
     assert all(p.grad is None for p in parameters)
 
 
+def test_a_batched_backward_is_refused_and_the_next_step_trains() -> None:
+    """autograd.grad(..., is_grads_batched=True) runs the backward under vmap: it failed deep
+    inside the executor on a batched tensor's missing storage (a hunt)."""
+    model, reference, om, x = input_gradient_setup("dp")
+    x = x.clone().requires_grad_()
+    vectors = torch.randn(3, *om(x).shape)
+    with pytest.raises(RuntimeError, match="is_grads_batched=True"):
+        torch.autograd.grad(om(x), x, vectors, is_grads_batched=True)
+    om(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("solver", ["dp", "checkpoint-every-stage", "offload-all"])
 def test_parameter_hooks_run_once_with_the_gradient(solver: str) -> None:
     """A gradient hook sees each parameter's gradient once, never None, and what it returns
