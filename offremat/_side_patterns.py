@@ -95,7 +95,10 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
     if any(cache_in(value) for args, kwargs in captured for value in (*args, *kwargs.values())):
         logger.warning(
             "the blocks' key-value cache is not filled in training steps (as with Hugging "
-            "Face's gradient checkpointing): recomputed blocks would fill it twice"
+            "Face's gradient checkpointing): recomputed blocks would fill it twice. Gradients "
+            "equal plain autograd's with use_cache=False; against a plain run with the cache "
+            "on, whose attention reads the cache's copy of the keys, they can differ by "
+            "rounding: set config.use_cache=False to compare"
         )
     inputs = [
         side_inputs_of(call.path, args, kwargs)
