@@ -25,6 +25,7 @@ from offremat._buffers import FirstForward, buffer_copy_bytes
 from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._ctx_tensors import refuse_tensors_on_ctx
+from offremat._fsdp import sharded_parameters
 from offremat._graph_leaves import GraphLeaf, graph_leaves, graph_run_before
 from offremat._scan import scan_modules
 from offremat._stage import (
@@ -249,15 +250,25 @@ class StageProfile:
     ) -> tuple[Measured, Any]:
         """Sizes and temporaries, measured independently (:mod:`offremat.measure`); times.
         ``last``: the chain's last stage, whose outputs its caller keeps through B(i)."""
-        # Gradients exist, as in every training step after the first: a backward then holds
-        # only transient parameter gradients, which count as its temporaries. They exist for
-        # this stage alone, so that profiling a new shape mid-training costs one stage's.
+        # In a training step after the first, gradients exist: a backward holds only transient
+        # parameter gradients, added to them, which count as its temporaries. Here each one
+        # lands in .grad and is let go at once, the same transient, with no gradients made
+        # beside the caller's, which a new shape profiled mid-training would hold twice (a
+        # hunt: a ConvNeXt step 2.7 times its budget). Gradients several stages sum
+        # (offremat._shared_grads), and those FSDP2 reduces, which autograd does not
+        # accumulate, exist as before.
         made = [p for p in self.module.parameters() if p.requires_grad and p.grad is None]
+        sharded = {id(p) for p in sharded_parameters([self.module])}
+        summed = {id(p) for p in self.summed}
         for parameter in made:
-            parameter.grad = torch.zeros_like(parameter)
+            if id(parameter) in summed or id(parameter) in sharded:
+                parameter.grad = torch.zeros_like(parameter)
+        handles = [p.register_post_accumulate_grad_hook(_let_go) for p in made if p.grad is None]
         try:
             return self._measure(warmup, repeats, sizes_only, last)
         finally:
+            for handle in handles:
+                handle.remove()
             for parameter in made:
                 parameter.grad = None
 
@@ -406,3 +417,8 @@ class StageProfile:
             "refill_s": min(statistics.median(refill_times), forward_s),
         }
         return dataclasses.replace(sizes, **timed_figures), handed
+
+
+def _let_go(parameter: torch.Tensor) -> None:
+    """A gradient profiling made, let go once accumulated."""
+    parameter.grad = None
