@@ -32,11 +32,13 @@ def family_baselines(chain: Chain) -> list[Plan]:
 def fastest_fitting(plan: Plan, chain: Chain, budget_bytes: int) -> Plan:
     """``plan`` (scored), or the fastest of :func:`family_baselines` that fits ``budget_bytes``
     where one is faster, as a dp plan whose ``info`` names it and the DP's own time. A plan of
-    the DP in exact bytes is the family's fastest already, and is returned as it is."""
+    the DP in exact bytes is the family's fastest already, and is returned as it is, but on a
+    chain with frozen stages, whose two plans of the rest (:mod:`solvers.frozen`) can lose to
+    a fixed plan of the whole chain."""
     plan = score(plan, chain, budget_bytes)
     own = plan.predicted_time_s
     assert own is not None
-    if plan.info.get("exact"):
+    if plan.info.get("exact") and not chain.frozen_stages:
         return plan
     for time_s, peak_bytes, candidate in _scored_baselines(chain):
         if time_s >= own * (1 - MARGIN):
