@@ -6,8 +6,9 @@ a step of that code with gradients made for its parameters, beside the caller's 
 measured 1.03 times its budget in the step that planned a shorter sequence, and 0.63 in the
 next. The profile of each stage gave its parameters gradients of its own beside the caller's
 too: a Llama with a wide MLP (a layer's parameters 0.6 of the budget) measured 1.18 times
-its budget in that step (a hunt). Oracles: the step's memory measured independently (``StepMemory``, gradients allocated
-before, as after a first step) and plain autograd's gradients.
+its budget in that step (a hunt). Oracles: the step's memory measured independently
+(``StepMemory``, gradients allocated before, as after a first step) and plain autograd's
+gradients.
 """
 
 from __future__ import annotations
