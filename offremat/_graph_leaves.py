@@ -68,7 +68,8 @@ def graph_run_before(stage: str, source: str | None) -> str:
     if source == stage:
         made = (
             "computed by an earlier call of this stage, kept on a module from an earlier "
-            "step's graph (a cache filled with gradients on)"
+            "step's graph (a cache filled with gradients on; a Hugging Face model's: set "
+            "config.use_cache=False)"
         )
     else:
         where = f"stage {source!r}" if source is not None else "an earlier stage"
@@ -77,7 +78,10 @@ def graph_run_before(stage: str, source: str | None) -> str:
             "a module, `self.last = h`, and read by this stage, or kept by a forward hook)"
         )
         if source is None:
-            made += ", or kept from an earlier step's graph (a cache filled with gradients on)"
+            made += (
+                ", or kept from an earlier step's graph (a cache filled with gradients on; a "
+                "Hugging Face model's: set config.use_cache=False)"
+            )
     return (
         f"stage {stage!r} computes with a tensor that requires grad {made}. offremat runs each "
         "stage's backward itself, from its output, so the gradient along that path would be "
