@@ -24,7 +24,7 @@ from torch.autograd.graph import get_gradient_edge
 from offremat._buffers import FirstForward, buffer_copy_bytes
 from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._clock import MarkingPacker, mark, seconds, timed
-from offremat._ctx_tensors import refuse_tensors_on_ctx
+from offremat._ctx_tensors import refuse_hidden_saved, refuse_tensors_on_ctx
 from offremat._fsdp import sharded_parameters
 from offremat._graph_leaves import GraphLeaf, graph_leaves, graph_run_before
 from offremat._scan import scan_modules
@@ -72,9 +72,6 @@ class Measured:
     # gradients B(i) gives them (see _measure).
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
-    # Made by the forward and held until the backward by something the stage's saved-tensor
-    # hooks do not see (see _measure).
-    hidden_bytes: int = 0
 
 
 class StageProfile:
@@ -290,8 +287,11 @@ class StageProfile:
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         buffers.finish(self.name)
-        # By key and size only: holding a storage here would keep it past the backward.
+        # By key and size only: holding a storage here would keep it past the backward. The
+        # parameters a forward gathers (FSDP2's, kept to the backward at the root) are no
+        # activations.
         left = {key: storage.nbytes() for key, storage in allocations.alive().items()}
+        gathered = unique_storages(self.module.parameters()).keys()
         # A buffer the forward replaces (self.gain = self.gain * 0.999) leaves its new tensor,
         # made during the step, to its end, while the graph may still hold the old one.
         replaced = [
@@ -313,7 +313,7 @@ class StageProfile:
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
         ) + norm_statistics_bytes(scan.norms)
         unsaved_leaves = leaves.keys() - saved.keys()
-        seen = saved.keys() | leaves.keys()
+        seen = saved.keys() | leaves.keys() | gathered
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
@@ -341,19 +341,11 @@ class StageProfile:
         # before another forward replaces it.
         state = unique_storages([*self.module.parameters(), *self.module.buffers()])
         kept = allocations.alive_bytes(unique_storages(flatten(handed)[0]), state)
-        # What the forward left and the backward freed, that offremat's packer never saw, the
-        # graph held past its hooks: saved_tensors_hooks or save_on_cpu inside the block (on
-        # the device: on CPU its host copies are the same memory), a tensor a hook's closure
-        # holds, a stash a custom Function empties in its backward. No plan drops or moves
-        # it; the first forward's graph holds it to B(i) (not seen on CUDA, see Allocations).
+        # What the forward left and the backward freed but offremat's packer never saw, the
+        # graph held past its hooks (not seen on CUDA, see Allocations).
         accounted = seen | allocations.alive().keys()
-        hidden = sum(size for key, size in left.items() if key not in accounted)
+        refuse_hidden_saved(self.name, sum(s for k, s in left.items() if k not in accounted))
         del allocations, left, accounted
-        if hidden:  # what holds them may hold the stage's input too, past the plan's free
-            inputs = unique_storages(self.tensors)
-            hidden += sum(
-                storage_allocated_bytes(s) for k, s in inputs.items() if k not in self.excluded
-            )
         # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
         # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
         # more at once (a bias gradient beside a weight gradient's input): the larger counts.
@@ -391,7 +383,6 @@ class StageProfile:
             changed_buffer_bytes=changed_buffers,
             leaf_bytes=leaf_bytes,
             leaf_grad_bytes=leaf_grad_bytes,
-            hidden_bytes=hidden,
         )
         if sizes_only:
             return sizes, handed

@@ -122,9 +122,7 @@ def profile_model(
     # The leaves a stage's graph holds live from its first forward to its backward in every
     # plan (a recomputed stage's forward keeps its graph, offremat._deferred), and to the end
     # of the step under plain autograd: resident for the whole step, like what modules keep.
-    kept = sum(
-        m.kept_bytes + m.changed_buffer_bytes + m.leaf_bytes + m.hidden_bytes for m in measured
-    )
+    kept = sum(m.kept_bytes + m.changed_buffer_bytes + m.leaf_bytes for m in measured)
     leaves = {name: m.leaf_bytes for name, m in zip(names, measured, strict=True) if m.leaf_bytes}
     if leaves:
         logger.warning(
@@ -150,19 +148,6 @@ def profile_model(
                 stage_name,
                 m.kept_bytes,
             )
-    hidden = {name: m.hidden_bytes for name, m in zip(names, measured, strict=True)}
-    hidden = {name: size for name, size in hidden.items() if size}
-    if hidden:
-        logger.warning(
-            "%d stage(s) leave tensors from their forward to their backward that autograd "
-            "holds past offremat's saved-tensor hooks (%s): saved_tensors_hooks or save_on_cpu "
-            "inside a block, a tensor held by a hook's closure, or one a custom Function keeps "
-            "outside ctx.save_for_backward. No plan can drop or offload them, so they count as "
-            "resident for the whole step: take such hooks out of the blocks and let the plan "
-            "offload (give optimize a bandwidth)",
-            len(hidden),
-            ", ".join(f"{name!r} {size} B" for name, size in hidden.items()),
-        )
     copied = {name: m.changed_buffer_bytes for name, m in zip(names, measured, strict=True)}
     copied = {name: size for name, size in copied.items() if size}
     if copied:

@@ -728,31 +728,46 @@ class Mean(nn.Module):
         return x.mean()
 
 
-@pytest.mark.parametrize(("of", "fraction"), [("plain", 0.9), ("plain", 1.15), ("keep-all", 0.97)])
-def test_what_saved_tensor_hooks_inside_a_block_keep_is_counted(of: str, fraction: float) -> None:
-    """The profile saw none of it: a plan at 97% of keep-all measured 3.5 times its budget,
-    and a budget below plain autograd's peak got a plan (a hunt). It now counts as resident
-    for the whole step, with the block's input: a plan fits, or the budget is refused."""
-    from offremat.measure import StepMemory
-    from solvers.budget import InfeasibleBudgetError
-    from tests.oracles import step_within_budget
+STASH: dict[int, torch.Tensor] = {}
 
+
+class Stashed(torch.autograd.Function):
+    """tanh keeping its output for the backward in a stash of its own, not on ctx."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x) * 2
+        ctx.key = id(y)
+        STASH[ctx.key] = y
+        return y / 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        y = STASH.pop(ctx.key) / 2
+        return grad * (1 - y * y)
+
+
+class KeepsAStash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return Stashed.apply(self.linear(x))
+
+
+@pytest.mark.parametrize("block", [KeepsItsSavedTensors, KeepsAStash])
+@pytest.mark.parametrize("budget", [0.5, 1.0])
+def test_what_autograd_holds_past_the_executor_s_hooks_is_refused(block, budget) -> None:
+    """Saved-tensor hooks inside a block, or a stash a custom Function empties in its
+    backward, hide what they hold from the profile: plans at 97% of keep-all measured 3.5
+    times their budget (a hunt), and counted as resident, a plan that recomputed such a stage
+    held it twice, 1.7 times (a review). The profile sees the forward leave it and the
+    backward free it, and refuses the stage."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[KeepsItsSavedTensors() for _ in range(6)], Mean())
-    reference = copy.deepcopy(model)
-    x = torch.randn(ROWS, WIDTH)
-    plain = copy.deepcopy(model)
-    for parameter in plain.parameters():
-        parameter.grad = torch.zeros_like(parameter)
-    with StepMemory("cpu", x) as memory:
-        plain(x).backward()
-    budget = int(fraction * memory.peak_bytes) if of == "plain" else fraction
-    if fraction < 0.95:
-        with pytest.raises(InfeasibleBudgetError):
-            offremat.optimize(model, x, budget=budget)
-        return
-    optimized = offremat.optimize(model, x, budget=budget)
-    step_within_budget(optimized, model, reference, x)
+    model = nn.Sequential(*[block() for _ in range(6)], Mean())
+    with pytest.raises(ValueError, match="past offremat's saved-tensor hooks"):
+        offremat.optimize(model, torch.randn(ROWS, WIDTH), budget=budget)
 
 
 class AuxiliaryLoss(nn.Module):
