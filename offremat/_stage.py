@@ -23,7 +23,8 @@ Design notes (the invariants that make a plan's gradients those of plain autogra
 - Autocast. Every forward the executor runs (the first one and every recomputation) runs
   under the autocast state that was active when the step's forward ran, with autocast's
   weight cache off: the cache would keep each stage's low-precision weight copies alive until
-  the caller's autocast region ends, and nothing counts them.
+  the caller's autocast region ends, and nothing counts them. A recomputation also runs under
+  the forward's kernel and precision settings (:mod:`offremat._backend_flags`).
 - torch.compile. The pack and unpack hooks run inside compiled blocks (their saved tensors
   are packed by the compiled function) and are never traced: dynamo would guard on offremat's
   bookkeeping and recompile the hooks every step.

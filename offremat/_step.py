@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offremat._backend_flags import BackendFlags
 from offremat._buffers import FirstForward, shared_buffer_keys
 from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._clock import mark
@@ -142,6 +143,8 @@ class _Step(Compute):
         self.cuda_devices = cuda_device_indices(device)
         self.generators = [scan.generators for scan in scans]
         self.autocast = AutocastState.of_step(device)
+        # The kernels the first forwards run, which every recomputation runs too.
+        self.backend_flags = BackendFlags.now()
         self.trainable = [bool(scan.trainable) for scan in scans]
         self.shared = SharedGradients([scan.trainable for scan in scans])
         # flags[i][k]: whether tensor k of a_i carries a gradient, as in plain autograd.

@@ -142,6 +142,7 @@ class Compute:
                 _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
+                stack.enter_context(self.backend_flags.applied())
                 self._enter_replay(stack, i, name, refill=False)
             for state in self.autocast:
                 state.enter(stack)
@@ -269,6 +270,7 @@ class Compute:
                 _leave_inference_mode(stack)
                 if rng is not None:
                     stack.enter_context(replayed_rng(rng))
+                stack.enter_context(self.backend_flags.applied())
                 self._enter_replay(stack, i, name, refill=True)
                 for state in self.autocast:
                     state.enter(stack)
