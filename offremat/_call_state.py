@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,26 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 def innermost_saved_tensor_hooks() -> tuple[Any, Any] | None:
     """The (pack, unpack) hooks of the innermost ``saved_tensors_hooks`` in force, or None."""
     return None if _TOP_HOOKS is None else _TOP_HOOKS(False)
+
+
+@contextmanager
+def callers_saved_tensor_hooks_set_aside() -> Iterator[None]:
+    """Run without the ``saved_tensors_hooks`` in force, which come back afterwards.
+
+    For the work a step's backward does: plain autograd saves nothing in a backward, so hooks
+    the caller holds around ``loss.backward()`` pack nothing there, and must not pack a
+    recomputation's saved tensors either (a lossy one, activation compression, would change
+    the gradients). Without hooks in force this costs one look at the stack.
+    """
+    held = []
+    while (hooks := innermost_saved_tensor_hooks()) is not None:
+        held.append(hooks)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(held):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @dataclass(frozen=True)

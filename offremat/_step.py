@@ -20,6 +20,7 @@ import torch
 from offremat._backend_flags import BackendFlags
 from offremat._buffers import FirstForward, shared_buffer_keys
 from offremat._call_checks import refuse_disabled_saved_tensor_hooks
+from offremat._call_state import callers_saved_tensor_hooks_set_aside
 from offremat._clock import mark
 from offremat._memory import Residency, TensorRef
 from offremat._rng import HostRandomReader, RngState, cuda_device_indices
@@ -230,7 +231,7 @@ class _Step(Compute):
             refs = [None if g is None else TensorRef(g) for g in grads]
             held = self.residency.hold(r for r in refs if r is not None)
             self.grads[self.length] = PlanTensor(refs, None, held)
-            with self._out_of_memory_advice():
+            with self._out_of_memory_advice(), callers_saved_tensor_hooks_set_aside():
                 self._run(self.executor.backward_actions)
             first_grads = self.grads.pop(self.executor.chain.frozen_stages).tensors
         finally:
