@@ -287,11 +287,8 @@ class StageProfile:
         with allocations, StepMemory(self.device) as forward_memory:
             output, slot, packer = self.forward(grad=True)
         buffers.finish(self.name)
-        # By key and size only: holding a storage here would keep it past the backward. The
-        # parameters a forward gathers (FSDP2's, kept to the backward at the root) are no
-        # activations.
+        # By key and size only: holding a storage here would keep it past the backward.
         left = {key: storage.nbytes() for key, storage in allocations.alive().items()}
-        gathered = unique_storages(self.module.parameters()).keys()
         # A buffer the forward replaces (self.gain = self.gain * 0.999) leaves its new tensor,
         # made during the step, to its end, while the graph may still hold the old one.
         replaced = [
@@ -313,7 +310,7 @@ class StageProfile:
             storage_allocated_bytes(s) for k, s in saved.items() if k not in self.excluded
         ) + norm_statistics_bytes(scan.norms)
         unsaved_leaves = leaves.keys() - saved.keys()
-        seen = saved.keys() | leaves.keys() | gathered
+        seen = saved.keys() | leaves.keys()
         pending = [output, slot, saved]
         del output, slot, saved, packer, out_storages, out_tensors
         bwd_tmp, handed = self._backward_temporary(pending, last, saved_bytes)
@@ -342,10 +339,13 @@ class StageProfile:
         state = unique_storages([*self.module.parameters(), *self.module.buffers()])
         kept = allocations.alive_bytes(unique_storages(flatten(handed)[0]), state)
         # What the forward left and the backward freed but offremat's packer never saw, the
-        # graph held past its hooks (not seen on CUDA, see Allocations).
-        accounted = seen | allocations.alive().keys()
-        refuse_hidden_saved(self.name, sum(s for k, s in left.items() if k not in accounted))
-        del allocations, left, accounted
+        # graph held past its hooks. Not seen on CUDA (see Allocations), nor looked for in a
+        # distributed run, where FSDP2 holds buffers of its own from a forward to its backward.
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            accounted = seen | allocations.alive().keys()
+            refuse_hidden_saved(self.name, sum(s for k, s in left.items() if k not in accounted))
+            del accounted
+        del allocations, left
         # Without saved-tensor hooks (plain autograd, a forward the executor runs directly)
         # autograd lets a saved tensor go after its node, not once unpacked, so a node can hold
         # more at once (a bias gradient beside a weight gradient's input): the larger counts.
