@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 
-from solvers.baselines import checkpoint_sequential_plan, min_peak
+from solvers.baselines import checkpoint_sequential_plan, chen, min_peak
 from solvers.chain import Chain
+from solvers.ops import FORWARD_KINDS
 from solvers.plan import Plan
 from solvers.simulator import score
 
@@ -23,10 +24,14 @@ same durations in another order differs in the last bits."""
 
 
 def family_baselines(chain: Chain) -> list[Plan]:
-    """min-peak's plan and ``checkpoint_sequential``'s at every segment count (unscored)."""
+    """min-peak's plan, ``checkpoint_sequential``'s at every segment count and, with frozen
+    stages, chen's (unscored)."""
     trained = chain.length - chain.frozen_stages
     counts = range(1, trained + 1)
-    return [min_peak(chain)] + [checkpoint_sequential_plan(chain, count) for count in counts]
+    fixed = [min_peak(chain)] + [checkpoint_sequential_plan(chain, count) for count in counts]
+    # chen segments the whole chain, its frozen stages too, where checkpoint_sequential's
+    # plans segment the trained part: on a chain without frozen stages it is one of those.
+    return [*fixed, chen(chain)] if chain.frozen_stages else fixed
 
 
 def fastest_fitting(plan: Plan, chain: Chain, budget_bytes: int) -> Plan:
@@ -34,20 +39,27 @@ def fastest_fitting(plan: Plan, chain: Chain, budget_bytes: int) -> Plan:
     where one is faster, as a dp plan whose ``info`` names it and the DP's own time. A plan of
     the DP in exact bytes is the family's fastest already, and is returned as it is, but on a
     chain with frozen stages, whose two plans of the rest (:mod:`solvers.frozen`) can lose to
-    a fixed plan of the whole chain."""
+    a fixed plan of the whole chain; there a baseline runs the frozen forwards no more often
+    than the DP's plan, which runs them again only where it must (some cannot be)."""
     plan = score(plan, chain, budget_bytes)
     own = plan.predicted_time_s
     assert own is not None
     if plan.info.get("exact") and not chain.frozen_stages:
         return plan
+    reruns = frozen_forwards(plan, chain)
     for time_s, peak_bytes, candidate in _scored_baselines(chain):
         if time_s >= own * (1 - MARGIN):
             break
-        if peak_bytes <= budget_bytes:
+        if peak_bytes <= budget_bytes and frozen_forwards(candidate, chain) <= reruns:
             info = {**candidate.info, "baseline": candidate.solver, "dp_plan_time_s": own}
             chosen = Plan(candidate.ops, chain.stage_names, "dp", chain_name=chain.name, info=info)
             return score(chosen, chain, budget_bytes)
     return plan
+
+
+def frozen_forwards(plan: Plan, chain: Chain) -> int:
+    """How many forwards of the chain's frozen stages ``plan`` runs."""
+    return sum(op.kind in FORWARD_KINDS and op.index <= chain.frozen_stages for op in plan.ops)
 
 
 @functools.lru_cache(maxsize=8)
