@@ -14,7 +14,7 @@ import functools
 
 from solvers.baselines import checkpoint_sequential_plan, chen, min_peak
 from solvers.chain import Chain
-from solvers.ops import FORWARD_KINDS
+from solvers.frozen import frozen_forward_count
 from solvers.plan import Plan
 from solvers.simulator import score
 
@@ -46,20 +46,15 @@ def fastest_fitting(plan: Plan, chain: Chain, budget_bytes: int) -> Plan:
     assert own is not None
     if plan.info.get("exact") and not chain.frozen_stages:
         return plan
-    reruns = frozen_forwards(plan, chain)
+    reruns = frozen_forward_count(plan, chain)
     for time_s, peak_bytes, candidate in _scored_baselines(chain):
         if time_s >= own * (1 - MARGIN):
             break
-        if peak_bytes <= budget_bytes and frozen_forwards(candidate, chain) <= reruns:
+        if peak_bytes <= budget_bytes and frozen_forward_count(candidate, chain) <= reruns:
             info = {**candidate.info, "baseline": candidate.solver, "dp_plan_time_s": own}
             chosen = Plan(candidate.ops, chain.stage_names, "dp", chain_name=chain.name, info=info)
             return score(chosen, chain, budget_bytes)
     return plan
-
-
-def frozen_forwards(plan: Plan, chain: Chain) -> int:
-    """How many forwards of the chain's frozen stages ``plan`` runs."""
-    return sum(op.kind in FORWARD_KINDS and op.index <= chain.frozen_stages for op in plan.ops)
 
 
 @functools.lru_cache(maxsize=8)

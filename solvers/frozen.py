@@ -79,6 +79,12 @@ def lift(plan: Plan, chain: Chain) -> Plan:
     )
 
 
+def frozen_forward_count(plan: Plan, chain: Chain) -> int:
+    """How many forwards of the chain's frozen stages ``plan`` runs (p where it runs them
+    once, as every plan of :func:`trained_part` does)."""
+    return sum(op.kind in FORWARD_KINDS and op.index <= chain.frozen_stages for op in plan.ops)
+
+
 def prefix_peak(chain: Chain) -> int:
     """The most memory the frozen forwards hold: a_0, δ_L, and per forward its input (inside
     a_0 for the first), output and temporary (the simulator's rules, compute ops in turn)."""

@@ -18,7 +18,7 @@ from solvers import dp
 from solvers.baselines import checkpoint_every_stage, checkpoint_sequential_plan, chen, min_peak
 from solvers.chain import Chain
 from solvers.dp import memory_need, solve_dp
-from solvers.dp_family import frozen_forwards
+from solvers.frozen import frozen_forward_count
 from solvers.plan import Plan, validate
 from solvers.registry import keep_all_peak
 from solvers.simulator import least_fitting_budget, score
@@ -106,10 +106,10 @@ def test_a_frozen_chain_s_plan_runs_its_frozen_stages_once_where_that_fits() -> 
     chain = replace(random_chain(random.Random(1), 4), frozen_stages=1)
     budget = max(memory_need(chain), least_fitting_budget(chen(chain), chain))
     plan = solve_dp(chain, budget)
-    assert frozen_forwards(plan, chain) == 1 < frozen_forwards(chen(chain), chain)
+    assert frozen_forward_count(plan, chain) == 1 < frozen_forward_count(chen(chain), chain)
     for baseline in family(chain):
         scored = score(baseline, chain, budget)
-        if scored.feasible and frozen_forwards(baseline, chain) == 1:
+        if scored.feasible and frozen_forward_count(baseline, chain) == 1:
             assert plan.predicted_time_s <= scored.predicted_time_s * (1 + 1e-9)
 
 
@@ -137,8 +137,9 @@ def test_no_baseline_of_the_family_that_fits_is_faster(
     with patch.object(dp, "EXACT_SECONDS", dp.EXACT_SECONDS if exact else 0.0):
         plan = solve_dp(chain, budget, slots=slots)
     assert plan.feasible
+    reruns = frozen_forward_count(plan, chain)
     for baseline in family(chain):
         scored = score(baseline, chain, budget)
         # With frozen stages, a plan that runs them again where the dp's does not is no rival.
-        if scored.feasible and frozen_forwards(baseline, chain) <= frozen_forwards(plan, chain):
+        if scored.feasible and frozen_forward_count(baseline, chain) <= reruns:
             assert plan.predicted_time_s <= scored.predicted_time_s * (1 + 1e-9), baseline.solver
