@@ -28,10 +28,15 @@ from offremat._scan import ModuleScan, fixed_storages
 from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stats import OutOfMemoryAdvice, StepTiming
+from offremat._step_budget import (
+    end_verification,
+    fresh_parameters,
+    gradient_bytes,
+    report_over_budget,
+)
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
-from offremat._tensors import Structure, TensorKind, allocated_bytes, is_differentiable
+from offremat._tensors import Structure, TensorKind, is_differentiable
 from offremat.measure import StepMemory
-from solvers.budget import format_bytes
 from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
     ACTIVATION,
@@ -88,13 +93,6 @@ class StepsInFlight:
     def __setstate__(self, state: dict[str, bool]) -> None:
         self.steps = weakref.WeakSet()
         self.warned = state["warned"]
-
-
-def _new_grad_bytes(scans: list[ModuleScan]) -> int:
-    """The bytes of the gradients a step makes for the stages' parameters: the leaves that
-    train and whose .grad is None (a weight computed from others gets none)."""
-    fresh = {id(p): p for scan in scans for p in scan.trainable if p.is_leaf and p.grad is None}
-    return sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in fresh.values())
 
 
 class _Step(Compute):
@@ -171,11 +169,11 @@ class _Step(Compute):
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
         self.marks: list[Any] = []
-        self.memory = StepMemory(device, tensors) if measuring else None
+        # The parameters whose gradients this step makes: the budget does not count them.
+        fresh = fresh_parameters(scans) if measuring else []
+        self.memory = StepMemory(device, tensors, gradients_of=fresh) if measuring else None
         self.verifying = executor.verify_next
-        # The gradients this step will make for parameters whose .grad is None: the budget
-        # does not count them (design.md), so the check of a first step leaves them out.
-        self.new_grad_bytes = _new_grad_bytes(scans) if measuring else 0
+        self.new_grad_bytes = gradient_bytes(fresh)
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
@@ -240,60 +238,14 @@ class _Step(Compute):
         if self.memory is not None:
             self.memory.__exit__(None, None, None)
             if self.executor.measure_memory:
-                self._report_over_budget(self.memory.peak_bytes)
+                report_over_budget(self.executor, self.memory, self.new_grad_bytes)
             if self.verifying:
-                self._verified(self.memory.peak_bytes)
+                end_verification(self.executor, self.memory, self.new_grad_bytes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused
             return [None] * len(wanted)
         return [g if want else None for g, want in zip(first_grads, wanted, strict=True)]
-
-    def _verified(self, measured: int) -> None:
-        """End the check of a plan whose chain was not profiled at its shape: one measured
-        over its budget, less the parameters' gradients the step made, is marked, and its
-        shape is profiled at the next step. Over the budget only with those gradients, the
-        check is put off to the next step, which finds them made: they need not have been
-        alive at the peak."""
-        executor = self.executor
-        budget = executor.plan.budget_bytes
-        over = budget is not None and measured > budget
-        executor.over_budget = over and measured - self.new_grad_bytes > budget
-        executor.verify_next = over and not executor.over_budget
-
-    def _report_over_budget(self, measured: int) -> None:
-        """Warn, once per plan and reason, when the independent measurement exceeds the
-        budget: by the parameters' gradients the step made, which the budget leaves out, or
-        by more."""
-        executor = self.executor
-        budget = executor.plan.budget_bytes
-        if budget is None or measured <= budget:
-            return
-        reason = "gradients" if measured - self.new_grad_bytes <= budget else "activations"
-        if reason in executor.reported_over_budget:
-            return
-        executor.reported_over_budget.add(reason)
-        if reason == "gradients":
-            logger.warning(
-                "this step measured %s, over its budget of %s by no more than the %s of "
-                "parameters' gradients it allocated (their .grad was None): the budget leaves "
-                "those out, and steps that keep them (optimizer.zero_grad(set_to_none=False)) "
-                "stay within it",
-                format_bytes(measured),
-                format_bytes(budget),
-                format_bytes(self.new_grad_bytes),
-            )
-            return
-        logger.warning(
-            "this step measured %s of activations, over its budget of %s (its plan "
-            "predicted %s). The model's activation sizes depend on more than the input's "
-            "shapes (the values of a padding mask, a routing decision) or differ from the "
-            "sizes predicted for this shape: lower the budget given to offremat.optimize by "
-            "that margin",
-            format_bytes(measured),
-            format_bytes(budget),
-            format_bytes(executor.plan.predicted_peak_bytes or 0),
-        )
 
     def hooked_parameters(self) -> list[torch.Tensor]:
         """The trainable parameters of the stages that have hooks on their gradient."""

@@ -31,7 +31,8 @@ Design notes.
   chain was not profiled at its shape (read from a plan cache, or predicted from other
   shapes) has its first step measured (``verify_next``; a keep-all plan, run as plain
   autograd, its forward); one measured over its budget, less the parameters' gradients the
-  step made, is marked (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The
+  step made (:mod:`offremat._step_budget`), is marked (``over_budget``), and
+  :mod:`offremat._shapes` profiles its shape. The
   executor's own count of the storages it holds is kept as a diagnostic
   (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
   :attr:`PlanExecutor.stats` is read.
@@ -155,6 +156,7 @@ class PlanExecutor:
         self.reported_over_budget: set[str] = set()  # the reasons warned of
         # Measure the next step (a chain not profiled at this shape), and what it found.
         self.verify_next = False
+        self.verify_again = False  # the next step's check is the second (offremat._step_budget)
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False

@@ -56,7 +56,10 @@ class LiveStorageTracker(EagerDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # Recorded storages that stop counting in ``peak_less_left_out_bytes`` (see leave_out).
+        self._left_out: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.peak_bytes = 0
+        self.peak_less_left_out_bytes = 0
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -78,8 +81,35 @@ class LiveStorageTracker(EagerDispatchMode):
             if key not in inputs and (known is None or known() is not storage):
                 self._live[key] = weakref.ref(storage)
         self.ops += 1
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.note_peak()
         return result
+
+    def note_peak(self) -> None:
+        """Raise the peaks to what is alive now."""
+        live = self.live_bytes
+        self.peak_bytes = max(self.peak_bytes, live)
+        self.peak_less_left_out_bytes = max(
+            self.peak_less_left_out_bytes, live - self.left_out_bytes
+        )
+
+    def leave_out(self, storage: torch.UntypedStorage) -> None:
+        """From now on, count the recorded ``storage`` in ``peak_bytes`` only."""
+        key = storage._cdata
+        ref = self._live.get(key)
+        if ref is not None and ref() is storage:
+            self._left_out[key] = ref
+
+    @property
+    def left_out_bytes(self) -> int:
+        """Bytes of the left-out storages alive now; forgets the dead ones."""
+        total = 0
+        for key, ref in list(self._left_out.items()):
+            storage = ref()
+            if storage is None:
+                del self._left_out[key]
+            else:
+                total += storage.nbytes()
+        return total
 
     @property
     def live_bytes(self) -> int:
@@ -140,6 +170,11 @@ class StepMemory:
     allocator's reserved peak as well. The peak is net of frees: on CPU, of storages created
     inside and of the ``existing`` ones named (the CUDA allocator sees every free), so a code
     that frees older tensors before it allocates can have a peak below its allocations.
+
+    The budget leaves out parameters' gradients (design.md). On CPU, the gradients that the
+    code accumulates into the parameters ``gradients_of`` stop counting, from that moment, in
+    ``peak_less_gradients_bytes`` (they count in ``peak_bytes``): so one step whose .grad were
+    None can be checked against the budget exactly. The CUDA allocator cannot tell them apart.
     """
 
     def __init__(
@@ -147,21 +182,32 @@ class StepMemory:
         device: torch.device | str,
         inputs: Iterable[torch.Tensor] | Any = (),
         existing: Iterable[torch.UntypedStorage] = (),
+        gradients_of: Iterable[torch.Tensor] = (),
     ):
         self.device = torch.device(device)
         self.input_bytes = storage_bytes(tree_leaf_tensors(inputs))
         # Storages made before whose frees inside count, as the CUDA allocator counts them:
         # held weakly, so that they can be freed.
         self._existing = [weakref.ref(storage) for storage in existing]
+        self._gradients_of = list(gradients_of)
+        self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
         self._before = 0
         self.step_peak_bytes = 0
+        self.step_peak_less_gradients_bytes: int | None = None
         self.reserved_peak_bytes: int | None = None
 
     @property
     def peak_bytes(self) -> int:
         """The step's activation peak: its own allocations' peak plus its input."""
         return self.step_peak_bytes + self.input_bytes
+
+    @property
+    def peak_less_gradients_bytes(self) -> int | None:
+        """``peak_bytes`` less the gradients of ``gradients_of`` once accumulated; on CUDA,
+        None."""
+        less = self.step_peak_less_gradients_bytes
+        return None if less is None else less + self.input_bytes
 
     def __enter__(self) -> StepMemory:
         if self.device.type == "cuda":
@@ -176,8 +222,22 @@ class StepMemory:
                     self._tracker._live[storage._cdata] = ref
             self._before = self._tracker.live_bytes
             self._tracker.peak_bytes = self._before
+            self._tracker.peak_less_left_out_bytes = self._before
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._accumulated) for p in self._gradients_of
+            ]
             self._tracker.__enter__()
         return self
+
+    def _accumulated(self, parameter: torch.Tensor) -> None:
+        """A post-accumulate-grad hook: the parameter's gradient stops counting in the peak
+        less gradients (a hook run before it may have taken the gradient away)."""
+        if self._tracker is None or parameter.grad is None:
+            return
+        found: list[Any] = []
+        _storage_leaves(parameter.grad, found)
+        for leaf in found:
+            self._tracker.leave_out(leaf.untyped_storage())
 
     @property
     def live_bytes(self) -> int:
@@ -197,6 +257,8 @@ class StepMemory:
         """Start the peak again from what is alive now (to measure one phase of the code)."""
         if self._tracker is not None:
             self._tracker.peak_bytes = self._tracker.live_bytes
+            self._tracker.peak_less_left_out_bytes = 0
+            self._tracker.note_peak()
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -213,7 +275,12 @@ class StepMemory:
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
+            for hook in self._hooks:
+                hook.remove()
             self.step_peak_bytes = self._tracker.peak_bytes - self._before
+            self.step_peak_less_gradients_bytes = (
+                self._tracker.peak_less_left_out_bytes - self._before
+            )
             self._tracker = None
             return
         torch.cuda.synchronize(self.device)

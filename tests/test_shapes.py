@@ -936,6 +936,25 @@ def global_heads_model() -> nn.Sequential:
     return nn.Sequential(*[GlobalHeadsBlock() for _ in range(6)])
 
 
+def test_a_cached_plan_is_measured_once_though_every_step_makes_its_gradients(tmp_path) -> None:
+    """A loop that sets .grad to None (zero_grad's default) makes the gradients in every
+    step, and the budget leaves them out: the first step's check measures without them, and
+    the steps after it run unmeasured (each step was measured, slowed by the tracker)."""
+    x = torch.randn(4, 32, 32)
+    budget = offremat.optimize(global_heads_model(), x, budget=0.6).plan.budget_bytes
+    offremat.optimize(global_heads_model(), x, budget=budget, cache_dir=tmp_path)
+    model = global_heads_model()
+    om = offremat.optimize(model, x, budget=budget, cache_dir=tmp_path)
+    measured = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        om(x).sum().backward()
+        measured.append(om.stats.measured_peak_bytes)
+    assert measured[0] > budget  # with the gradients it made
+    assert measured[1:] == [None, None]
+    assert om.cache_info()["misses"] == 0  # it fits: not profiled again
+
+
 def test_a_cached_plan_measured_over_its_budget_is_profiled_again(tmp_path, monkeypatch) -> None:
     """The key cannot see every setting (a module global here). A plan read from disk has its
     first step measured; over its budget, its shape is profiled at the next step."""

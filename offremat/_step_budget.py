@@ -1,0 +1,95 @@
+"""The budget check of a measured step: the first step of a plan whose chain was not profiled
+at its shape, and every step with ``measure_memory=True`` (see :mod:`offremat.executor`).
+
+The budget leaves out the parameters' gradients (design.md), but a step whose parameters'
+.grad is None allocates them, and the measurement sees them. On CPU the tracker stops counting
+each one once accumulated (:class:`offremat.measure.StepMemory`, ``gradients_of``), so one
+step decides. The CUDA allocator cannot tell them apart: a step over its budget by no more
+than their bytes leaves the check to the next, which may find them made (the caller keeps them
+between steps); found over by as little again, its shape is profiled, so that a training loop
+that drops its gradients every step is not measured forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from offremat._scan import ModuleScan
+from offremat._tensors import allocated_bytes
+from offremat.measure import StepMemory
+from solvers.budget import format_bytes
+
+if TYPE_CHECKING:
+    from offremat.executor import PlanExecutor
+
+logger = logging.getLogger(__name__)
+
+
+def fresh_parameters(scans: list[ModuleScan]) -> list[torch.Tensor]:
+    """The parameters a step makes gradients for: the leaves that train and whose .grad is
+    None (a weight computed from others gets none)."""
+    fresh = {id(p): p for scan in scans for p in scan.trainable if p.is_leaf and p.grad is None}
+    return list(fresh.values())
+
+
+def gradient_bytes(parameters: list[torch.Tensor]) -> int:
+    """The bytes the gradients of ``parameters`` take."""
+    return sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in parameters)
+
+
+def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
+    """Mark the plan over its budget, measured without the gradients the step made, or clear
+    it; where that cannot be told, check the next step as well, once."""
+    budget = executor.plan.budget_bytes
+    exact = memory.peak_less_gradients_bytes
+    if budget is None:
+        executor.over_budget = executor.verify_next = False
+    elif exact is not None:
+        executor.over_budget = exact > budget
+        executor.verify_next = False
+    else:
+        measured = memory.peak_bytes
+        unsure = budget < measured <= budget + new_grad_bytes and not executor.verify_again
+        executor.over_budget = measured > budget and not unsure
+        executor.verify_next = unsure
+    executor.verify_again = executor.verify_next
+
+
+def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
+    """Warn, once per plan and reason, when the independent measurement exceeds the budget:
+    by the parameters' gradients the step made, which the budget leaves out, or by more."""
+    budget = executor.plan.budget_bytes
+    measured = memory.peak_bytes
+    if budget is None or measured <= budget:
+        return
+    less = memory.peak_less_gradients_bytes
+    if less is None:
+        less = measured - new_grad_bytes
+    reason = "gradients" if less <= budget else "activations"
+    if reason in executor.reported_over_budget:
+        return
+    executor.reported_over_budget.add(reason)
+    if reason == "gradients":
+        logger.warning(
+            "this step measured %s, over its budget of %s by no more than the %s of "
+            "parameters' gradients it allocated (their .grad was None): the budget leaves "
+            "those out, and steps that keep them (optimizer.zero_grad(set_to_none=False)) "
+            "stay within it",
+            format_bytes(measured),
+            format_bytes(budget),
+            format_bytes(new_grad_bytes),
+        )
+        return
+    logger.warning(
+        "this step measured %s of activations, over its budget of %s (its plan "
+        "predicted %s). The model's activation sizes depend on more than the input's "
+        "shapes (the values of a padding mask, a routing decision) or differ from the "
+        "sizes predicted for this shape: lower the budget given to offremat.optimize by "
+        "that margin",
+        format_bytes(measured if memory.peak_less_gradients_bytes is None else less),
+        format_bytes(budget),
+        format_bytes(executor.plan.predicted_peak_bytes or 0),
+    )
