@@ -21,6 +21,12 @@ the same way):
   plans of the last :data:`offremat._shapes.KEPT_SIGNATURES` signatures are kept, so memory
   stays bounded.
 
+Strings and other objects among the arguments are learnt the same way (a caption or a file
+name carried through ``**batch``, a generator made for each step: an object is keyed by its
+repr, which for most objects holds their address, so each new one was a profile and a plan,
+at every step; :class:`offremat._signatures.Value`); flags and choices (a bool, None, an enum,
+a dtype) key plans by value.
+
 An ``nn.Sequential`` hands its input, numbers included, to its first block: it learns no
 place (each value its plan, bounded the same way). Every step still checks the blocks' input
 sizes and kinds (:meth:`offremat._shapes.ShapePlans.for_chain_input`), and, where a key left
@@ -28,9 +34,13 @@ numbers out, the shapes of the model's output (:meth:`NumberPlaces.check_output`
 that sizes nothing on the two values compared but does on another (a task id that picks a
 head of another size) is found there, after the one step that ran on another value's plan,
 and from then on its values key plans. One that makes a block save more on another value
-without changing a shape (a loop past a threshold) is found by the first step on each new
+without changing a shape (a loop past a threshold) is found by the first step on a new
 value, measured as a plan read from disk is (:meth:`NumberPlaces.verifies`): that step may
-pass the budget, and the next plans the value anew.
+pass the budget, and the next plans the value anew. The first :data:`MEASURED_VALUES` new
+values of a call structure are measured, then one in :data:`MEASURED_EVERY`: a number that
+changes at every step (an annealed temperature) had every step measured, each slowed on CPU
+by the dispatch tracker, and one past the threshold is found within that many new
+values of its kind.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from offremat._signatures import Signature
+from offremat._signatures import Signature, Value, learnable
 from offremat._tensors import Structure, flatten
 from solvers.chain import Chain
 from solvers.chain_limits import STAGE_BYTE_FIELDS
@@ -53,6 +63,13 @@ _ERASED = "number"  # a marker (_ERASED, type name): a 2-tuple, where a containe
 
 NUMBER_PLANS_BEFORE_WARNING = 3
 """How many plans a number's changing value makes before the warning to pass it as a tensor."""
+
+MEASURED_VALUES = 8
+"""How many new values, per call structure, of the numbers a plan's key leaves out have the
+first step on each measured."""
+
+MEASURED_EVERY = 32
+"""After those, the first step on one new value in this many is measured."""
 
 
 def erased(signature: Signature, places: frozenset[int] | None) -> Signature:
@@ -69,7 +86,7 @@ def _erase(key: Any, places: frozenset[int] | None, counter: list[int]) -> Any:
         place = counter[0]
         counter[0] += 1
         if (places is None or place in places) and type(key) is not tuple:
-            return (_ERASED, type(key).__name__)
+            return (_ERASED, key.type_name if type(key) is Value else type(key).__name__)
         return key
     if type(key) is tuple and len(key) == 3:  # (kind, container, children)
         kind, container, children = key
@@ -78,7 +95,10 @@ def _erase(key: Any, places: frozenset[int] | None, counter: list[int]) -> Any:
 
 
 def _is_number(key: Any) -> bool:
-    return type(key) in _NUMBERS or (type(key) is tuple and len(key) == 2 and key[0] == _ERASED)
+    """Whether a signature's key is a learnable value's (a number, a string, an object)."""
+    if type(key) in _NUMBERS or type(key) is Value:
+        return True
+    return type(key) is tuple and len(key) == 2 and key[0] == _ERASED
 
 
 def _numbers(key: Any, found: list[Any]) -> None:
@@ -158,7 +178,7 @@ def number_names(batch: Any) -> list[str]:
 
 def _names(structure: Structure, path: str, names: list[str]) -> None:
     if structure.kind == "value":
-        if type(structure.value) in _NUMBERS:
+        if learnable(structure.value):
             names.append(path)
         return
     keys = structure.value[1] if structure.kind == "dict" else range(len(structure.children))
@@ -172,10 +192,11 @@ def _skeleton(signature: Signature) -> Any:
 
 
 KEPT_SKELETONS = 64
-KEPT_VALUES = 4096
-"""How many calls' number values are remembered as measured once (each is, under a key that
-leaves them out)."""
 """How many call structures keep what was learnt of their numbers (the latest learnt)."""
+
+KEPT_VALUES = 4096
+"""How many calls' number values are remembered as seen (the first step on each new one may
+be measured, under a key that leaves them out)."""
 
 
 class NumberPlaces:
@@ -190,8 +211,10 @@ class NumberPlaces:
         self.warned = False
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
-        # The call signatures whose first step under a key without numbers was measured.
+        # The call signatures seen under a key without their numbers, and how many new ones
+        # each call structure had (the first step on a new one may be measured).
         self.checked: dict[Signature, None] = {}
+        self.new_values: dict[Any, int] = {}
 
     def key(self, signature: Signature) -> Signature:
         """The key of ``signature``'s plan: its neutral numbers by type."""
@@ -251,15 +274,20 @@ class NumberPlaces:
         )
 
     def verifies(self, signature: Signature, key: Signature) -> bool:
-        """Whether a step on ``signature`` (of plan key ``key``) is the first on its values of
-        numbers its key leaves out: its peak is to be measured (the plan's ``verify_next``),
-        since a number that sized nothing on the two values profiled may make a block save
-        more on this one (an extra loop past a threshold) without changing any shape."""
+        """Whether a step on ``signature`` (of plan key ``key``) is to be measured (the plan's
+        ``verify_next``): the first on its values of numbers its key leaves out, among the
+        first new values of its structure or one in :data:`MEASURED_EVERY` after them, since a
+        number that sized nothing on the two values profiled may make a block save more on
+        this one (an extra loop past a threshold) without changing any shape."""
         if key is signature or signature in self.checked:
             return False
         self.checked[signature] = None
         trim(self.checked, KEPT_VALUES)
-        return True
+        skeleton = _skeleton(signature)
+        count = self.new_values.pop(skeleton, 0) + 1
+        self.new_values[skeleton] = count
+        trim(self.new_values, KEPT_SKELETONS)
+        return count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
 
     def over_budget(self, signature: Signature, batch: Any) -> None:
         """A step measured by :meth:`verifies` passed the plan's budget: the numbers its key
@@ -271,7 +299,7 @@ class NumberPlaces:
         places = self.neutral.pop(skeleton, frozenset())
         self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | places
         logger.warning(
-            "%s with the Python number %s, which a second profile had found to size nothing: "
+            "%s with the Python argument %s, which a second profile had found to size nothing: "
             "that step ran on the plan of another value, and could pass its budget; from now "
             "on each value gets its own plan. Pass a number that sizes tensors as a tensor "
             "where you can",
@@ -284,9 +312,9 @@ class NumberPlaces:
         if self.forced >= NUMBER_PLANS_BEFORE_WARNING and not self.warned:
             self.warned = True
             logger.warning(
-                "the model is profiled and planned again for each value of the Python number "
+                "the model is profiled and planned again for each value of the Python argument "
                 "%s: %s, so its value keys plans (those of the last %d signatures are kept). "
-                "Pass it as a tensor where it only scales a loss, or keep it to a few values",
+                "Pass a number that only scales a loss as a tensor, or keep it to a few values",
                 _named(places, batch),
                 "it changes a tensor size"
                 if self.learns

@@ -18,7 +18,8 @@ by another kind, another attention implementation) and each module's training or
 alternate (a GAN's discriminator frozen for every generator step). Within a shape, blocks'
 inputs of another kind than the plan was made on (a padding mask where the example had none)
 get a plan of their own in the step that meets them (:meth:`ShapePlans.for_chain_input`).
-A Python number among the call's arguments (a count, a temperature) keys plans by value until
+A Python number, string or object among the call's arguments (a count, a temperature, a
+caption) keys plans by value until
 one more profile, of a call that differs from a profiled one in it alone, shows it sizes
 nothing; then by type, and its later values reuse the plan (:mod:`offremat._numbers`). Each
 state keeps the plans of its last :data:`KEPT_SIGNATURES` signatures, so numbers that do

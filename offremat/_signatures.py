@@ -1,15 +1,18 @@
 """What a plan depends on: a call's inputs, the blocks' own inputs, the stages' state.
 
 A call's signature (its tensors' shapes, dtypes, devices and gradient flags, and its other
-arguments; the numbers among them by value until :mod:`offremat._numbers` learns they size
-nothing) keys its plan; the kind of the blocks' own inputs (:func:`chain_input_kind`) keys
-a plan of its own where the same shapes carry other side inputs (a padding mask); and the
-stages' state (:func:`stage_state`) the plans made for it.
+arguments; the numbers, strings and objects among them by value until
+:mod:`offremat._numbers` learns they size nothing) keys its plan; the kind of the blocks'
+own inputs (:func:`chain_input_kind`) keys a plan of its own where the same shapes carry other
+side inputs (a padding mask); and the stages' state (:func:`stage_state`) the plans made for
+it.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +33,36 @@ from offremat._tensors import Structure, flatten
 
 Signature = tuple[Any, ...]
 StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
+
+# Values that choose what a model computes: kept by value in a signature, never learnt.
+_CHOICES = (
+    bool,
+    type(None),
+    enum.Enum,
+    type,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A string or an object among a call's arguments, as a signature keeps it: a string by
+    value, an object by its repr (for most objects their address: a new object at every call
+    is a new key) until :mod:`offremat._numbers` learns that it sizes nothing, as it does for
+    numbers (a caption, a file name, a generator made for each step)."""
+
+    type_name: str
+    text: str
+
+
+def learnable(value: Any) -> bool:
+    """Whether a Python value among a call's arguments can be learnt to size nothing: a
+    number, a string or an object; not a flag or a choice (a bool, None, an enum, a class, a
+    dtype, a device, a layout)."""
+    return not isinstance(value, _CHOICES)
 
 
 def input_signature(batch: Any) -> Signature:
@@ -94,9 +127,12 @@ def _structure_key(structure: Structure, by_type: bool = False) -> Any:
         value = structure.value
         if by_type and not isinstance(value, (bool, str, type(None))):
             return type(value).__qualname__
-        if isinstance(value, (int, float, bool, str, type(None))):
+        if type(value) in (int, float) or isinstance(value, (bool, type(None))):
             return value
-        return repr(value)
+        if learnable(value):
+            text = value if isinstance(value, str) else repr(value)
+            return Value(type(value).__qualname__, text)
+        return value if isinstance(value, (int, float, str)) else repr(value)
     container = structure.value if structure.kind == "sequence" else structure.value[1]
     return (
         structure.kind,

@@ -35,7 +35,8 @@ class Block(nn.Module):
 
 class Model(nn.Module):
     """``count`` divides the loss; ``temperature`` reaches every block, sizing nothing;
-    ``keep`` keeps the last positions for the head; ``cut`` the first ones for the blocks."""
+    ``keep`` keeps the last positions for the head; ``cut`` the first ones for the blocks;
+    ``tag`` is carried and unused; ``pool="last"`` gives the head the last four positions."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,10 +51,13 @@ class Model(nn.Module):
         temperature: float = 1.0,
         keep: int = 0,
         cut: int = 0,
+        tag: Any = None,
+        pool: str = "all",
     ) -> torch.Tensor:
         h = self.inp(x[:, :cut] if cut else x)
         for block in self.blocks:
             h = block(h, temperature)
+        h = h[:, -4:] if pool == "last" else h
         logits = self.head(h[:, -keep:] if keep else h)
         return torch.log_softmax(logits, -1).square().sum() / count
 
@@ -95,6 +99,55 @@ def test_a_number_that_sizes_nothing_is_profiled_once_then_reused(name, values) 
     info = om.cache_info()
     assert info["misses"] == 1 and info["hits"] == len(values) - 1
     assert info["plans"] == 1  # the example's plan and the second value's share one key
+
+
+class Tag:
+    """An object with the default repr, which holds its address."""
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i: f"shard-{i}",
+        lambda i: [f"caption {i}-{k}" for k in range(3)],
+        lambda i: Tag(),
+        lambda i: torch.Generator().manual_seed(i),
+    ],
+    ids=["string", "captions", "object", "generator"],
+)
+def test_a_string_or_object_that_changes_every_step_is_profiled_once_then_reused(make) -> None:
+    # Keyed by value (an object by its repr, its address), each step was a profile and a
+    # plan: 4.7 times checkpoint's step (a hunt).
+    om, profiles = _steps({"tag": make(0)}, [{"tag": make(i)} for i in range(1, 8)])
+    assert len(profiles) == 1
+    assert om.cache_info()["misses"] == 1 and om.cache_info()["plans"] == 1
+
+
+def test_a_string_that_sizes_the_head_gets_a_plan_per_value() -> None:
+    om, profiles = _steps({"pool": "all"}, [{"pool": p} for p in ("last", "all", "last")])
+    assert len(profiles) == 1
+    assert om.cache_info()["plans"] == 2 and om.cache_info()["hits"] == 2
+
+
+def test_a_number_new_at_every_step_has_only_some_of_its_steps_measured() -> None:
+    # An annealed temperature had every step measured, each 14% slower (a hunt): the first
+    # new values are, then one in MEASURED_EVERY.
+    from offremat._numbers import MEASURED_EVERY, MEASURED_VALUES
+
+    torch.manual_seed(0)
+    model = Model()
+    om = offremat.optimize(model, {"x": X, "temperature": 2.0}, budget=0.7)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    measured = []
+    for step in range(80):
+        om(x=X, temperature=2 * 0.99 ** (step + 1)).backward()
+        measured.append(om.stats.measured_peak_bytes is not None)
+    # Step 0 (a second value) is profiled and learnt neutral; the next are new values.
+    new_values = range(1, len(measured))
+    expected = [n <= MEASURED_VALUES or n % MEASURED_EVERY == 0 for n in new_values]
+    assert measured == [False, *expected]
+    assert om.cache_info()["misses"] == 1
 
 
 def test_a_number_that_sizes_the_head_gets_a_plan_per_value() -> None:
@@ -301,4 +354,4 @@ def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -
     refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
     with caplog.at_level(logging.WARNING, logger="offremat"), refused:
         om(x=x, k=32)  # profiled for its own value
-    assert "a step measured over its plan's budget with the Python number k" in caplog.text
+    assert "a step measured over its plan's budget with the Python argument k" in caplog.text
