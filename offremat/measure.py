@@ -88,9 +88,8 @@ class LiveStorageTracker(EagerDispatchMode):
         """Raise the peaks to what is alive now."""
         live = self.live_bytes
         self.peak_bytes = max(self.peak_bytes, live)
-        self.peak_less_left_out_bytes = max(
-            self.peak_less_left_out_bytes, live - self.left_out_bytes
-        )
+        left_out = self.left_out_bytes if self._left_out else 0
+        self.peak_less_left_out_bytes = max(self.peak_less_left_out_bytes, live - left_out)
 
     def leave_out(self, storage: torch.UntypedStorage) -> None:
         """From now on, count the recorded ``storage`` in ``peak_bytes`` only."""
