@@ -8,8 +8,9 @@ Design notes.
 
 - Found by watching, not by tracing. The model is run once, eagerly, with forward hooks that
   record every module call: its first tensor argument (the hidden state), its other
-  arguments, and its output. A run is a sequence of calls of modules of one type where each
-  call takes the previous call's output as its hidden state. Its other arguments are the side
+  arguments, and its output. A run is a sequence of calls of modules of one type (or of one
+  ``ModuleList``'s blocks) where each call takes the previous call's output as its hidden
+  state. Its other arguments are the side
   inputs (attention masks, rotary embeddings, position ids): mostly the very same for every
   call, but layers that alternate kinds of attention take a mask per kind in turns, so each
   call's are numbered among the run's different ones (its ``pattern``). Nothing depends on the
@@ -20,7 +21,9 @@ Design notes.
   (of an encoder and a decoder as deep, the one that reads the longer sequence, unless it is
   frozen), then the run holding the most parameters. ResNet's
   ``BasicBlock`` calls form one run across ``layer1``...``layer4``: a ``Sequential`` hands its
-  input to its first child unchanged. ``blocks="model.layers"`` names the container instead.
+  input to its first child unchanged. The layers of a hybrid model, blocks of several types
+  called from one ``ModuleList`` (Jamba's attention and Mamba layers), form a run too (see
+  :mod:`offremat._block_runs`). ``blocks="model.layers"`` names the container instead.
 - Side values other than tensors are kept as they are when they are plain data (None, numbers,
   strings, dtypes). A Hugging Face key-value cache is dropped and ``use_cache`` set to False,
   as Hugging Face's own gradient checkpointing does in training: blocks that are recomputed
@@ -38,6 +41,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from offremat._block_runs import chain_break, hybrid_runs, preference, runs_of
 from offremat._block_values import hidden_output
 from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
@@ -173,13 +177,15 @@ def find_block_run(
         by_type: dict[type, list[RecordedCall]] = {}
         for record in records:
             by_type.setdefault(type(record.module), []).append(record)
-        candidates = [run for group in by_type.values() for run in _runs(group)]
+        candidates = [run for group in by_type.values() for run in runs_of(group)]
+        blocks_of_runs = {r.path for run in candidates if len(run) >= 2 for r in run}
+        candidates += hybrid_runs(model, records, blocks_of_runs)
         if same_sides:
             candidates = [part for run in candidates for part in same_side_parts(run)]
         candidates = [run for run in candidates if len(run) >= 2]
         if not candidates:
             raise NotAChainError(no_run_message(model, _containers(model)))
-    best = max(candidates, key=_preference)
+    best = max(candidates, key=preference)
     first = best[0]
     prefix: list[RecordedCall] = []
     suffix: list[RecordedCall] = []
@@ -229,7 +235,7 @@ def find_block_run(
         members[0].path,
         members[-1].path,
         len(best),
-        type(first.module).__name__,
+        ", ".join(sorted({type(r.module).__name__ for r in best})),
     )
     keeps = all(r.keeps_shape for r in members)
     return BlockRun(calls, tuple(tuple(unit) for unit in units), keeps)
@@ -314,50 +320,10 @@ def _chained(records: list[RecordedCall], where: str) -> list[RecordedCall]:
             "or more blocks called one after the other"
         )
     for previous, record in itertools.pairwise(records):
-        reason = _break(previous, record)
+        reason = chain_break(previous, record)
         if reason is not None:
             raise NotAChainError(f"blocks={where!r}: the blocks are not a chain: {reason}")
     return records
-
-
-def _runs(group: list[RecordedCall]) -> list[list[RecordedCall]]:
-    """Maximal runs of consecutive calls of one type that form a chain."""
-    runs: list[list[RecordedCall]] = []
-    for record in group:
-        if runs and _follows(runs[-1][-1], record):
-            runs[-1].append(record)
-        else:
-            runs.append([record])
-    return runs
-
-
-def _follows(previous: RecordedCall, record: RecordedCall) -> bool:
-    return _break(previous, record) is None
-
-
-def _break(previous: RecordedCall, record: RecordedCall) -> str | None:
-    """Why ``record`` does not continue a chain after ``previous``, or None if it does."""
-    if previous.depth != record.depth:
-        return f"{record.path} is called at another depth of the model than {previous.path}"
-    if previous.extras_read:
-        return (
-            f"{previous.path} returns {previous.output_tensors} tensors, and the model reads "
-            "the others; a block must return its hidden state alone, or others the model "
-            "drops (blocks that also return an auxiliary loss or a position bias for the next "
-            "block cannot be a chain)"
-        )
-    if record.hidden is None or record.hidden != previous.output:
-        rule = (
-            "offremat reads a block's hidden state from its first positional argument or its "
-            "hidden_states= keyword"
-        )
-        if previous.output in record.side[0]:
-            return (
-                f"{record.path} takes {previous.path}'s output, but not as its hidden state: "
-                f"{rule}, so call the blocks with the state there"
-            )
-        return f"{record.path} does not take {previous.path}'s output as its hidden state ({rule})"
-    return None
 
 
 def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:
@@ -386,19 +352,10 @@ def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall
         group[last].path,
         previous.path,
         record.path,
-        _break(previous, record)
+        chain_break(previous, record)
         or other_sides(previous, record)
         or "they are not called one after the other",
     )
-
-
-def _preference(run: list[RecordedCall]) -> tuple[bool, int, int, int]:
-    marked = any(
-        cls.__name__ == "GradientCheckpointingLayer" for cls in type(run[0].module).__mro__
-    )
-    saved = sum(r.saved_bytes for r in run)
-    parameters = sum(p.numel() for r in run for p in r.module.parameters())
-    return marked, len(run), saved, parameters
 
 
 def _containers(model: nn.Module) -> list[str]:

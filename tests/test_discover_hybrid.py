@@ -1,0 +1,167 @@
+"""The chain of a hybrid model: layers of several types called from one ``ModuleList``.
+
+Before, a run was calls of one module type, so Jamba's attention layers broke its run of
+Mamba layers: the chain held 3 of its 8 layers, the other 5 kept every activation, and half
+of keep-all was refused as infeasible. Oracles: the model's own layers (the chain must hold
+every one), plain autograd's loss and gradients bit for bit, and the step's memory measured
+independently (``step_within_budget``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+from tests.oracles import step_within_budget
+
+SIZES = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+
+
+def jamba() -> nn.Module:
+    """Jamba: an attention layer every 4th (from the 3rd), Mamba layers between."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        **SIZES,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_expand=2,
+    )
+    return JambaForCausalLM(config)
+
+
+def zamba() -> nn.Module:
+    """Zamba: hybrid layers that each call one shared attention block, and Mamba layers."""
+    from transformers import ZambaConfig, ZambaForCausalLM
+
+    config = ZambaConfig(
+        **SIZES,
+        attn_layer_period=3,
+        attn_layer_offset=2,
+        mamba_d_state=8,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        n_mamba_heads=2,
+        attention_hidden_size=64,
+        attention_head_dim=16,
+    )
+    return ZambaForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [jamba, zamba], ids=["jamba", "zamba"])
+@pytest.mark.parametrize("fraction", [0.3, 0.5])
+def test_hybrid_layers_form_one_chain(build, fraction: float) -> None:
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    optimized = offremat.optimize(model, batch, budget=fraction)
+    assert optimized.chain.metadata["blocks"] == [f"model.layers.{k}" for k in range(8)]
+    step_within_budget(optimized, model, reference, **batch)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.attention(y, y, y, key_padding_mask=padding, need_weights=False)[0]
+
+
+class Convolution(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        x = x + self.conv(x.masked_fill(padding[..., None], 0).transpose(1, 2)).transpose(1, 2)
+        return x + self.mlp(x)
+
+
+class Hybrid(nn.Module):
+    """A user's hybrid: ``pattern`` spells its layers, "a" attention and "c" convolution,
+    each taking the padding mask beside the state."""
+
+    def __init__(self, pattern: str, width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        kinds = {"a": Attention, "c": Convolution}
+        self.layers = nn.ModuleList(kinds[kind](width) for kind in pattern)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, padding)
+        return self.head(x).square().mean()
+
+
+def test_a_users_hybrid_layers_form_one_chain() -> None:
+    torch.manual_seed(0)
+    model = Hybrid("cacccacc")
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    optimized = offremat.optimize(model, x, budget=0.3)
+    assert optimized.chain.metadata["blocks"] == [f"layers.{k}" for k in range(8)]
+    step_within_budget(optimized, model, reference, x)
+
+
+class Layer(nn.Module):
+    """A block that runs a ``ModuleList`` of sublayers of two types itself."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.sublayers = nn.ModuleList([Attention(width), Convolution(width), Convolution(width)])
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        for sublayer in self.sublayers:
+            x = sublayer(x, padding)
+        return x
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(width) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        for layer in self.layers:
+            x = layer(x, padding)
+        return x.square().mean()
+
+
+def test_the_sublayers_inside_blocks_are_not_the_chain() -> None:
+    """Three sublayers inside each of two blocks make a longer hybrid run than the blocks:
+    the blocks are the chain, each planned whole."""
+    torch.manual_seed(0)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 16)
+    optimized = offremat.optimize(model, x, budget=0.6)
+    assert optimized.chain.metadata["blocks"] == ["layers.0", "layers.1"]
+    step_within_budget(optimized, model, reference, x)
