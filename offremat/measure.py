@@ -230,13 +230,18 @@ class StepMemory:
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
         """A post-accumulate-grad hook: the parameter's gradient stops counting in the peak
-        less gradients (a hook run before it may have taken the gradient away)."""
+        less gradients (a hook run before it may have taken the gradient away). Only a
+        storage it fills: autograd may hand it a slice of a larger gradient (of a
+        ``torch.cat`` of the parameter and activations), which the slice then keeps alive,
+        as the step would not with the gradient made before; that storage counts whole."""
         if self._tracker is None or parameter.grad is None:
             return
         found: list[Any] = []
         _storage_leaves(parameter.grad, found)
         for leaf in found:
-            self._tracker.leave_out(leaf.untyped_storage())
+            storage = leaf.untyped_storage()
+            if leaf.numel() * leaf.element_size() == storage.nbytes():
+                self._tracker.leave_out(storage)
 
     @property
     def live_bytes(self) -> int:

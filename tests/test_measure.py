@@ -123,6 +123,38 @@ def test_a_gradient_taken_by_an_earlier_hook_is_not_left_out_twice() -> None:
     assert made_less <= kept_less
 
 
+class _Prefixed(torch.nn.Module):
+    """A learned token put before the activations with ``torch.cat``: autograd hands the
+    token, as its gradient, a slice of the gradient of the whole concatenation."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.prefix = torch.nn.Parameter(torch.randn(1, width))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.linear(x)
+        return a * torch.sigmoid(a) * torch.tanh(a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Recomputed in the backward, after the token's gradient is accumulated, as a plan
+        # recomputes its stages.
+        a = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        return torch.cat([self.prefix, a]) * 2
+
+
+def test_a_gradient_that_is_a_slice_leaves_out_nothing_of_its_storage() -> None:
+    """A review found the whole concatenation's gradient left out with the token's: the
+    activations' part of it, still alive through the recomputation, was not counted (8 MiB
+    under the step with gradients made before)."""
+    torch.manual_seed(0)
+    model, x = _Prefixed(), torch.randn(1023, 256, requires_grad=True)
+    _, made_less = _step_peaks(model, x, grads_made=True)
+    assert model.prefix.grad.untyped_storage().nbytes() > 1000 * model.prefix.nbytes
+    kept, _ = _step_peaks(model, x, grads_made=False)
+    assert made_less == kept
+
+
 def test_where_gradients_cannot_be_told_apart_the_check_is_put_off_once() -> None:
     """On CUDA (no peak less gradients) a step over by no more than the gradients it made
     leaves the check to the next; over by as little again, the plan counts as over its budget
