@@ -37,10 +37,10 @@ and from then on its values key plans. One that makes a block save more on anoth
 without changing a shape (a loop past a threshold) is found by the first step on a new
 value, measured as a plan read from disk is (:meth:`NumberPlaces.verifies`): that step may
 pass the budget, and the next plans the value anew. The first :data:`MEASURED_VALUES` new
-values of a call structure are measured, then one in :data:`MEASURED_EVERY`: a number that
-changes at every step (an annealed temperature) had every step measured, each slowed on CPU
-by the dispatch tracker, and one past the threshold is found within that many new
-values of its kind.
+values of a call structure are measured, then one in :data:`MEASURED_EVERY`, and any value
+not measured on its first step is on its second: a number that changes at every step (an
+annealed temperature) had every step measured, each slowed on CPU by the dispatch tracker,
+while a value that recurs (a task's name, a data source) is checked by its second step.
 """
 
 from __future__ import annotations
@@ -211,9 +211,10 @@ class NumberPlaces:
         self.warned = False
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
-        # The call signatures seen under a key without their numbers, and how many new ones
-        # each call structure had (the first step on a new one may be measured).
+        # The call signatures under a key without their numbers: measured, and seen once
+        # but not measured; how many new ones each call structure had.
         self.checked: dict[Signature, None] = {}
+        self.unmeasured: dict[Signature, None] = {}
         self.new_values: dict[Any, int] = {}
 
     def key(self, signature: Signature) -> Signature:
@@ -276,18 +277,25 @@ class NumberPlaces:
     def verifies(self, signature: Signature, key: Signature) -> bool:
         """Whether a step on ``signature`` (of plan key ``key``) is to be measured (the plan's
         ``verify_next``): the first on its values of numbers its key leaves out, among the
-        first new values of its structure or one in :data:`MEASURED_EVERY` after them, since a
-        number that sized nothing on the two values profiled may make a block save more on
-        this one (an extra loop past a threshold) without changing any shape."""
+        first new values of its structure or one in :data:`MEASURED_EVERY` after them, or else
+        the second (a value that comes back), since a number that sized nothing on the two
+        values profiled may make a block save more on this one (an extra loop past a
+        threshold) without changing any shape."""
         if key is signature or signature in self.checked:
             return False
-        self.checked[signature] = None
-        trim(self.checked, KEPT_VALUES)
-        skeleton = _skeleton(signature)
-        count = self.new_values.pop(skeleton, 0) + 1
-        self.new_values[skeleton] = count
-        trim(self.new_values, KEPT_SKELETONS)
-        return count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+        if signature in self.unmeasured:
+            del self.unmeasured[signature]
+            measured = True  # a value back: a category, not a number new at every step
+        else:
+            skeleton = _skeleton(signature)
+            count = self.new_values.pop(skeleton, 0) + 1
+            self.new_values[skeleton] = count
+            trim(self.new_values, KEPT_SKELETONS)
+            measured = count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+        seen = self.checked if measured else self.unmeasured
+        seen[signature] = None
+        trim(seen, KEPT_VALUES)
+        return measured
 
     def over_budget(self, signature: Signature, batch: Any) -> None:
         """A step measured by :meth:`verifies` passed the plan's budget: the numbers its key

@@ -355,3 +355,30 @@ def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -
     with caplog.at_level(logging.WARNING, logger="offremat"), refused:
         om(x=x, k=32)  # profiled for its own value
     assert "a step measured over its plan's budget with the Python argument k" in caplog.text
+
+
+def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None:
+    # After the first new values, one in MEASURED_EVERY is measured: a value first seen then
+    # was never measured, on any of its steps, as it had been seen (review: a task's name,
+    # 2.29 times the budget at every step on it, unwarned).
+    from offremat._numbers import MEASURED_VALUES
+    from solvers.budget import InfeasibleBudgetError
+
+    x = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = ThresholdModel()
+    om = offremat.optimize(model, {"x": x, "k": 1}, budget=0.7)
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    # k=2 profiled, then the new values measured (each at most 8: under the threshold).
+    for k in (2, *range(-1, -MEASURED_VALUES - 1, -1)):
+        om(x=x, k=k).backward()
+        assert (om.stats.measured_peak_bytes is not None) == (k != 2)
+    om(x=x, k=32).backward()  # a new value past those: its first step is not measured
+    assert om.stats.measured_peak_bytes is None
+    om(x=x, k=32).backward()  # back: measured, over the budget
+    assert om.stats.measured_peak_bytes > om.plan.budget_bytes
+    refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
+    with caplog.at_level(logging.WARNING, logger="offremat"), refused:
+        om(x=x, k=32)  # profiled for its own value
+    assert "a step measured over its plan's budget with the Python argument k" in caplog.text
