@@ -36,7 +36,7 @@ from offremat._step_budget import (
 )
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
 from offremat._tensors import Structure, TensorKind, is_differentiable
-from offremat.measure import StepMemory
+from offremat.measure import StepMemory, is_measurement_hook
 from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
     ACTIVATION,
@@ -123,8 +123,6 @@ class _Step(Compute):
             for tensor in (*scan.parameters, *(m._buffers[n] for m, n in scan.buffers))
         ]
         self.residency = Residency(device, arena, self.streams, fixed=self.excluded)
-        # A forward whose output is dropped never gets its backward: close then, on collection.
-        self._closer = weakref.finalize(self, self.residency.close)
         self.anchor = executor._anchor(device)
         self.norms = [scan.norms for scan in scans]
         self.modules = [scan.modules for scan in scans]
@@ -172,6 +170,8 @@ class _Step(Compute):
         # The parameters whose gradients this step makes: the budget does not count them.
         fresh = fresh_parameters(scans) if measuring else []
         self.memory = StepMemory(device, tensors, gradients_of=fresh) if measuring else None
+        # A forward whose output is dropped never gets its backward: close then, on collection.
+        self._closer = weakref.finalize(self, _settle, self.residency, self.memory)
         self.verifying = executor.verify_next
         self.new_grad_bytes = gradient_bytes(fresh)
         # The caller's input: resident for the whole step, never moved.
@@ -207,9 +207,6 @@ class _Step(Compute):
 
     def abandon(self) -> None:
         """The backward will not run: settle copies and give back everything now."""
-        if self.memory is not None:
-            self.memory.resume()
-            self.memory.__exit__(None, None, None)
         self._close()
 
     def run_backward(
@@ -232,11 +229,12 @@ class _Step(Compute):
             with self._out_of_memory_advice(), callers_saved_tensor_hooks_set_aside():
                 self._run(self.executor.backward_actions)
             first_grads = self.grads.pop(self.executor.chain.frozen_stages).tensors
+            if self.memory is not None:
+                self.memory.__exit__(None, None, None)
         finally:
-            self._close()
+            self._close()  # after an error, without a measurement
         self._mark()
         if self.memory is not None:
-            self.memory.__exit__(None, None, None)
             if self.executor.measure_memory:
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes)
             if self.verifying:
@@ -253,7 +251,11 @@ class _Step(Compute):
             p
             for parameters in self.parameters
             for p in parameters
-            if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)
+            if p.requires_grad
+            and (
+                p._backward_hooks
+                or not all(map(is_measurement_hook, (p._post_accumulate_grad_hooks or {}).values()))
+            )
         ]
 
     def hooked_parameters_shared(self, hooked: list[torch.Tensor]) -> bool:
@@ -277,7 +279,7 @@ class _Step(Compute):
 
     def _close(self) -> None:
         """Settle copies and give back host buffers; drop every tensor of the step."""
-        self._closer()  # closes the residency once, whoever calls first
+        self._closer()  # settles the residency and the measurement once, whoever calls first
         self.on_device.clear()
         self.on_host.clear()
         self.offloaded_by.clear()
@@ -362,3 +364,12 @@ class _Step(Compute):
 
     def _out_of_memory_advice(self) -> OutOfMemoryAdvice:
         return OutOfMemoryAdvice(self.executor.plan)
+
+
+def _settle(residency: Residency, memory: StepMemory | None) -> None:
+    """Close a step's residency and drop its measurement, once: by its backward, an error, or
+    the collection of a step whose backward never ran (whose hooks would stay on the
+    parameters, taken for the caller's)."""
+    residency.close()
+    if memory is not None:
+        memory.discard()

@@ -191,6 +191,7 @@ class StepMemory:
         self._gradients_of = list(gradients_of)
         self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
+        self._recording = False  # the tracker's dispatch mode is on the stack
         self._before = 0
         self.step_peak_bytes = 0
         self.step_peak_less_gradients_bytes: int | None = None
@@ -226,6 +227,7 @@ class StepMemory:
                 p.register_post_accumulate_grad_hook(self._accumulated) for p in self._gradients_of
             ]
             self._tracker.__enter__()
+            self._recording = True
         return self
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
@@ -268,28 +270,50 @@ class StepMemory:
 
     def pause(self) -> None:
         """Stop recording new storages (CPU), keeping those recorded; the peak stays."""
-        if self._tracker is not None:
+        if self._tracker is not None and self._recording:
             self._tracker.__exit__(None, None, None)
+            self._recording = False
 
     def resume(self) -> None:
         """Record again after :meth:`pause`."""
-        if self._tracker is not None:
+        if self._tracker is not None and not self._recording:
             self._tracker.__enter__()
+            self._recording = True
+
+    def discard(self) -> None:
+        """Stop without a measurement (a step that failed, or was dropped before its
+        backward): the hooks on the parameters go, and the dispatch mode if it is on."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.pause()
+        self._tracker = None
 
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
-            self._tracker.__exit__(*exc)
+            if self._recording:
+                self._tracker.__exit__(*exc)
+                self._recording = False
             for hook in self._hooks:
                 hook.remove()
+            self._hooks = []
             self.step_peak_bytes = self._tracker.peak_bytes - self._before
             self.step_peak_less_gradients_bytes = (
                 self._tracker.peak_less_left_out_bytes - self._before
             )
             self._tracker = None
             return
+        if self.device.type != "cuda":
+            return  # discarded
         torch.cuda.synchronize(self.device)
         self.step_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._before
         self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
+
+
+def is_measurement_hook(hook: Any) -> bool:
+    """Whether a parameter's post-accumulate-grad ``hook`` is a :class:`StepMemory`'s (not
+    the caller's, whose hooks the executor must run exactly once)."""
+    return isinstance(getattr(hook, "__self__", None), StepMemory)
 
 
 def tree_leaf_tensors(value: Any) -> list[torch.Tensor]:

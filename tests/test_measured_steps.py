@@ -1,0 +1,80 @@
+"""A measured step trains as an unmeasured one: the measurement's own hooks on the parameters
+are not the caller's, and go with the step, however it ends.
+
+A review found that the hooks a measured step puts on the parameters whose .grad is None (to
+leave their gradients out of the peak) were taken for the caller's: a weight penalty in the
+loss, or a model called twice before one backward, was refused at every measured step, and
+so at every step (an abandoned check stays due). A step dropped before its backward, or whose
+backward failed, left its hooks on the parameters for good. Oracles: plain autograd's
+gradients, and the parameters' own hook tables.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import offremat
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32)) for _ in range(6)]
+    )
+
+
+X, X2 = torch.randn(64, 32), torch.randn(64, 32)
+
+
+def _loss(forward, model: nn.Module, case: str) -> torch.Tensor:
+    if case == "penalty":
+        penalty = sum(p.square().sum() for p in model.parameters())
+        return forward(X).square().mean() + 1e-4 * penalty
+    return (forward(X) - forward(X2)).square().mean()  # two calls, one backward
+
+
+@pytest.mark.parametrize("case", ["penalty", "siamese"])
+def test_a_measured_step_with_gradients_set_to_none_trains_as_plain_autograd(case) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    optimized = offremat.optimize(model, X, budget=0.6, measure_memory=True)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        _loss(optimized, model, case).backward()
+        _loss(reference, reference, case).backward()
+        assert optimized.stats.measured_peak_bytes is not None
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_a_dropped_or_failed_measured_step_leaves_no_hooks() -> None:
+    model = _model()
+    optimized = offremat.optimize(model, X, budget=0.6, measure_memory=True)
+    output = optimized(X)
+    assert _hooks(model) > 0  # the measurement's, while the step is pending
+    del output
+    gc.collect()
+    assert _hooks(model) == 0
+
+    def fail(gradient: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a hook of the caller's failed")
+
+    handle = model[0][0].weight.register_hook(fail)
+    with pytest.raises(ValueError, match="a hook of the caller's failed"):
+        optimized(X).sum().backward()
+    handle.remove()
+    assert _hooks(model) == 0
+    assert torch._C._len_torch_dispatch_stack() == 0
+    model.zero_grad(set_to_none=True)
+    _loss(optimized, model, "penalty").backward()  # the next step trains
+    assert optimized.stats.measured_peak_bytes is not None
