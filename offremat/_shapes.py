@@ -183,16 +183,24 @@ class ShapePlans(VariantPlanning):
         called = input_signature(batch)
         signature = self.numbers.key(called)
         executor = self.executors.get(signature)
-        if executor is not None and executor.over_budget and signature is not called:
+        over = executor is not None and executor.over_budget
+        if over and executor.over_within_gradients and signature not in self.unprofiled:
+            # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
+            # tell them apart): those, which the budget leaves out; no number sizes more.
+            executor.over_budget = executor.over_within_gradients = over = False
+        if over and signature is not called and not executor.over_within_gradients:
             # Measured over its budget on a value of numbers its key leaves out.
             self.numbers.over_budget(called, batch)
             signature, executor = called, self.executors.get(called)
         if executor is not None and executor.over_budget and signature in self.unprofiled:
             logger.warning(
                 "input %s: its plan, made on a chain given to optimize, read from cache_dir "
-                "or predicted from other shapes, measured over its budget in its first step: "
+                "or predicted from other shapes, measured over its budget in its first step%s: "
                 "profiling that shape and planning it again",
                 describe(signature),
+                " and, by no more than the parameters' gradients it made, in the next"
+                if executor.over_within_gradients
+                else "",
             )
             del self.executors[signature]
             executor = None

@@ -47,13 +47,16 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
     exact = memory.peak_less_gradients_bytes
     if budget is None:
         executor.over_budget = executor.verify_next = False
+        executor.over_within_gradients = False
     elif exact is not None:
         executor.over_budget = exact > budget
-        executor.verify_next = False
+        executor.over_within_gradients = executor.verify_next = False
     else:
         measured = memory.peak_bytes
-        unsure = budget < measured <= budget + new_grad_bytes and not executor.verify_again
+        within_gradients = budget < measured <= budget + new_grad_bytes
+        unsure = within_gradients and not executor.verify_again
         executor.over_budget = measured > budget and not unsure
+        executor.over_within_gradients = executor.over_budget and within_gradients
         executor.verify_next = unsure
     executor.verify_again = executor.verify_next
 

@@ -160,6 +160,8 @@ class PlanExecutor:
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False
+        # Over, on CUDA, by no more than the gradients the step made, at both checks.
+        self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._anchors: dict[torch.device, torch.Tensor] = {}

@@ -382,3 +382,49 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     with caplog.at_level(logging.WARNING, logger="offremat"), refused:
         om(x=x, k=32)  # profiled for its own value
     assert "a step measured over its plan's budget with the Python argument k" in caplog.text
+
+
+class WideBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(256, 1024)
+        self.down = nn.Linear(1024, 256)
+
+    def forward(self, x: torch.Tensor, temperature: float) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x) / temperature))
+
+
+class Wide(nn.Module):
+    """Parameters' gradients (12.6 MB) far above its activations at a few tokens (a budget
+    of 1.6 MB at 70% of keep-all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(WideBlock() for _ in range(6))
+
+    def forward(self, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, temperature)
+        return x.square().mean()
+
+
+def test_where_gradients_cannot_be_told_apart_a_new_value_is_not_taken_for_sizing(
+    monkeypatch, caplog
+) -> None:
+    # On CUDA (simulated: no peak less gradients) a loop that sets .grad to None had each
+    # sampled new value's check over by the gradients it made, put off to the next step, a
+    # new value again, and then counted over: the temperature was taken to size tensors, a
+    # profile and a plan at every step (review).
+    from offremat.measure import StepMemory
+
+    monkeypatch.setattr(StepMemory, "peak_less_gradients_bytes", property(lambda self: None))
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(2, 16, 256, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, {"x": x, "temperature": 2.0}, budget=0.7)
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        for step in range(10):
+            model.zero_grad(set_to_none=True)
+            om(x=x, temperature=2 * 0.99 ** (step + 1)).backward()
+    assert om.cache_info()["misses"] == 1
+    assert "measured over its plan's budget" not in caplog.text
