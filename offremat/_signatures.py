@@ -100,9 +100,11 @@ def chain_input_kind(value: Any) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
-    and which carry a gradient. Numbers and objects by type: an object may be a fresh one
-    every call, and a number computed from the batch (a scale, a count) another every step;
-    neither decides what the blocks save. Flags, strings and None by value."""
+    and which carry a gradient. Numbers, strings and objects by type, as :func:`learnable`
+    says: an object may be a fresh one every call, a number computed from the batch (a scale,
+    a count) or a string handed down (a caption in Hugging Face's ``**kwargs``) another every
+    step, and each is learnt like the call's own (:mod:`offremat._numbers`). Flags and choices
+    (a bool, None, an enum, a dtype) by value."""
     tensors, structure = flatten(value)
     return repr(
         (
@@ -125,7 +127,7 @@ def _structure_key(structure: Structure, by_type: bool = False) -> Any:
         return "tensor"
     if structure.kind == "value":
         value = structure.value
-        if by_type and not isinstance(value, (bool, str, type(None))):
+        if by_type and learnable(value):
             return type(value).__qualname__
         if type(value) in (int, float) or isinstance(value, (bool, type(None))):
             return value
