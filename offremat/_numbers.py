@@ -45,6 +45,7 @@ while a value that recurs (a task's name, a data source) is checked by its secon
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -211,10 +212,10 @@ class NumberPlaces:
         self.warned = False
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
-        # The call signatures under a key without their numbers: measured, and seen once
-        # but not measured; how many new ones each call structure had.
-        self.checked: dict[Signature, None] = {}
-        self.unmeasured: dict[Signature, None] = {}
+        # The digests of the call signatures under a key without their numbers: measured, and
+        # seen once but not measured; how many new ones each call structure had.
+        self.checked: dict[bytes, None] = {}
+        self.unmeasured: dict[bytes, None] = {}
         self.new_values: dict[Any, int] = {}
 
     def key(self, signature: Signature) -> Signature:
@@ -281,10 +282,15 @@ class NumberPlaces:
         the second (a value that comes back), since a number that sized nothing on the two
         values profiled may make a block save more on this one (an extra loop past a
         threshold) without changing any shape."""
-        if key is signature or signature in self.checked:
+        if key is signature:
             return False
-        if signature in self.unmeasured:
-            del self.unmeasured[signature]
+        # By digest: a signature holds its strings whole (a caption of kilobytes, each step).
+        # Not hash(): hash(-1) == hash(-2), so two values would pass for one.
+        digest = hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
+        if digest in self.checked:
+            return False
+        if digest in self.unmeasured:
+            del self.unmeasured[digest]
             measured = True  # a value back: a category, not a number new at every step
         else:
             skeleton = _skeleton(signature)
@@ -293,7 +299,7 @@ class NumberPlaces:
             trim(self.new_values, KEPT_SKELETONS)
             measured = count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
         seen = self.checked if measured else self.unmeasured
-        seen[signature] = None
+        seen[digest] = None
         trim(seen, KEPT_VALUES)
         return measured
 
