@@ -373,27 +373,39 @@ class ThresholdModel(nn.Module):
         return self.head(hidden).square().sum()
 
 
-def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -> None:
-    # Learnt to size nothing from k=1 and k=2, k=32 ran every later step on their plan at
-    # 2.29 times its budget, unwarned (review); before the learning, its profile refused it.
-    from solvers.budget import InfeasibleBudgetError
-
+def _threshold_model() -> tuple[offremat.OptimizedModule, torch.Tensor]:
+    """A ThresholdModel optimized on k=1, its gradients allocated, and its input."""
     x = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = ThresholdModel()
     om = offremat.optimize(model, {"x": x, "k": 1}, budget=0.7)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)
+    return om, x
+
+
+def _refused_after_measured_over(om, x: torch.Tensor, caplog) -> None:
+    """The step after one measured over its budget on k=32: planned for its own value, which
+    no plan fits, with the warning that says why."""
+    from solvers.budget import InfeasibleBudgetError
+
+    refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
+    with caplog.at_level(logging.WARNING, logger="offremat"), refused:
+        om(x=x, k=32)
+    assert "a step measured over its plan's budget with the Python argument k" in caplog.text
+
+
+def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -> None:
+    # Learnt to size nothing from k=1 and k=2, k=32 ran every later step on their plan at
+    # 2.29 times its budget, unwarned (review); before the learning, its profile refused it.
+    om, x = _threshold_model()
     for k in (2, 3):
         with StepMemory("cpu", inputs=x) as memory:
             om(x=x, k=k).backward()
         assert memory.peak_bytes <= om.plan.budget_bytes
     assert om.cache_info()["misses"] == 1  # k=2's profile; k=3 reuses its plan
     om(x=x, k=32).backward()  # its first step, measured: over the budget
-    refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
-    with caplog.at_level(logging.WARNING, logger="offremat"), refused:
-        om(x=x, k=32)  # profiled for its own value
-    assert "a step measured over its plan's budget with the Python argument k" in caplog.text
+    _refused_after_measured_over(om, x, caplog)
 
 
 def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None:
@@ -401,14 +413,8 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     # was never measured, on any of its steps, as it had been seen (review: a task's name,
     # 2.29 times the budget at every step on it, unwarned).
     from offremat._numbers import MEASURED_VALUES
-    from solvers.budget import InfeasibleBudgetError
 
-    x = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    model = ThresholdModel()
-    om = offremat.optimize(model, {"x": x, "k": 1}, budget=0.7)
-    for parameter in model.parameters():
-        parameter.grad = torch.zeros_like(parameter)
+    om, x = _threshold_model()
     # k=2 profiled, then the new values measured (each at most 8: under the threshold).
     for k in (2, *range(-1, -MEASURED_VALUES - 1, -1)):
         om(x=x, k=k).backward()
@@ -417,10 +423,7 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     assert om.stats.measured_peak_bytes is None
     om(x=x, k=32).backward()  # back: measured, over the budget
     assert om.stats.measured_peak_bytes > om.plan.budget_bytes
-    refused = pytest.raises(InfeasibleBudgetError, match="least feasible budget")
-    with caplog.at_level(logging.WARNING, logger="offremat"), refused:
-        om(x=x, k=32)  # profiled for its own value
-    assert "a step measured over its plan's budget with the Python argument k" in caplog.text
+    _refused_after_measured_over(om, x, caplog)
 
 
 class WideBlock(nn.Module):
