@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offremat._blocks import NotAChainError
+from offremat._saved_bytes import Saved, SavedBytes
 from offremat._stage import BackwardInForwardError, backward_in_forward_error
 from offremat._tensors import Structure, flatten, version_of
 
@@ -146,7 +147,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.tokens = _Tokens()
-        self.saved = _SavedBytes()
+        self.saved = SavedBytes()
         self.calls: list[dict[str, Any]] = []
         self.open: list[dict[str, Any]] = []
         self.counts: dict[int, int] = {}
@@ -167,7 +168,7 @@ class _Recorder:
             "side": (tuple(self.tokens.of(t) for t in side_tensors), side_structure),
             "places": side_places(side_args, side_kwargs),
             "checkpointed": checkpointed_by_caller(module),
-            "saved": {},
+            "saved": Saved(),
         }
         self.calls.append(call)
         self.open.append(call)
@@ -186,7 +187,7 @@ class _Recorder:
         )
         call["output_structure"] = structure
         call["output_tensors"] = len(tensors)
-        call["saved_bytes"] = sum(call.pop("saved").values())
+        call["saved_bytes"] = call.pop("saved").bytes
         call["extra_outputs"] = tuple(self.tokens.of(t) for t in tensors[1:])
         places = call.pop("places")
         call["passed"] = tuple(places.get(id(t)) for t in tensors[1:])
@@ -378,22 +379,6 @@ def _as_in_training(
 
 def _drop(_: Any) -> None:
     return None
-
-
-class _SavedBytes:
-    """A pack hook that keeps nothing, counting the bytes of the activations autograd saves
-    for each call running (by storage, parameters left out). The graph holds it, so it holds
-    numbers only, not the recorder and its modules."""
-
-    def __init__(self) -> None:
-        self.open: list[dict[int, int]] = []
-
-    def __call__(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        for counts in self.open:
-            counts[storage._cdata] = storage.nbytes()
 
 
 def _refuse_unpack(_: Any) -> torch.Tensor:
