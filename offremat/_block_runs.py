@@ -40,9 +40,30 @@ def hybrid_runs(
         run
         for parent, group in by_list.items()
         if id(model.get_submodule(parent)) in lists
-        for run in runs_of(group)
+        for part in runs_of(group)
+        for run in _called_alike(part)
     ]
     return [run for run in runs if len({type(r.module) for r in run}) > 1]
+
+
+def _called_alike(run: list[RecordedCall]) -> list[list[RecordedCall]]:
+    """``run`` cut where a call takes other side arguments (other positions or keywords)
+    than the one before: a model's loop over its layers calls each the same way, while a
+    list of stages and the downsampling layers between them (a feature pyramid's) is
+    called in turns, each kind its own way, and its stages' outputs feed heads."""
+    parts: list[list[RecordedCall]] = []
+    for record in run:
+        if parts and _form(parts[-1][-1]) == _form(record):
+            parts[-1].append(record)
+        else:
+            parts.append([record])
+    return parts
+
+
+def _form(record: RecordedCall) -> tuple[int, tuple[str, ...]]:
+    """How many side arguments a call took by position, and which by keyword."""
+    args, kwargs = record.side[1].children
+    return len(args.children), kwargs.value[1]
 
 
 def follows(previous: RecordedCall, record: RecordedCall) -> bool:

@@ -179,7 +179,12 @@ def find_block_run(
             by_type.setdefault(type(record.module), []).append(record)
         candidates = [run for group in by_type.values() for run in runs_of(group)]
         blocks_of_runs = {r.path for run in candidates if len(run) >= 2 for r in run}
-        candidates += hybrid_runs(model, records, blocks_of_runs)
+        # A hybrid run is a candidate more: one refused must not refuse the model.
+        candidates += [
+            run
+            for run in hybrid_runs(model, records, blocks_of_runs)
+            if _only_the_next_reads(records, run)
+        ]
         if same_sides:
             candidates = [part for run in candidates for part in same_side_parts(run)]
         candidates = [run for run in candidates if len(run) >= 2]
@@ -239,6 +244,15 @@ def find_block_run(
     )
     keeps = all(r.keeps_shape for r in members)
     return BlockRun(calls, tuple(tuple(unit) for unit in units), keeps)
+
+
+def _only_the_next_reads(records: list[RecordedCall], run: list[RecordedCall]) -> bool:
+    """Whether no call but the next block reads a block's output (see refuse_other_readers)."""
+    try:
+        refuse_other_readers(records, run)
+    except NotAChainError:
+        return False
+    return True
 
 
 def _no_values(structure: Structure) -> bool:

@@ -165,3 +165,67 @@ def test_the_sublayers_inside_blocks_are_not_the_chain() -> None:
     optimized = offremat.optimize(model, x, budget=0.6)
     assert optimized.chain.metadata["blocks"] == ["layers.0", "layers.1"]
     step_within_budget(optimized, model, reference, x)
+
+
+class Residual(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.conv(x)) * scale
+
+
+class Level(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([Residual(channels), Residual(channels)])
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale)
+        return x
+
+
+class Down(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, 2 * channels, 2, stride=2)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Pyramid(nn.Module):
+    """A feature pyramid: levels and the downsampling between them in one ``ModuleList``,
+    each level's output read by a head of its own."""
+
+    def __init__(self, downsampling_takes_the_scale: bool):
+        super().__init__()
+        self.alike = downsampling_takes_the_scale
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.levels = nn.ModuleList([Level(8), Down(8), Level(16), Down(16), Level(32)])
+        self.heads = nn.ModuleList(nn.Conv2d(c, 4, 1) for c in (8, 16, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.mean()
+        x = self.stem(x)
+        features = []
+        for level in self.levels:
+            x = level(x, scale) if isinstance(level, Level) or self.alike else level(x)
+            if isinstance(level, Level):
+                features.append(x)
+        return sum(head(f).square().mean() for head, f in zip(self.heads, features, strict=True))
+
+
+@pytest.mark.parametrize("alike", [False, True], ids=["called-in-turns", "called-alike"])
+def test_a_list_of_stages_whose_outputs_heads_read_is_no_hybrid_chain(alike: bool) -> None:
+    """A review: the pyramid's levels and downsampling layers made a hybrid run longer than a
+    level's blocks, which the heads' reads then refused, and the model with it."""
+    torch.manual_seed(0)
+    model = Pyramid(alike)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    optimized = offremat.optimize(model, x, budget=1.0)
+    assert optimized.chain.metadata["blocks"] == ["levels.0.blocks.0", "levels.0.blocks.1"]
+    step_within_budget(optimized, model, reference, x)
