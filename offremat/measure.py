@@ -56,8 +56,9 @@ class LiveStorageTracker(EagerDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        # Recorded storages that stop counting in ``peak_less_left_out_bytes`` (see leave_out).
-        self._left_out: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # Recorded storages, and how many of their bytes stop counting in
+        # ``peak_less_left_out_bytes`` (see leave_out).
+        self._left_out: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
         self.peak_bytes = 0
         self.peak_less_left_out_bytes = 0
         self.ops = 0
@@ -91,23 +92,24 @@ class LiveStorageTracker(EagerDispatchMode):
         left_out = self.left_out_bytes if self._left_out else 0
         self.peak_less_left_out_bytes = max(self.peak_less_left_out_bytes, live - left_out)
 
-    def leave_out(self, storage: torch.UntypedStorage) -> None:
-        """From now on, count the recorded ``storage`` in ``peak_bytes`` only."""
+    def leave_out(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """From now on, count ``nbytes`` of the recorded ``storage`` (at most all of it) in
+        ``peak_bytes`` only."""
         key = storage._cdata
         ref = self._live.get(key)
         if ref is not None and ref() is storage:
-            self._left_out[key] = ref
+            self._left_out[key] = (ref, nbytes)
 
     @property
     def left_out_bytes(self) -> int:
         """Bytes of the left-out storages alive now; forgets the dead ones."""
         total = 0
-        for key, ref in list(self._left_out.items()):
+        for key, (ref, nbytes) in list(self._left_out.items()):
             storage = ref()
             if storage is None:
                 del self._left_out[key]
             else:
-                total += storage.nbytes()
+                total += min(nbytes, storage.nbytes())
         return total
 
     @property
@@ -189,6 +191,10 @@ class StepMemory:
         # held weakly, so that they can be freed.
         self._existing = [weakref.ref(storage) for storage in existing]
         self._gradients_of = list(gradients_of)
+        # Per storage, the bytes of each parameter's gradient in it (see _accumulated).
+        self._gradient_parts: dict[
+            int, tuple[weakref.ref[torch.UntypedStorage], dict[int, int]]
+        ] = {}
         self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
         self._recording = False  # the tracker's dispatch mode is on the stack
@@ -232,18 +238,21 @@ class StepMemory:
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
         """A post-accumulate-grad hook: the parameter's gradient stops counting in the peak
-        less gradients (a hook run before it may have taken the gradient away). Only a
-        storage it fills: autograd may hand it a slice of a larger gradient (of a
-        ``torch.cat`` of the parameter and activations), which the slice then keeps alive,
-        as the step would not with the gradient made before; that storage counts whole."""
+        less gradients (a hook run before it may have taken the gradient away). Its own bytes:
+        autograd may hand it a slice of a larger gradient, whose other slices are other
+        parameters' (a weight made by ``torch.cat`` of three) or activations' (a learned
+        token put before them), which still count."""
         if self._tracker is None or parameter.grad is None:
             return
         found: list[Any] = []
         _storage_leaves(parameter.grad, found)
         for leaf in found:
             storage = leaf.untyped_storage()
-            if leaf.numel() * leaf.element_size() == storage.nbytes():
-                self._tracker.leave_out(storage)
+            known = self._gradient_parts.get(storage._cdata)
+            if known is None or known[0]() is not storage:  # a freed one's address, reused
+                known = self._gradient_parts[storage._cdata] = (weakref.ref(storage), {})
+            known[1][id(parameter)] = leaf.numel() * leaf.element_size()
+            self._tracker.leave_out(storage, sum(known[1].values()))
 
     @property
     def live_bytes(self) -> int:
