@@ -26,6 +26,7 @@ from offremat._signatures import (
     chain_input_kind,
     chain_input_shapes,
     describe,
+    handed_strings,
     input_signature,
 )
 from offremat._step import StepsInFlight
@@ -75,7 +76,8 @@ class VariantPlanning:
         when values differ (a padded batch where the example had none): they save other
         tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
-        kind, shapes = chain_input_kind(value), chain_input_shapes(value)
+        kind = chain_input_kind(value, handed_strings(batch))
+        shapes = chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
         # The sizes too: padding removed before the blocks sizes them by the batch's values.
         # A predicted chain's blocks never ran: its first step (measured) stands for them.

@@ -96,22 +96,36 @@ def memory_layout(tensor: torch.Tensor) -> Any:
 CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes", "chain_input_shapes")
 
 
-def chain_input_kind(value: Any) -> str:
+def chain_input_kind(value: Any, handed: frozenset[str] = frozenset()) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
-    and which carry a gradient. Numbers, strings and objects by type, as :func:`learnable`
-    says: an object may be a fresh one every call, a number computed from the batch (a scale,
-    a count) or a string handed down (a caption in Hugging Face's ``**kwargs``) another every
-    step, and each is learnt like the call's own (:mod:`offremat._numbers`). Flags and choices
-    (a bool, None, an enum, a dtype) by value."""
+    and which carry a gradient. Numbers and objects by type: an object may be a fresh one
+    every call, and a number computed from the batch (a scale, a count) another every step.
+    Strings by value, but those among the call's own arguments (``handed``, a caption in
+    Hugging Face's ``**kwargs``) by type: the call's signature keys those, and learns them
+    as it does numbers (:mod:`offremat._numbers`), while one the model computes from the
+    batch for its blocks (a mode) may decide what they save. Flags and choices (a bool,
+    None, an enum, a dtype) by value."""
     tensors, structure = flatten(value)
     return repr(
         (
             tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
-            _structure_key(structure, by_type=True),
+            _structure_key(structure, by_type=True, handed=handed),
         )
     )
+
+
+def handed_strings(batch: Any) -> frozenset[str]:
+    """The strings among a call's arguments (see :func:`chain_input_kind`)."""
+    found: set[str] = set()
+    pending = [flatten(batch)[1]]
+    while pending:
+        structure = pending.pop()
+        if structure.kind == "value" and isinstance(structure.value, str):
+            found.add(structure.value)
+        pending.extend(structure.children)
+    return frozenset(found)
 
 
 def chain_input_shapes(value: Any) -> str:
@@ -122,12 +136,14 @@ def chain_input_shapes(value: Any) -> str:
     return repr(tuple(tuple(t.shape) for t in flatten(value)[0]))
 
 
-def _structure_key(structure: Structure, by_type: bool = False) -> Any:
+def _structure_key(
+    structure: Structure, by_type: bool = False, handed: frozenset[str] = frozenset()
+) -> Any:
     if structure.kind == "tensor":
         return "tensor"
     if structure.kind == "value":
         value = structure.value
-        if by_type and learnable(value):
+        if by_type and learnable(value) and (not isinstance(value, str) or value in handed):
             return type(value).__qualname__
         if type(value) in (int, float) or isinstance(value, (bool, type(None))):
             return value
@@ -139,7 +155,7 @@ def _structure_key(structure: Structure, by_type: bool = False) -> Any:
     return (
         structure.kind,
         repr(container),
-        tuple(_structure_key(child, by_type) for child in structure.children),
+        tuple(_structure_key(child, by_type, handed) for child in structure.children),
     )
 
 

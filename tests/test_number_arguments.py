@@ -492,3 +492,56 @@ def test_captions_are_not_kept_after_their_step() -> None:
     finally:
         tracemalloc.stop()
     assert held < 1 << 20  # 100 steps of 64 KiB of captions each
+
+
+class ModeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        for _ in range(4 if mode == "deep" else 1):
+            x = x + self.down(torch.tanh(self.up(x)))
+        return x
+
+
+class Moded(nn.Module):
+    """Chooses its blocks' mode from the batch's values: the call's signature never changes,
+    the blocks save four times as much in one mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(ModeBlock() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mode = "deep" if x[0, 0, 0].item() > 0 else "shallow"
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, mode)
+        return h.square().mean()
+
+
+def test_a_string_the_model_computes_for_its_blocks_gets_a_plan_of_its_own() -> None:
+    # Keyed by type among the blocks' inputs, a mode computed from the batch ran the deep
+    # steps on the shallow plan, at 2.64 times the budget, unwarned (a review); strings the
+    # call passes are keyed by type there (the call's signature keys and learns them).
+    torch.manual_seed(0)
+    model = Moded()
+    plain = copy.deepcopy(model)
+    shallow = torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(0))
+    shallow[0, 0, 0] = -1.0
+    deep = shallow.clone()
+    deep[0, 0, 0] = 1.0
+    om = offremat.optimize(model, shallow, budget=1.0)  # the shallow mode's keep-all
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)
+    for x in (shallow, deep, deep, shallow):
+        with StepMemory("cpu", inputs=x) as memory:
+            om(x).backward()
+        assert memory.peak_bytes <= om.plan.budget_bytes
+        plain(x).backward()
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    assert om.cache_info()["variants"] == 1
