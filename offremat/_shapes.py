@@ -186,8 +186,9 @@ class ShapePlans(VariantPlanning):
         over = executor is not None and executor.over_budget
         if over and executor.over_within_gradients and signature not in self.unprofiled:
             # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
-            # tell them apart): those, which the budget leaves out; no number sizes more.
+            # tell them apart): taken for those, which the budget leaves out, and said.
             executor.over_budget = executor.over_within_gradients = over = False
+            _warn_unsure(executor, signature)
         if over and signature is not called and not executor.over_within_gradients:
             # Measured over its budget on a value of numbers its key leaves out.
             self.numbers.over_budget(called, batch)
@@ -382,3 +383,17 @@ class ShapePlans(VariantPlanning):
             "variants": self.cache.variants,
             "planning_s": self.cache.planning_s,
         }
+
+
+def _warn_unsure(executor: PlanExecutor, signature: Signature) -> None:
+    if "unsure" in executor.reported_over_budget:
+        return
+    executor.reported_over_budget.add("unsure")
+    logger.warning(
+        "input %s: two steps measured over the plan's budget by no more than the parameters' "
+        "gradients they made (their .grad was None), which the budget leaves out; the CUDA "
+        "allocator cannot tell those from activations, so the plan is kept, and an overrun of "
+        "activations that small would go unseen. optimizer.zero_grad(set_to_none=False) "
+        "makes the check exact",
+        describe(signature),
+    )

@@ -470,6 +470,7 @@ def test_where_gradients_cannot_be_told_apart_a_new_value_is_not_taken_for_sizin
             om(x=x, temperature=2 * 0.99 ** (step + 1)).backward()
     assert om.cache_info()["misses"] == 1
     assert "measured over its plan's budget" not in caplog.text
+    assert "cannot tell those from activations, so the plan is kept" in caplog.text  # said
 
 
 def test_captions_are_not_kept_after_their_step() -> None:
