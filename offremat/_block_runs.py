@@ -25,14 +25,15 @@ def hybrid_runs(
 ) -> list[list[RecordedCall]]:
     """Runs of blocks of two or more types that a model calls from one ``ModuleList``: the
     layers of a hybrid model (Jamba's attention and Mamba layers), which runs of one type
-    break into pieces. Only modules with modules of their own count: blocks, not the
-    linear layers and activation an MLP's ``ModuleList`` may hold; and not the sublayers
-    inside a block of a run of one type (``blocks_of_runs``), which that run plans whole."""
+    break into pieces. Only blocks count, modules with modules or parameters of their own,
+    not the activations an MLP's ``ModuleList`` may hold between its linear layers; and not
+    the sublayers inside a block of a run of one type (``blocks_of_runs``), which that run
+    plans whole."""
     lists = {id(m) for m in model.modules() if isinstance(m, nn.ModuleList)}
     by_list: dict[str, list[RecordedCall]] = {}
     for record in records:
         parent = record.path.rpartition(".")[0]
-        if not record.path or next(record.module.children(), None) is None:
+        if not record.path or not _holds_weights(record.module):
             continue
         if not any(parent == p or parent.startswith(p + ".") for p in blocks_of_runs):
             by_list.setdefault(parent, []).append(record)
@@ -44,6 +45,14 @@ def hybrid_runs(
         for run in _called_alike(part)
     ]
     return [run for run in runs if len({type(r.module) for r in run}) > 1]
+
+
+def _holds_weights(module: nn.Module) -> bool:
+    """A block: modules of its own (an attention layer), or parameters (``w1``, ``w2``)."""
+    return (
+        next(module.children(), None) is not None
+        or next(module.parameters(recurse=False), None) is not None
+    )
 
 
 def _called_alike(run: list[RecordedCall]) -> list[list[RecordedCall]]:
