@@ -48,11 +48,12 @@ def hybrid_runs(
 
 
 def _holds_weights(module: nn.Module) -> bool:
-    """A block: modules of its own (an attention layer), or parameters (``w1``, ``w2``)."""
-    return (
-        next(module.children(), None) is not None
-        or next(module.parameters(recurse=False), None) is not None
-    )
+    """A block: modules of its own (an attention layer), or parameters (``w1``, ``w2``) of
+    a layer not torch's own (a ``Linear`` or a ``LayerNorm`` is a block's part)."""
+    if next(module.children(), None) is not None:
+        return True
+    own = next(module.parameters(recurse=False), None) is not None
+    return own and not type(module).__module__.startswith("torch.nn.")
 
 
 def _called_alike(run: list[RecordedCall]) -> list[list[RecordedCall]]:

@@ -245,3 +245,32 @@ def test_a_list_of_stages_whose_outputs_heads_read_is_no_hybrid_chain(alike: boo
     optimized = offremat.optimize(model, x, budget=1.0)
     assert optimized.chain.metadata["blocks"] == ["levels.0.blocks.0", "levels.0.blocks.1"]
     step_within_budget(optimized, model, reference, x)
+
+
+class Headed(nn.Module):
+    """Two blocks, then a head of torch's own layers in a ``ModuleList``, called in turn."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList([Attention(width), Convolution(width)])
+        parts = [nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, 1)]
+        self.head = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        for layer in self.layers:
+            x = layer(x, padding)
+        for part in self.head:
+            x = part(x)
+        return x.square().mean()
+
+
+def test_torchs_own_layers_in_a_list_are_no_hybrid_chain() -> None:
+    """A run of the head's three layers, longer than the two blocks, was the chain."""
+    torch.manual_seed(0)
+    model = Headed()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 16)
+    optimized = offremat.optimize(model, x, budget=0.9)
+    assert optimized.chain.metadata["blocks"] == ["layers.0", "layers.1"]
+    step_within_budget(optimized, model, reference, x)
