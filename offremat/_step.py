@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 
 # Every step, of any model, whose backward has not run: a hooked parameter two of them hold
-# is refused when one backward runs both (see hooked_parameters_shared).
+# is refused when one backward runs both (see steps_sharing).
 _PENDING: weakref.WeakSet[_Step] = weakref.WeakSet()
 
 
@@ -258,14 +258,16 @@ class _Step(Compute):
             )
         ]
 
-    def hooked_parameters_shared(self, hooked: list[torch.Tensor]) -> bool:
-        """Whether another pending step that this backward also runs holds one of ``hooked``.
+    def steps_sharing(self, hooked: list[torch.Tensor]) -> list[_Step]:
+        """The other pending steps that this backward also runs and that hold one of
+        ``hooked``.
 
         Each step's backward accumulates into ``.grad`` on its own, so the hooks of a
         parameter two steps hold (a model called twice before one backward, a block shared by
         two optimized models) would run once per step, each time on part of the gradient.
         """
         ids = {id(p) for p in hooked}
+        sharing = []
         for other in list(_PENDING):
             node = None if other is self or other.node is None else other.node()
             if (
@@ -274,8 +276,8 @@ class _Step(Compute):
                 and torch._C._will_engine_execute_node(node)
                 and any(id(p) in ids for parameters in other.parameters for p in parameters)
             ):
-                return True
-        return False
+                sharing.append(other)
+        return sharing
 
     def _close(self) -> None:
         """Settle copies and give back host buffers; drop every tensor of the step."""

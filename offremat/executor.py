@@ -352,8 +352,11 @@ class _PlanFunction(torch.autograd.Function):
                     "from the plan's backward and from the rest of the graph, so its hooks "
                     "would run twice. Move that use into the chain, or remove the hooks"
                 )
-        if hooked and step.hooked_parameters_shared(hooked):
-            step.abandon()
+        sharing = step.steps_sharing(hooked) if hooked else []
+        if sharing:
+            # The backward ends here: the other steps' halves never run either.
+            for pending in (step, *sharing):
+                pending.abandon()
             raise RuntimeError(
                 f"a parameter of the chain (shape {tuple(hooked[0].shape)}) has gradient hooks "
                 "and another step this backward runs also uses it (the model called twice "

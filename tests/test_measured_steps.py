@@ -78,3 +78,45 @@ def test_a_dropped_or_failed_measured_step_leaves_no_hooks() -> None:
     model.zero_grad(set_to_none=True)
     _loss(optimized, model, "penalty").backward()  # the next step trains
     assert optimized.stats.measured_peak_bytes is not None
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Tower(nn.Module):
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.embedding = embedding
+        self.blocks = nn.ModuleList(_Residual() for _ in range(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_a_refused_backward_settles_every_step_it_ran(caplog) -> None:
+    # Two optimized models share an embedding with a hook of the caller's: one backward
+    # through both is refused, and the other model's step kept its activations and its
+    # measurement's hooks until that model's next forward (a review).
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 32)
+    towers = [_Tower(embedding), _Tower(embedding)]
+    ids = torch.randint(0, 50, (4, 16))
+    first, second = (offremat.optimize(t, ids, budget=0.6, measure_memory=True) for t in towers)
+    handle = embedding.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="another step this backward runs also uses it"):
+        (first(ids) + second(ids)).backward()
+    handle.remove()
+    gc.collect()
+    assert sum(_hooks(t) for t in towers) == 0
+    with caplog.at_level("WARNING", logger="offremat"):
+        (first(ids) + second(ids)).backward()  # no hook now: trains
+    assert "still waits for its backward" not in caplog.text
