@@ -35,22 +35,19 @@ that sizes nothing on the two values compared but does on another (a task id tha
 head of another size) is found there, after the one step that ran on another value's plan,
 and from then on its values key plans. One that makes a block save more on another value
 without changing a shape (a loop past a threshold) is found by the first step on a new
-value, measured as a plan read from disk is (:meth:`NumberPlaces.verifies`): that step may
-pass the budget, and the next plans the value anew. The first :data:`MEASURED_VALUES` new
-values of a call structure are measured, then one in :data:`MEASURED_EVERY`, and any value
-not measured on its first step is on its second: a number that changes at every step (an
-annealed temperature) had every step measured, each slowed on CPU by the dispatch tracker,
-while a value that recurs (a task's name, a data source) is checked by its second step.
+value, measured as a plan read from disk is (:mod:`offremat._value_checks`, which says
+which steps are measured, and which numbers a step measured over its budget blames): that step
+may pass the budget, and the next plans the blamed numbers' values anew.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 from offremat._signatures import Signature, Value, learnable
 from offremat._tensors import Structure, flatten
+from offremat._value_checks import ValueChecks, trim
 from solvers.chain import Chain
 from solvers.chain_limits import STAGE_BYTE_FIELDS
 
@@ -64,13 +61,6 @@ _ERASED = "number"  # a marker (_ERASED, type name): a 2-tuple, where a containe
 
 NUMBER_PLANS_BEFORE_WARNING = 3
 """How many plans a number's changing value makes before the warning to pass it as a tensor."""
-
-MEASURED_VALUES = 8
-"""How many new values, per call structure, of the numbers a plan's key leaves out have the
-first step on each measured."""
-
-MEASURED_EVERY = 32
-"""After those, the first step on one new value in this many is measured."""
 
 
 def erased(signature: Signature, places: frozenset[int] | None) -> Signature:
@@ -195,10 +185,6 @@ def _skeleton(signature: Signature) -> Any:
 KEPT_SKELETONS = 64
 """How many call structures keep what was learnt of their numbers (the latest learnt)."""
 
-KEPT_VALUES = 4096
-"""How many calls' number values are remembered as seen (the first step on each new one may
-be measured, under a key that leaves them out)."""
-
 
 class NumberPlaces:
     """What is learnt of the places of a call's numbers, per call structure (an argument
@@ -212,11 +198,7 @@ class NumberPlaces:
         self.warned = False
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
-        # The digests of the call signatures under a key without their numbers: measured, and
-        # seen once but not measured; how many new ones each call structure had.
-        self.checked: dict[bytes, None] = {}
-        self.unmeasured: dict[bytes, None] = {}
-        self.new_values: dict[Any, int] = {}
+        self.checks = ValueChecks()
 
     def key(self, signature: Signature) -> Signature:
         """The key of ``signature``'s plan: its neutral numbers by type."""
@@ -269,48 +251,44 @@ class NumberPlaces:
         trim(self.outputs, KEPT_SKELETONS)
         if seen == shapes:
             return
+        skeleton = _skeleton(signature)
         self._sizes_after_all(
-            signature,
+            skeleton,
+            self.neutral.get(skeleton, frozenset()),
             batch,
             f"the model's output changed shape ({shapes} where it was {seen})",
         )
 
     def verifies(self, signature: Signature, key: Signature) -> bool:
         """Whether a step on ``signature`` (of plan key ``key``) is to be measured (the plan's
-        ``verify_next``): the first on its values of numbers its key leaves out, among the
-        first new values of its structure or one in :data:`MEASURED_EVERY` after them, or else
-        the second (a value that comes back), since a number that sized nothing on the two
-        values profiled may make a block save more on this one (an extra loop past a
-        threshold) without changing any shape."""
+        ``verify_next``): see :mod:`offremat._value_checks`."""
         if key is signature:
             return False
-        # By digest: a signature holds its strings whole (a caption of kilobytes, each step).
-        # Not hash(): hash(-1) == hash(-2), so two values would pass for one.
-        digest = hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
-        if digest in self.checked:
-            return False
-        if digest in self.unmeasured:
-            del self.unmeasured[digest]
-            measured = True  # a value back: a category, not a number new at every step
-        else:
-            skeleton = _skeleton(signature)
-            count = self.new_values.pop(skeleton, 0) + 1
-            self.new_values[skeleton] = count
-            trim(self.new_values, KEPT_SKELETONS)
-            measured = count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
-        seen = self.checked if measured else self.unmeasured
-        seen[digest] = None
-        trim(seen, KEPT_VALUES)
-        return measured
-
-    def over_budget(self, signature: Signature, batch: Any) -> None:
-        """A step measured by :meth:`verifies` passed the plan's budget: the numbers its key
-        leaves out size something after all, and key plans again from now on."""
-        self._sizes_after_all(signature, batch, "a step measured over its plan's budget")
-
-    def _sizes_after_all(self, signature: Signature, batch: Any, seen: str) -> None:
         skeleton = _skeleton(signature)
-        places = self.neutral.pop(skeleton, frozenset())
+        values: list[Any] = []
+        _numbers(signature[1], values)
+        neutral = self.neutral.get(skeleton, frozenset())
+        left_out = [(place, value) for place, value in enumerate(values) if place in neutral]
+        return self.checks.verifies(signature, key, skeleton, left_out)
+
+    def within_budget(self, key: Signature) -> None:
+        """The step measured on ``key``'s plan, if any, ended within its budget."""
+        self.checks.within_budget(key)
+
+    def over_budget(self, key: Signature, signature: Signature, batch: Any) -> None:
+        """A step measured on ``key``'s plan passed its budget: of the numbers that key leaves
+        out, those it blames size something after all, and key plans again from now on;
+        ``signature`` and ``batch``: the call after that step."""
+        skeleton = _skeleton(signature)
+        places = self.checks.blamed(key, self.neutral.get(skeleton, frozenset()))
+        self._sizes_after_all(skeleton, places, batch, "a step measured over its plan's budget")
+
+    def _sizes_after_all(
+        self, skeleton: Any, places: frozenset[int], batch: Any, seen: str
+    ) -> None:
+        left = self.neutral.pop(skeleton, frozenset()) - places
+        if left:
+            self.neutral[skeleton] = left
         self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | places
         logger.warning(
             "%s with the Python argument %s, which a second profile had found to size nothing: "
@@ -363,12 +341,6 @@ def sibling(
                 return None
             return places, plans.profiled[known]
     return None
-
-
-def trim(mapping: dict[Any, Any], kept: int) -> None:
-    """Keep the ``kept`` latest entries of ``mapping`` (in insertion order)."""
-    while len(mapping) > kept:
-        mapping.pop(next(iter(mapping)))
 
 
 def learn(

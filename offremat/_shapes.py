@@ -191,8 +191,9 @@ class ShapePlans(VariantPlanning):
             _warn_unsure(executor, signature)
         if over and signature is not called and not executor.over_within_gradients:
             # Measured over its budget on a value of numbers its key leaves out.
-            self.numbers.over_budget(called, batch)
-            signature, executor = called, self.executors.get(called)
+            self.numbers.over_budget(signature, called, batch)
+            signature = self.numbers.key(called)
+            executor = self.executors.get(signature)
         if executor is not None and executor.over_budget and signature in self.unprofiled:
             logger.warning(
                 "input %s: its plan, made on a chain given to optimize, read from cache_dir "
@@ -210,6 +211,8 @@ class ShapePlans(VariantPlanning):
             self.executors[signature] = self.executors.pop(signature)  # the latest used
             if signature in self.provisional:
                 executor = self._improve(signature, executor.chain)
+            if not executor.verify_next:  # the step measured last on it ended, within budget
+                self.numbers.within_budget(signature)
             if self.numbers.verifies(called, signature):
                 executor.verify_next = True
         else:

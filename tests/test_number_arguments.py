@@ -171,7 +171,7 @@ def test_a_string_that_sizes_the_head_gets_a_plan_per_value() -> None:
 def test_a_number_new_at_every_step_has_only_some_of_its_steps_measured() -> None:
     # An annealed temperature had every step measured, each 14% slower (a hunt): the first
     # new values are, then one in MEASURED_EVERY.
-    from offremat._numbers import MEASURED_EVERY, MEASURED_VALUES
+    from offremat._value_checks import MEASURED_EVERY, MEASURED_VALUES
 
     torch.manual_seed(0)
     model = Model()
@@ -412,7 +412,7 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     # After the first new values, one in MEASURED_EVERY is measured: a value first seen then
     # was never measured, on any of its steps, as it had been seen (review: a task's name,
     # 2.29 times the budget at every step on it, unwarned).
-    from offremat._numbers import MEASURED_VALUES
+    from offremat._value_checks import MEASURED_VALUES
 
     om, x = _threshold_model()
     # k=2 profiled, then the new values measured (each at most 8: under the threshold).
@@ -424,6 +424,56 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     om(x=x, k=32).backward()  # back: measured, over the budget
     assert om.stats.measured_peak_bytes > om.plan.budget_bytes
     _refused_after_measured_over(om, x, caplog)
+
+
+class TemperedThreshold(ThresholdModel):
+    """A ThresholdModel whose loss a temperature scales: a number that sizes nothing."""
+
+    def forward(self, x: torch.Tensor, k: int = 1, t: float = 1.0) -> torch.Tensor:
+        return super().forward(x, k) * t
+
+
+def test_a_value_back_is_measured_and_blamed_beside_a_number_new_every_step(caplog) -> None:
+    # A task's value past a threshold beside a temperature new at every step: no whole call
+    # came back, so k=9 went unmeasured until one call in MEASURED_EVERY, and once measured
+    # over, both numbers keyed plans: a profile at every step from then on (review F6). Now a
+    # value back at its place is measured, and the blame goes to the place whose value few
+    # steps had checked, not to the temperature checked on many.
+    from offremat._value_checks import MEASURED_VALUES
+
+    x = torch.randn(4, 24, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = TemperedThreshold()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, {"x": x, "k": 1, "t": 1.0}, budget=0.95)
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)
+    temperatures = iter(1.0 - n / 1024 for n in range(1, 1000))
+    om(x=x, k=2, t=1.0).backward()  # profiled: k sizes nothing
+    om(x=x, k=1, t=next(temperatures)).backward()  # profiled: neither does t
+    assert om.cache_info()["misses"] == 2
+    for _ in range(MEASURED_VALUES):  # the first new values: each measured, within budget
+        om(x=x, k=1, t=next(temperatures)).backward()
+        assert om.stats.measured_peak_bytes <= om.plan.budget_bytes
+    om(x=x, k=9, t=next(temperatures)).backward()  # a new value past those: not measured
+    assert om.stats.measured_peak_bytes is None
+    om(x=x, k=9, t=next(temperatures)).backward()  # k=9 back, t new: measured, over
+    assert om.stats.measured_peak_bytes > om.plan.budget_bytes
+    for p in model.parameters():
+        p.grad.zero_()
+    caplog.set_level(logging.WARNING, logger="offremat")
+    for k in (9, 1):  # k keys plans, t still not: one profile each, then reused
+        misses = om.cache_info()["misses"]
+        for _ in range(3):
+            t = next(temperatures)
+            with StepMemory("cpu", inputs=x) as memory:
+                om(x=x, k=k, t=t).backward()
+            assert memory.peak_bytes <= om.plan.budget_bytes
+            plain(x=x, k=k, t=t).backward()
+            for q, r in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(q.grad, r.grad)
+        assert om.cache_info()["misses"] == misses + 1
+    assert "measured over its plan's budget with the Python argument k, which" in caplog.text
 
 
 class WideBlock(nn.Module):

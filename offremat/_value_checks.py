@@ -1,0 +1,115 @@
+"""Which steps on values a plan's key leaves out are measured, and which places a step
+measured over its budget blames (:mod:`offremat._numbers` learns the places).
+
+A number learnt to size nothing from two profiled values may still make a block save more on
+another (a loop past a threshold) without changing a shape; only a measured step finds it.
+Measuring every step would slow each on CPU (the dispatch tracker), so per call structure the
+first :data:`MEASURED_VALUES` new values are measured, then one in :data:`MEASURED_EVERY`,
+and a value back at its place (a task's name, a data source: a category, not a number new at
+every step) that no measured step had is measured on its return, whatever the call's other
+numbers hold. Kept per place, not per call: beside a temperature new at every step no whole
+call ever comes back, and a task's value past a threshold went unmeasured for 32 steps.
+
+A measured step over its budget blames the places whose values no step had measured within
+it, and of those the ones few steps had checked: a temperature checked within the budget on
+:data:`MEASURED_VALUES` values is not blamed beside a task's value checked on none, or its
+every new value would key a plan (a profile at every step). Blamed wrongly, a place is found
+on its next measured step over, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from offremat._signatures import Signature
+
+MEASURED_VALUES = 8
+"""How many new values, per call structure, of the numbers a plan's key leaves out have the
+first step on each measured; a place with as many values checked within the budget is not
+blamed beside one with fewer."""
+
+MEASURED_EVERY = 32
+"""After those, the first step on one new value in this many is measured."""
+
+KEPT_VALUES = 4096
+"""How many calls, and values at their places, are remembered as checked or seen."""
+
+KEPT_STRUCTURES = 64
+"""How many call structures keep their counts (the latest used)."""
+
+
+def _digest(value: Any) -> bytes:
+    # By digest: a signature holds its strings whole (a caption of kilobytes, each step).
+    # Not hash(): hash(-1) == hash(-2), so two values would pass for one.
+    return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()
+
+
+class ValueChecks:
+    """The values of the numbers that plans' keys leave out, as checked by measured steps."""
+
+    def __init__(self) -> None:
+        self.checked: dict[bytes, None] = {}  # calls measured
+        self.within: dict[bytes, None] = {}  # values at their place measured within budget
+        self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
+        self.new_calls: dict[Any, int] = {}  # per structure
+        self.within_count: dict[Any, dict[int, int]] = {}  # per structure, per place
+        self.pending: dict[Signature, tuple[Any, dict[int, bytes]]] = {}  # per plan key
+
+    def verifies(self, signature: Signature, key: Signature, skeleton: Any, values: Any) -> bool:
+        """Whether the step on ``signature`` (of plan key ``key``, call structure ``skeleton``)
+        is to be measured (module notes); ``values``: the place and value of each number the
+        key leaves out."""
+        digest = _digest(signature)
+        if digest in self.checked:
+            return False
+        places = {place: _digest((skeleton, place, value)) for place, value in values}
+        back = any(d in self.unmeasured and d not in self.within for d in places.values())
+        count = self.new_calls.pop(skeleton, 0) + 1
+        self.new_calls[skeleton] = count
+        trim(self.new_calls, KEPT_STRUCTURES)
+        measured = back or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+        if measured:
+            self.checked[digest] = None
+            trim(self.checked, KEPT_VALUES)
+            self.pending[key] = (skeleton, places)
+        else:
+            self.unmeasured.update(dict.fromkeys(places.values()))
+            trim(self.unmeasured, KEPT_VALUES)
+        return measured
+
+    def within_budget(self, key: Signature) -> None:
+        """The step measured on ``key``'s plan ended within its budget: its values are checked."""
+        found = self.pending.pop(key, None)
+        if found is None:
+            return
+        skeleton, places = found
+        counts = self.within_count.pop(skeleton, {})
+        self.within_count[skeleton] = counts
+        trim(self.within_count, KEPT_STRUCTURES)
+        for place, digest in places.items():
+            if digest not in self.within:
+                self.within[digest] = None
+                counts[place] = counts.get(place, 0) + 1
+            self.unmeasured.pop(digest, None)
+        trim(self.within, KEPT_VALUES)
+
+    def blamed(self, key: Signature, neutral: frozenset[int]) -> frozenset[int]:
+        """Of the ``neutral`` places, those to blame for the step measured over its budget on
+        ``key``'s plan (module notes); all of them where that step is not known."""
+        found = self.pending.pop(key, None)
+        if found is None:
+            return neutral
+        skeleton, places = found
+        unchecked = frozenset(p for p in neutral if p in places and places[p] not in self.within)
+        if not unchecked:  # each value checked alone: their combination passed it
+            return neutral
+        counts = self.within_count.get(skeleton, {})
+        few = frozenset(p for p in unchecked if counts.get(p, 0) < MEASURED_VALUES)
+        return few or unchecked
+
+
+def trim(mapping: dict[Any, Any], kept: int) -> None:
+    """Keep the ``kept`` latest entries of ``mapping`` (in insertion order)."""
+    while len(mapping) > kept:
+        mapping.pop(next(iter(mapping)))
