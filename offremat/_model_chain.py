@@ -33,7 +33,7 @@ from offremat._discover import BlockRun, call_model, find_block_run
 from offremat._outside import Outside, measure_outside, run_stages
 from offremat._run import RunInterception, refuse_hooks, run_blocks
 from offremat._side_patterns import chain_input
-from offremat._signatures import chain_input_kind, chain_input_shapes, handed_strings
+from offremat._signatures import block_values, chain_input_kind, chain_input_shapes
 from offremat._tensors import bitwise_equal, flatten, storage_bytes, unflatten
 from offremat.measure import tree_leaf_tensors
 from offremat.profiler import (
@@ -114,8 +114,7 @@ def profile_model_chain(
         found.example_input,
         _device(model, batch),
     )
-    handed = handed_strings(batch)
-    return _with_outside(chain, outside, found.run.paths, found.example_input, handed)
+    return _with_outside(chain, outside, found.run.paths, found.example_input)
 
 
 def profile_blocks_on(
@@ -155,10 +154,8 @@ def _with_outside(
     outside: Outside,
     paths: Any,
     example_input: Any,
-    handed: frozenset[str] = frozenset(),
 ) -> Chain:
-    """``chain`` of the blocks with the costs of the code around them folded in; ``handed``,
-    the call's strings (see :func:`offremat._signatures.chain_input_kind`)."""
+    """``chain`` of the blocks with the costs of the code around them folded in."""
     # B(L)'s temporary without what covers plain autograd's keep-all peak on the blocks
     # alone: covered again below, with the code around them.
     folded = list(raised_backward(chain, -chain.metadata.get("plain_autograd_bytes", 0)).stages)
@@ -176,9 +173,10 @@ def _with_outside(
     metadata = dict(chain.metadata)
     metadata["outside"] = dataclasses.asdict(outside)
     metadata["blocks"] = paths
-    metadata["chain_input"] = chain_input_kind(example_input, handed)
+    metadata["chain_input"] = chain_input_kind(example_input)
     metadata["chain_input_bytes"] = storage_bytes(flatten(example_input)[0])
     metadata["chain_input_shapes"] = chain_input_shapes(example_input)
+    metadata["chain_input_values"] = block_values(example_input)
     metadata.pop("plain_autograd_bytes", None)
     folded_chain = dataclasses.replace(
         chain,

@@ -45,9 +45,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from offremat._signatures import Signature, Value, learnable
+from offremat._signatures import Signature, Value, handed_values, learnable
 from offremat._tensors import Structure, flatten
-from offremat._value_checks import ValueChecks, trim
+from offremat._value_checks import Place, ValueChecks, same_value, trim
 from solvers.chain import Chain
 from solvers.chain_limits import STAGE_BYTE_FIELDS
 
@@ -111,14 +111,10 @@ def differing_numbers(known: Signature, new: Signature) -> frozenset[int] | None
     _numbers(new[1], b)
     if len(a) != len(b):
         return None
-    places = frozenset(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not _same(x, y))
+    places = frozenset(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not same_value(x, y))
     if not places or erased(known, places) != erased(new, places):
         return None
     return places
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN as itself
 
 
 # The chain figures a plan depends on: every byte (STAGE_BYTE_FIELDS, and these of its
@@ -199,6 +195,8 @@ class NumberPlaces:
         # The shapes of the model's output in the first step on each key with neutral places.
         self.outputs: dict[Signature, str] = {}
         self.checks = ValueChecks()
+        # How many measured steps over their budget blamed each place (see over_budget).
+        self.blames: dict[tuple[Any, int], int] = {}
 
     def key(self, signature: Signature) -> Signature:
         """The key of ``signature``'s plan: its neutral numbers by type."""
@@ -252,9 +250,11 @@ class NumberPlaces:
         if seen == shapes:
             return
         skeleton = _skeleton(signature)
+        places = self.neutral.get(skeleton, frozenset())
         self._sizes_after_all(
             skeleton,
-            self.neutral.get(skeleton, frozenset()),
+            places,
+            places,
             batch,
             f"the model's output changed shape ({shapes} where it was {seen})",
         )
@@ -275,28 +275,46 @@ class NumberPlaces:
         """The step measured on ``key``'s plan, if any, ended within its budget."""
         self.checks.within_budget(key)
 
-    def over_budget(self, key: Signature, signature: Signature, batch: Any) -> None:
+    def over_budget(self, key: Signature, signature: Signature, batch: Any) -> frozenset[Place]:
         """A step measured on ``key``'s plan passed its budget: of the numbers that key leaves
-        out, those it blames size something after all, and key plans again from now on;
-        ``signature`` and ``batch``: the call after that step."""
+        out, those it blames key plans again (``signature`` and ``batch``: the call after that
+        step), until profiles of two of their values agree in every byte; blamed twice, for
+        good. The places of the other values it checked that it blames (the numbers and
+        strings the blocks receive: :mod:`offremat._shape_variants`), where it blames none of
+        the call's: those cost a profile or two to learn again, a blocks' value a plan each."""
         skeleton = _skeleton(signature)
-        places = self.checks.blamed(key, self.neutral.get(skeleton, frozenset()))
-        self._sizes_after_all(skeleton, places, batch, "a step measured over its plan's budget")
+        own = frozenset((skeleton, p) for p in self.neutral.get(skeleton, frozenset()))
+        others = self.checks.measured(key) - own
+        blamed = self.checks.blamed(key, own | others)
+        if not blamed & own:
+            return blamed & others
+        places = frozenset(p for _, p in blamed & own)
+        for place in places:
+            self.blames[(skeleton, place)] = self.blames.pop((skeleton, place), 0) + 1
+        trim(self.blames, KEPT_SKELETONS)
+        again = frozenset(p for p in places if self.blames[(skeleton, p)] > 1)
+        seen = "a step measured over its plan's budget"
+        self._sizes_after_all(skeleton, places, again, batch, seen)
+        return frozenset()
 
     def _sizes_after_all(
-        self, skeleton: Any, places: frozenset[int], batch: Any, seen: str
+        self, skeleton: Any, places: frozenset[int], sizing: frozenset[int], batch: Any, seen: str
     ) -> None:
+        """``places`` key plans again, ``sizing`` of them for good: a neutral number sized
+        something after all (``seen``), or may have."""
         left = self.neutral.pop(skeleton, frozenset()) - places
         if left:
             self.neutral[skeleton] = left
-        self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | places
+        self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | sizing
         logger.warning(
             "%s with the Python argument %s, which a second profile had found to size nothing: "
             "that step ran on the plan of another value, and could pass its budget; from now "
-            "on each value gets its own plan. Pass a number that sizes tensors as a tensor "
-            "where you can",
+            "on %s. Pass a number that sizes tensors as a tensor where you can",
             seen,
             _named(places, batch),
+            "each value gets its own plan"
+            if sizing == places
+            else "its values key plans until the profiles of two of them agree in every byte",
         )
 
     def _forced(self, places: frozenset[int], batch: Any) -> None:
@@ -343,6 +361,16 @@ def sibling(
     return None
 
 
+def _same_block_values(known: Chain, new: Chain, handed: frozenset[Any]) -> bool:
+    """Whether the numbers and strings two chains' blocks received agree, but where ``new``'s
+    is one of its call's (``handed``), which the call signatures tell apart."""
+    a = known.metadata.get("chain_input_values")
+    b = new.metadata.get("chain_input_values")
+    if a is None or b is None or len(a) != len(b):
+        return a == b
+    return all(same_value(x, y) or y in handed for x, y in zip(a, b, strict=True))
+
+
 def learn(
     plans: ShapePlans,
     signature: Signature,
@@ -355,7 +383,12 @@ def learn(
     (the latest of those that then share a key stays: they differ in those numbers alone). The
     key of ``signature`` now."""
     places, known = found
-    plans.numbers.learn(signature, places, same_sizes(known, chain), batch)
+    same = same_sizes(known, chain)
+    if not same and not _same_block_values(known, chain, handed_values(batch)):
+        # Numbers or strings the model computed for its blocks differ too: which of them, or
+        # of the call's, made the chains differ is not known.
+        return signature
+    plans.numbers.learn(signature, places, same, batch)
     if not plans.numbers.is_neutral(signature, places):
         return signature
     key = plans.numbers.key

@@ -23,13 +23,15 @@ from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces
 from offremat._signatures import (
     Signature,
+    block_values,
     chain_input_kind,
     chain_input_shapes,
     describe,
-    handed_strings,
+    handed_values,
     input_signature,
 )
 from offremat._step import StepsInFlight
+from offremat._value_checks import KEPT_STRUCTURES, Place, same_value, trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
@@ -39,8 +41,25 @@ logger = logging.getLogger(__name__)
 VariantKey = tuple[Signature, str]
 """A call's signature and the kind of its blocks' inputs (:func:`chain_input_kind`)."""
 
+_BLOCK_VALUES = "the blocks' own inputs"  # a structure of places (offremat._value_checks)
+
+MODE_VALUES = 4
+"""How many of the values a string the model computes for its blocks takes key a plan of
+their own each (a mode's): the first seen; the later ones (a caption made lower case, new
+at every step) are keyed by type, and checked."""
+
 KEPT_VARIANTS = 8
 """How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
+
+
+def _profiled_on(values: list[Any], by_value: frozenset[int], chain: Chain) -> bool:
+    """Whether ``chain`` was profiled on ``values`` at the positions ``by_value``."""
+    if not by_value:
+        return True
+    profiled = chain.metadata.get("chain_input_values")
+    if profiled is None or len(profiled) != len(values):
+        return False
+    return all(same_value(values[at], profiled[at]) for at in by_value)
 
 
 @contextmanager
@@ -67,6 +86,10 @@ class VariantPlanning:
     refused: dict[VariantKey, tuple[Any, ...]]
     last: PlanExecutor | None
     in_flight: StepsInFlight
+    # Per plan key, the positions among the blocks' numbers and strings that key by value;
+    # per plan key and position, the values a string the model computes took (see _modes).
+    sizing_values: dict[Signature, frozenset[int]]
+    mode_values: dict[tuple[Signature, int], dict[str, None]]
     resources: DeviceResources
 
     def for_chain_input(self, batch: Any, executor: PlanExecutor, value: Any) -> PlanExecutor:
@@ -76,20 +99,25 @@ class VariantPlanning:
         when values differ (a padded batch where the example had none): they save other
         tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
-        kind = chain_input_kind(value, handed_strings(batch))
+        signature = self.numbers.key(input_signature(batch))
+        values = block_values(value)
+        by_value = self._block_values_checked(batch, signature, executor, values)
+        kind = chain_input_kind(value)
         shapes = chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
+        if planned == kind and not _profiled_on(values, by_value, executor.chain):
+            kind = chain_input_kind(value, by_value)
         # The sizes too: padding removed before the blocks sizes them by the batch's values.
         # A predicted chain's blocks never ran: its first step (measured) stands for them.
         executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes
         planned_shapes = executor.chain.metadata.get(
             "chain_input_shapes", executor.first_chain_input_shapes
         )
-        if planned == kind and planned_shapes != shapes:
+        if planned_shapes != shapes:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
             return executor
-        key = (self.numbers.key(input_signature(batch)), kind)
+        key = (signature, kind)
         if key in self.refused:
             # A fresh error: a stored one would keep each refused step's frames alive.
             raise InfeasibleBudgetError(*self.refused[key])
@@ -104,6 +132,70 @@ class VariantPlanning:
         self.last = variant
         return variant
 
+    def _block_values_checked(
+        self,
+        batch: Any,
+        signature: Signature,
+        executor: PlanExecutor,
+        values: list[int | float | str],
+    ) -> frozenset[int]:
+        """The positions among the numbers and strings the blocks receive in a step on
+        ``batch`` (``values``: a count, a length or a mode the model computes from the batch,
+        a caption handed down) whose values key the blocks' plans on ``signature``'s plan:
+        those a step measured over its budget blamed (one may slice what the blocks save, or
+        choose what they run, as no shape shows), and the strings the model computes, on the
+        first :data:`MODE_VALUES` values they take (a mode's: a plan each, exact from its
+        first step). The others keep by type and are checked as the call's numbers are
+        (:mod:`offremat._value_checks`): a step on new values is measured, this one marked so
+        on ``executor``."""
+        by_value = self.sizing_values.get(signature, frozenset()) | self._modes(
+            signature, values, handed_values(batch)
+        )
+        if values == executor.chain.metadata.get("chain_input_values"):
+            return by_value  # the values the plan was profiled on
+        checked = [(at, value) for at, value in enumerate(values) if at not in by_value]
+        checks = self.numbers.checks
+        call = (signature, tuple(values))
+        place = (_BLOCK_VALUES, signature)
+        if checked and checks.verifies(call, signature, place, checked, executor.verify_next):
+            executor.verify_next = True
+        return by_value
+
+    def _modes(
+        self, signature: Signature, values: list[int | float | str], handed: frozenset[Any]
+    ) -> frozenset[int]:
+        """The positions of the strings among ``values`` that the call does not pass
+        (``handed``), where they hold one of the first :data:`MODE_VALUES` values seen there."""
+        modes = set()
+        for at, value in enumerate(values):
+            if isinstance(value, str) and value not in handed:
+                seen = self.mode_values.pop((signature, at), {})
+                if len(seen) < MODE_VALUES:
+                    seen[value] = None
+                self.mode_values[(signature, at)] = seen
+                if value in seen:
+                    modes.add(at)
+        trim(self.mode_values, KEPT_STRUCTURES)
+        return frozenset(modes)
+
+    def block_values_size(self, signature: Signature, blamed: frozenset[Place]) -> None:
+        """A step measured over its budget on ``signature``'s plan blamed numbers or strings
+        the blocks received, at the ``blamed`` places: from now on their values key the
+        blocks' plans."""
+        positions = frozenset(at for where, at in blamed if where == (_BLOCK_VALUES, signature))
+        if not positions:
+            return
+        self.sizing_values[signature] = self.sizing_values.pop(signature, frozenset()) | positions
+        trim(self.sizing_values, KEPT_STRUCTURES)
+        logger.warning(
+            "a step measured over its plan's budget where the blocks received numbers or "
+            "strings at values that plan was not profiled on (a count, a length or a mode the "
+            "model computes from the batch?): they decide what the blocks save, so from now "
+            "on each of their values gets a plan of its own, for input %s. Pass what sizes "
+            "tensors as tensors where you can",
+            describe(signature),
+        )
+
     def _plan_variant(self, key: VariantKey, chain: Chain, value: Any) -> PlanExecutor:
         """Profile the blocks on ``value`` and plan them; the last few variants are kept, and
         a refusal is remembered (it comes after the code before the blocks has run)."""
@@ -112,7 +204,8 @@ class VariantPlanning:
         logger.warning(
             "the blocks' inputs on this batch are not of the kind or size its shape's plan was "
             "made for (a padding mask where the example batch had none, padding removed "
-            "before the blocks?): planning them too, for input %s",
+            "before the blocks, a number or a string that decides what they save?): "
+            "planning them too, for input %s",
             describe(key[0]),
         )
         with parametrize_cache_suspended():

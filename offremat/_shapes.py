@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from offremat._host import DeviceResources
-from offremat._numbers import NumberPlaces, learn, sibling, trim
+from offremat._numbers import NumberPlaces, learn, sibling
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import VariantKey, VariantPlanning, parametrize_cache_suspended
@@ -49,6 +49,7 @@ from offremat._signatures import (
     stage_state,
 )
 from offremat._step import StepsInFlight
+from offremat._value_checks import trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
@@ -123,6 +124,8 @@ class ShapePlans(VariantPlanning):
         # or predicted): their first step is measured, and profiled if over the budget.
         self.unprofiled: set[Signature] = set()
         self.variants: dict[VariantKey, PlanExecutor] = {}
+        self.sizing_values: dict[Signature, frozenset[int]] = {}
+        self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
         self.refused: dict[VariantKey, tuple[Any, ...]] = {}
         self.cache = ShapeCache()
@@ -189,9 +192,14 @@ class ShapePlans(VariantPlanning):
             # tell them apart): taken for those, which the budget leaves out, and said.
             executor.over_budget = executor.over_within_gradients = over = False
             _warn_unsure(executor, signature)
-        if over and signature is not called and not executor.over_within_gradients:
-            # Measured over its budget on a value of numbers its key leaves out.
-            self.numbers.over_budget(signature, called, batch)
+        checked = signature is not called or self.numbers.checks.measured(signature)
+        if over and checked and not executor.over_within_gradients:
+            # Measured over its budget on values its key leaves out: the call's numbers, or
+            # the blocks' own (offremat._shape_variants).
+            executor.over_budget = False
+            others = self.numbers.over_budget(signature, called, batch)
+            if others:
+                self.block_values_size(signature, others)
             signature = self.numbers.key(called)
             executor = self.executors.get(signature)
         if executor is not None and executor.over_budget and signature in self.unprofiled:

@@ -93,39 +93,61 @@ def memory_layout(tensor: torch.Tensor) -> Any:
 
 
 # What a model chain's metadata says of the chain input it was profiled on.
-CHAIN_INPUT_KEYS = ("chain_input", "chain_input_bytes", "chain_input_shapes")
+CHAIN_INPUT_KEYS = (
+    "chain_input",
+    "chain_input_bytes",
+    "chain_input_shapes",
+    "chain_input_values",
+)
 
 
-def chain_input_kind(value: Any, handed: frozenset[str] = frozenset()) -> str:
+def chain_input_kind(value: Any, by_value: frozenset[int] = frozenset()) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
-    and which carry a gradient. Numbers and objects by type: an object may be a fresh one
-    every call, and a number computed from the batch (a scale, a count) another every step.
-    Strings by value, but those among the call's own arguments (``handed``, a caption in
-    Hugging Face's ``**kwargs``) by type: the call's signature keys those, and learns them
-    as it does numbers (:mod:`offremat._numbers`), while one the model computes from the
-    batch for its blocks (a mode) may decide what they save. Flags and choices (a bool,
-    None, an enum, a dtype) by value."""
+    and which carry a gradient; flags and choices (a bool, None, an enum, a dtype) by value.
+    Numbers, strings and objects by type: one the model computes from the batch (a count, a
+    scale, a caption made lower case) may be another at every step, and one handed down from
+    the call (a caption in Hugging Face's ``**kwargs``) is the call signature's to key. But
+    the numbers and strings at positions ``by_value`` among :func:`block_values` by value: a
+    measured step found that they decide what the blocks save (a loop count, a mode:
+    :mod:`offremat._shape_variants`)."""
     tensors, structure = flatten(value)
     return repr(
         (
             tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
-            _structure_key(structure, by_type=True, handed=handed),
+            _structure_key(structure, True, by_value, [0]),
         )
     )
 
 
-def handed_strings(batch: Any) -> frozenset[str]:
-    """The strings among a call's arguments (see :func:`chain_input_kind`)."""
-    found: set[str] = set()
+def block_values(value: Any) -> list[int | float | str]:
+    """The numbers and strings among the blocks' own inputs ``value``, in order: their
+    values are checked by measured steps (:mod:`offremat._shape_variants`)."""
+    found: list[int | float | str] = []
+    pending = [flatten(value)[1]]
+    while pending:
+        structure = pending.pop()
+        if structure.kind == "value" and _is_block_value(structure.value):
+            found.append(structure.value)
+        pending.extend(reversed(structure.children))
+    return found
+
+
+def handed_values(batch: Any) -> frozenset[int | float | str]:
+    """The numbers and strings among a call's arguments, which may reach the blocks."""
+    found: set[Any] = set()
     pending = [flatten(batch)[1]]
     while pending:
         structure = pending.pop()
-        if structure.kind == "value" and isinstance(structure.value, str):
+        if structure.kind == "value" and _is_block_value(structure.value):
             found.add(structure.value)
         pending.extend(structure.children)
     return frozenset(found)
+
+
+def _is_block_value(value: Any) -> bool:
+    return type(value) in (int, float) or isinstance(value, str)
 
 
 def chain_input_shapes(value: Any) -> str:
@@ -137,13 +159,16 @@ def chain_input_shapes(value: Any) -> str:
 
 
 def _structure_key(
-    structure: Structure, by_type: bool = False, handed: frozenset[str] = frozenset()
+    structure: Structure,
+    by_type: bool = False,
+    by_value: frozenset[int] = frozenset(),
+    counter: list[int] | None = None,
 ) -> Any:
     if structure.kind == "tensor":
         return "tensor"
     if structure.kind == "value":
         value = structure.value
-        if by_type and learnable(value) and (not isinstance(value, str) or value in handed):
+        if by_type and learnable(value) and not _by_value(value, by_value, counter):
             return type(value).__qualname__
         if type(value) in (int, float) or isinstance(value, (bool, type(None))):
             return value
@@ -155,8 +180,18 @@ def _structure_key(
     return (
         structure.kind,
         repr(container),
-        tuple(_structure_key(child, by_type, handed) for child in structure.children),
+        tuple(_structure_key(child, by_type, by_value, counter) for child in structure.children),
     )
+
+
+def _by_value(value: Any, by_value: frozenset[int], counter: list[int] | None) -> bool:
+    """Whether a value among the blocks' own inputs keys by value (see
+    :func:`chain_input_kind`): one of :func:`block_values` at a position in ``by_value``
+    (``counter`` counts them)."""
+    if counter is None or not _is_block_value(value):
+        return False
+    counter[0] += 1
+    return counter[0] - 1 in by_value
 
 
 def differing_size(

@@ -40,19 +40,34 @@ def gradient_bytes(parameters: list[torch.Tensor]) -> int:
     return sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in parameters)
 
 
+def unseen_around_bytes(executor: PlanExecutor, device: torch.device) -> int:
+    """What a measured step does not see of the code around the chain, which its plan counts
+    (:mod:`offremat._model_chain`): the tensors alive at the chain's start besides its input
+    (the batch, what the code before the blocks saves), and on CPU, where the tracker pauses
+    between the chain's forward and its backward, what the code after it holds through the
+    backward. Compared with the budget without them, a step past it by less passed."""
+    outside = executor.chain.metadata.get("outside")
+    if outside is None:
+        return 0
+    before = outside["resident_bytes"] - executor.chain.metadata.get("chain_input_bytes", 0)
+    after = outside["held_bytes"] if device.type == "cpu" else 0
+    return max(before, 0) + after
+
+
 def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
     """Mark the plan over its budget, measured without the gradients the step made, or clear
     it; where that cannot be told, check the next step as well, once."""
     budget = executor.plan.budget_bytes
     exact = memory.peak_less_gradients_bytes
+    around = unseen_around_bytes(executor, memory.device)
     if budget is None:
         executor.over_budget = executor.verify_next = False
         executor.over_within_gradients = False
     elif exact is not None:
-        executor.over_budget = exact > budget
+        executor.over_budget = exact + around > budget
         executor.over_within_gradients = executor.verify_next = False
     else:
-        measured = memory.peak_bytes
+        measured = memory.peak_bytes + around
         within_gradients = budget < measured <= budget + new_grad_bytes
         unsure = within_gradients and not executor.verify_again
         executor.over_budget = measured > budget and not unsure
@@ -62,15 +77,17 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
 
 
 def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
-    """Warn, once per plan and reason, when the independent measurement exceeds the budget:
-    by the parameters' gradients the step made, which the budget leaves out, or by more."""
+    """Warn, once per plan and reason, when the independent measurement (with what it does
+    not see of the code around the chain, as profiled: :func:`unseen_around_bytes`) exceeds
+    the budget: by the parameters' gradients the step made, which the budget leaves out, or
+    by more."""
     budget = executor.plan.budget_bytes
-    measured = memory.peak_bytes
+    around = unseen_around_bytes(executor, memory.device)
+    measured = memory.peak_bytes + around
     if budget is None or measured <= budget:
         return
     less = memory.peak_less_gradients_bytes
-    if less is None:
-        less = measured - new_grad_bytes
+    less = measured - new_grad_bytes if less is None else less + around
     reason = "gradients" if less <= budget else "activations"
     if reason in executor.reported_over_budget:
         return
@@ -92,7 +109,7 @@ def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_byte
         "shapes (the values of a padding mask, a routing decision) or differ from the "
         "sizes predicted for this shape: lower the budget given to offremat.optimize by "
         "that margin",
-        format_bytes(measured if memory.peak_less_gradients_bytes is None else less),
+        format_bytes(less if memory.peak_less_gradients_bytes is not None else measured),
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
     )

@@ -45,6 +45,10 @@ def _digest(value: Any) -> bytes:
     return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()
 
 
+Place = tuple[Any, Any]
+"""Where a value is: its call structure (or the blocks' inputs of a plan), and its position."""
+
+
 class ValueChecks:
     """The values of the numbers that plans' keys leave out, as checked by measured steps."""
 
@@ -53,60 +57,75 @@ class ValueChecks:
         self.within: dict[bytes, None] = {}  # values at their place measured within budget
         self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
         self.new_calls: dict[Any, int] = {}  # per structure
-        self.within_count: dict[Any, dict[int, int]] = {}  # per structure, per place
-        self.pending: dict[Signature, tuple[Any, dict[int, bytes]]] = {}  # per plan key
+        self.within_count: dict[Place, int] = {}  # values measured within budget, per place
+        # Per plan key, the values at their places that the step measured last on it holds.
+        self.pending: dict[Signature, dict[Place, bytes]] = {}
 
-    def verifies(self, signature: Signature, key: Signature, skeleton: Any, values: Any) -> bool:
-        """Whether the step on ``signature`` (of plan key ``key``, call structure ``skeleton``)
-        is to be measured (module notes); ``values``: the place and value of each number the
-        key leaves out."""
+    def verifies(
+        self,
+        signature: Signature,
+        key: Signature,
+        structure: Any,
+        values: list[tuple[Any, Any]],
+        measured: bool = False,
+    ) -> bool:
+        """Whether the step on ``signature`` (of plan key ``key``) is to be measured (module
+        notes); ``values``: each number the key leaves out, by its position in ``structure``.
+        Where the step is ``measured`` anyway, they join what it checks."""
+        places = {(structure, at): _digest((structure, at, value)) for at, value in values}
         digest = _digest(signature)
-        if digest in self.checked:
-            return False
-        places = {place: _digest((skeleton, place, value)) for place, value in values}
-        back = any(d in self.unmeasured and d not in self.within for d in places.values())
-        count = self.new_calls.pop(skeleton, 0) + 1
-        self.new_calls[skeleton] = count
-        trim(self.new_calls, KEPT_STRUCTURES)
-        measured = back or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
-        if measured:
+        chosen = False
+        if digest not in self.checked:
+            back = any(d in self.unmeasured and d not in self.within for d in places.values())
+            count = self.new_calls.pop(structure, 0) + 1
+            self.new_calls[structure] = count
+            trim(self.new_calls, KEPT_STRUCTURES)
+            chosen = back or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+        if measured or chosen:
             self.checked[digest] = None
             trim(self.checked, KEPT_VALUES)
-            self.pending[key] = (skeleton, places)
-        else:
+            if measured:
+                self.pending.setdefault(key, {}).update(places)
+            else:  # a measurement left from before never ended (no backward ran)
+                self.pending[key] = places
+            return True
+        self.pending.pop(key, None)  # a measurement that never ended
+        if digest not in self.checked:
             self.unmeasured.update(dict.fromkeys(places.values()))
             trim(self.unmeasured, KEPT_VALUES)
-        return measured
+        return False
 
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
-        found = self.pending.pop(key, None)
-        if found is None:
-            return
-        skeleton, places = found
-        counts = self.within_count.pop(skeleton, {})
-        self.within_count[skeleton] = counts
-        trim(self.within_count, KEPT_STRUCTURES)
-        for place, digest in places.items():
+        for place, digest in self.pending.pop(key, {}).items():
             if digest not in self.within:
                 self.within[digest] = None
-                counts[place] = counts.get(place, 0) + 1
+                self.within_count[place] = self.within_count.pop(place, 0) + 1
             self.unmeasured.pop(digest, None)
         trim(self.within, KEPT_VALUES)
+        trim(self.within_count, KEPT_VALUES)
 
-    def blamed(self, key: Signature, neutral: frozenset[int]) -> frozenset[int]:
-        """Of the ``neutral`` places, those to blame for the step measured over its budget on
+    def measured(self, key: Signature) -> frozenset[Place]:
+        """The places whose values the step measured last on ``key``'s plan checks, until it
+        is settled (:meth:`within_budget`, :meth:`blamed`)."""
+        return frozenset(self.pending.get(key, ()))
+
+    def blamed(self, key: Signature, suspects: frozenset[Place]) -> frozenset[Place]:
+        """Of the ``suspects``, those to blame for the step measured over its budget on
         ``key``'s plan (module notes); all of them where that step is not known."""
-        found = self.pending.pop(key, None)
-        if found is None:
-            return neutral
-        skeleton, places = found
-        unchecked = frozenset(p for p in neutral if p in places and places[p] not in self.within)
+        places = self.pending.pop(key, None)
+        if places is None:
+            return suspects
+        unchecked = frozenset(p for p in suspects if p in places and places[p] not in self.within)
         if not unchecked:  # each value checked alone: their combination passed it
-            return neutral
-        counts = self.within_count.get(skeleton, {})
-        few = frozenset(p for p in unchecked if counts.get(p, 0) < MEASURED_VALUES)
+            return suspects
+        few = frozenset(p for p in unchecked if self.within_count.get(p, 0) < MEASURED_VALUES)
         return few or unchecked
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two numbers or strings are one value (a NaN as itself, 1 not 1.0 or True)."""
+    return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
 def trim(mapping: dict[Any, Any], kept: int) -> None:

@@ -192,18 +192,24 @@ def test_where_gradients_cannot_be_told_apart_the_check_is_put_off_once() -> Non
     from offremat._step_budget import end_verification
 
     executor = SimpleNamespace(
-        plan=SimpleNamespace(budget_bytes=1000), verify_again=False, verify_next=True
+        plan=SimpleNamespace(budget_bytes=1000),
+        chain=SimpleNamespace(metadata={}),  # a chain of blocks alone: nothing around them
+        verify_again=False,
+        verify_next=True,
     )
-    cuda = SimpleNamespace(peak_bytes=1100, peak_less_gradients_bytes=None)
+    on_cuda, on_cpu = torch.device("cuda"), torch.device("cpu")
+    cuda = SimpleNamespace(peak_bytes=1100, peak_less_gradients_bytes=None, device=on_cuda)
     end_verification(executor, cuda, new_grad_bytes=200)
     assert (executor.over_budget, executor.verify_next) == (False, True)
     end_verification(executor, cuda, new_grad_bytes=200)
     assert (executor.over_budget, executor.verify_next) == (True, False)
     executor.verify_again = False
     end_verification(
-        executor, SimpleNamespace(peak_bytes=1300, peak_less_gradients_bytes=None), 200
+        executor,
+        SimpleNamespace(peak_bytes=1300, peak_less_gradients_bytes=None, device=on_cuda),
+        200,
     )
     assert (executor.over_budget, executor.verify_next) == (True, False)
-    cpu = SimpleNamespace(peak_bytes=1100, peak_less_gradients_bytes=990)
+    cpu = SimpleNamespace(peak_bytes=1100, peak_less_gradients_bytes=990, device=on_cpu)
     end_verification(executor, cpu, new_grad_bytes=200)
     assert (executor.over_budget, executor.verify_next, executor.verify_again) == (False,) * 3

@@ -427,10 +427,11 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
 
 
 class TemperedThreshold(ThresholdModel):
-    """A ThresholdModel whose loss a temperature scales: a number that sizes nothing."""
+    """A ThresholdModel whose loss a temperature scales, a number that sizes nothing; its
+    blocks get ``k`` as a tensor, so that only the call's signature holds its value."""
 
     def forward(self, x: torch.Tensor, k: int = 1, t: float = 1.0) -> torch.Tensor:
-        return super().forward(x, k) * t
+        return super().forward(x, torch.tensor(k)) * t  # type: ignore[arg-type]
 
 
 def test_a_value_back_is_measured_and_blamed_beside_a_number_new_every_step(caplog) -> None:
