@@ -332,7 +332,8 @@ class _PlanFunction(torch.autograd.Function):
         step = ctx.step
         if step is None:
             raise RuntimeError(
-                "backward ran twice through an offremat-optimized model; the plan frees its "
+                getattr(ctx, "ended", None)
+                or "backward ran twice through an offremat-optimized model; the plan frees its "
                 "activations as it goes, so retain_graph=True is not supported: run the "
                 "forward again"
             )
@@ -344,7 +345,7 @@ class _PlanFunction(torch.autograd.Function):
             # The rest of the graph accumulates into these too: a second run of their hooks.
             outside = [p for p in hooked if runs(get_gradient_edge(p).node)]
             if outside:
-                step.abandon()
+                _end(step, "a parameter of the chain with hooks is also used outside it")
                 raise RuntimeError(
                     f"a parameter of the chain (shape {tuple(outside[0].shape)}) is also used "
                     "outside it (a weight penalty in the loss, a weight tied to a layer outside "
@@ -352,11 +353,13 @@ class _PlanFunction(torch.autograd.Function):
                     "from the plan's backward and from the rest of the graph, so its hooks "
                     "would run twice. Move that use into the chain, or remove the hooks"
                 )
-        sharing = step.steps_sharing(hooked) if hooked else []
+        # Hooks run twice only where this step accumulates (a gradient for the inputs alone
+        # runs none).
+        sharing = step.steps_sharing(hooked) if accumulate and hooked else []
         if sharing:
             # The backward ends here: the other steps' halves never run either.
             for pending in (step, *sharing):
-                pending.abandon()
+                _end(pending, "two steps it ran share a parameter with hooks")
             raise RuntimeError(
                 f"a parameter of the chain (shape {tuple(hooked[0].shape)}) has gradient hooks "
                 "and another step this backward runs also uses it (the model called twice "
@@ -366,7 +369,7 @@ class _PlanFunction(torch.autograd.Function):
                 "remove the hooks (clip gradients after the backward)"
             )
         if any(g is not None and _batched(g) for g in grads):
-            step.abandon()
+            _end(step, "it was a batched backward")
             raise RuntimeError(
                 "a batched backward (torch.autograd.grad(..., is_grads_batched=True), "
                 "torch.autograd.functional.jacobian(..., vectorize=True)) runs under vmap, "
@@ -375,13 +378,26 @@ class _PlanFunction(torch.autograd.Function):
                 "compute it on a model run without offremat"
             )
         if torch.is_grad_enabled():
-            step.abandon()
+            _end(step, "it asked for create_graph=True")
             raise RuntimeError(
                 "create_graph=True (higher-order gradients, gradient penalties) is not "
                 "supported through an offremat-optimized model: its plan frees activations "
                 "as the backward goes. Compute the penalty on a model run without offremat"
             )
         return (None, None, *step.run_backward(grads, accumulate))
+
+
+def _end(step: _Step, why: str) -> None:
+    """Give back ``step`` with its backward refused (``why``): a later backward through its
+    node, the caller's retry without what was refused, says so and to run the forward again."""
+    node = None if step.node is None else step.node()
+    if node is not None:
+        node.step = None
+        node.ended = (
+            f"a backward through this output was refused ({why}), and its step gave back its "
+            "activations then: run the forward again"
+        )
+    step.abandon()
 
 
 def _batched(tensor: torch.Tensor) -> bool:

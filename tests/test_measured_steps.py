@@ -120,3 +120,48 @@ def test_a_refused_backward_settles_every_step_it_ran(caplog) -> None:
     with caplog.at_level("WARNING", logger="offremat"):
         (first(ids) + second(ids)).backward()  # no hook now: trains
     assert "still waits for its backward" not in caplog.text
+
+
+def test_a_step_given_back_by_a_refused_backward_says_so_when_run_again() -> None:
+    # A backward through both towers is refused, and gives back both steps: a backward of
+    # one tower's output alone then failed with a bare KeyError from inside the executor,
+    # and a retry of the refused one said retain_graph=True is not supported (a review).
+    torch.manual_seed(0)
+    embedding = nn.Embedding(50, 32)
+    towers = [_Tower(embedding), _Tower(embedding)]
+    ids = torch.randint(0, 50, (4, 16))
+    first, second = (offremat.optimize(t, ids, budget=0.6) for t in towers)
+    handle = embedding.weight.register_post_accumulate_grad_hook(lambda p: None)
+    out1, out2 = first(ids), second(ids)
+    with pytest.raises(RuntimeError, match="another step this backward runs also uses it"):
+        (out1 + out2).backward()
+    handle.remove()
+    said = []
+    for out in (out1, out2):  # the one whose graph ran before the refusal: torch's own error
+        with pytest.raises(RuntimeError, match=r"was refused|through the graph a second") as caught:
+            out.backward()
+        said.append(str(caught.value))
+    assert any("was refused (two steps it ran share a parameter" in text for text in said)
+
+
+def test_input_gradients_of_a_model_called_twice_run_no_hooks_and_are_not_refused() -> None:
+    # Adversarial training's gradients for the inputs make no parameter gradient, so no
+    # hook runs in plain autograd: a parameter's hook refused them as if it would run twice
+    # (a review).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Residual() for _ in range(6)))
+    plain = copy.deepcopy(model)
+    a, b = torch.randn(8, 32), torch.randn(8, 32)
+    om = offremat.optimize(model, a, budget=0.6)
+    calls: list[int] = []
+    for m in (model, plain):
+        m[2].up.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+
+    def input_gradients(f: nn.Module) -> tuple[torch.Tensor, ...]:
+        x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+        return torch.autograd.grad((f(x) - f(y)).square().mean(), [x, y])
+
+    expected = input_gradients(plain)
+    got = input_gradients(om)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert not calls and all(p.grad is None for p in model.parameters())
