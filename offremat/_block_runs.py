@@ -26,9 +26,9 @@ def hybrid_runs(
     """Runs of blocks of two or more types that a model calls from one ``ModuleList``: the
     layers of a hybrid model (Jamba's attention and Mamba layers), which runs of one type
     break into pieces. Only blocks count, modules with modules or parameters of their own,
-    not the activations an MLP's ``ModuleList`` may hold between its linear layers; and not
-    the sublayers inside a block of a run of one type (``blocks_of_runs``), which that run
-    plans whole."""
+    not the activations an MLP's ``ModuleList`` may hold between its linear layers, nor a run
+    of torch's own layers alone; and not the sublayers inside a block of a run of one type
+    (``blocks_of_runs``), which that run plans whole."""
     lists = {id(m) for m in model.modules() if isinstance(m, nn.ModuleList)}
     by_list: dict[str, list[RecordedCall]] = {}
     for record in records:
@@ -41,39 +41,28 @@ def hybrid_runs(
         run
         for parent, group in by_list.items()
         if id(model.get_submodule(parent)) in lists
-        for part in runs_of(group)
-        for run in _called_alike(part)
+        for run in runs_of(group)
     ]
-    return [run for run in runs if len({type(r.module) for r in run}) > 1]
+    return [
+        run
+        for run in runs
+        if len({type(r.module) for r in run}) > 1 and not all(_torch_layer(r.module) for r in run)
+    ]
 
 
 def _holds_weights(module: nn.Module) -> bool:
-    """A block: modules of its own (an attention layer), or parameters (``w1``, ``w2``) of
-    a layer not torch's own (a ``Linear`` or a ``LayerNorm`` is a block's part)."""
+    """A block: modules of its own (an attention layer) or parameters (``w1``, ``w2``, a
+    ``GRU``'s)."""
     if next(module.children(), None) is not None:
         return True
-    own = next(module.parameters(recurse=False), None) is not None
-    return own and not type(module).__module__.startswith("torch.nn.")
+    return next(module.parameters(recurse=False), None) is not None
 
 
-def _called_alike(run: list[RecordedCall]) -> list[list[RecordedCall]]:
-    """``run`` cut where a call takes other side arguments (other positions or keywords)
-    than the one before: a model's loop over its layers calls each the same way, while a
-    list of stages and the downsampling layers between them (a feature pyramid's) is
-    called in turns, each kind its own way, and its stages' outputs feed heads."""
-    parts: list[list[RecordedCall]] = []
-    for record in run:
-        if parts and _form(parts[-1][-1]) == _form(record):
-            parts[-1].append(record)
-        else:
-            parts.append([record])
-    return parts
-
-
-def _form(record: RecordedCall) -> tuple[int, tuple[str, ...]]:
-    """How many side arguments a call took by position, and which by keyword."""
-    args, kwargs = record.side[1].children
-    return len(args.children), kwargs.value[1]
+def _torch_layer(module: nn.Module) -> bool:
+    """One of torch's own layers without modules of its own (a ``Linear``, a ``GRU``): a run
+    of these alone is a head's parts (``Linear``, ``LayerNorm``, ``Linear``), not a model's
+    layers."""
+    return next(module.children(), None) is None and type(module).__module__.startswith("torch.nn.")
 
 
 def follows(previous: RecordedCall, record: RecordedCall) -> bool:

@@ -183,7 +183,7 @@ def find_block_run(
         candidates += [
             run
             for run in hybrid_runs(model, records, blocks_of_runs)
-            if _only_the_next_reads(records, run)
+            if _never_refused(model, records, again, run)
         ]
         if same_sides:
             candidates = [part for run in candidates for part in same_side_parts(run)]
@@ -246,10 +246,20 @@ def find_block_run(
     return BlockRun(calls, tuple(tuple(unit) for unit in units), keeps)
 
 
-def _only_the_next_reads(records: list[RecordedCall], run: list[RecordedCall]) -> bool:
-    """Whether no call but the next block reads a block's output (see refuse_other_readers)."""
+def _never_refused(
+    model: nn.Module,
+    records: list[RecordedCall],
+    again: list[RecordedCall],
+    run: list[RecordedCall],
+) -> bool:
+    """Whether the refusals of a chosen run (other readers of a block's output, blocks
+    skipped or dropped, random runs, the caller's checkpoint) all pass ``run``."""
     try:
+        refuse_layer_drop(model, run)
+        refuse_random_runs(model, run, records, again)
+        refuse_skipping_blocks(run, again)
         refuse_other_readers(records, run)
+        refuse_callers_checkpoint(run)
     except NotAChainError:
         return False
     return True

@@ -274,3 +274,88 @@ def test_torchs_own_layers_in_a_list_are_no_hybrid_chain() -> None:
     optimized = offremat.optimize(model, x, budget=0.9)
     assert optimized.chain.metadata["blocks"] == ["layers.0", "layers.1"]
     step_within_budget(optimized, model, reference, x)
+
+
+class Unmasked(Convolution):
+    """A convolution layer that takes no padding mask: its model calls it with the state
+    alone."""
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, torch.zeros(x.shape[:2], dtype=torch.bool))
+
+
+class MixedCalls(nn.Module):
+    """A hybrid loop that calls each kind of layer its own way, the attention layers with the
+    mask, the convolution layers without; or ``GRU`` layers between attention layers."""
+
+    def __init__(self, kinds: str, width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        layer = {"a": Attention, "c": Unmasked, "g": lambda w: nn.GRU(w, w, batch_first=True)}
+        self.layers = nn.ModuleList(layer[kind](width) for kind in kinds)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        x = self.embed(x)
+        for layer in self.layers:
+            if isinstance(layer, Attention):
+                x = layer(x, padding)
+            else:
+                x = layer(x)[0] if isinstance(layer, nn.GRU) else layer(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("kinds", ["cacccacc", "agagagag"])
+def test_layers_called_each_their_own_way_or_torchs_own_form_one_chain(kinds: str) -> None:
+    """A review: cut where the side arguments changed, the convolutions' run held 3 of the 8
+    layers and half of keep-all was refused; torch's GRU layers were no blocks at all, and
+    the model was refused."""
+    torch.manual_seed(0)
+    model = MixedCalls(kinds)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    optimized = offremat.optimize(model, x, budget=0.6)
+    assert [b for b in optimized.chain.metadata["blocks"] if b.startswith("layers.")] == [
+        f"layers.{k}" for k in range(8)
+    ]
+    step_within_budget(optimized, model, reference, x)
+
+
+class Adapter(nn.Module):
+    """A layer of a weight of its own that, disabled, returns its input unchanged."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class Adapted(nn.Module):
+    """Four convolution layers and a disabled adapter after them, in one ``ModuleList``."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList([*(Convolution(width) for _ in range(4)), Adapter(width)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x, padding)
+        return x.square().mean()
+
+
+def test_a_hybrid_run_another_refusal_refuses_is_no_chain() -> None:
+    """A review: the run of the layers and the adapter, longer than the layers', was chosen
+    and then refused for the adapter that returns its input, and the model with it."""
+    torch.manual_seed(0)
+    model = Adapted()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    optimized = offremat.optimize(model, x, budget=0.6)
+    assert optimized.chain.metadata["blocks"][:4] == [f"layers.{k}" for k in range(4)]
+    step_within_budget(optimized, model, reference, x)
