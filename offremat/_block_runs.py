@@ -5,6 +5,7 @@ run a model's chain is."""
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from offremat._record import RecordedCall
 
@@ -46,8 +47,15 @@ def hybrid_runs(
     return [
         run
         for run in runs
-        if len({type(r.module) for r in run}) > 1 and not all(_torch_layer(r.module) for r in run)
+        if len({block_type(r.module) for r in run}) > 1
+        and not all(_torch_layer(r.module) for r in run)
     ]
+
+
+def block_type(module: nn.Module) -> type:
+    """A block's type, as its class was before ``torch.nn.utils.parametrize`` gave the
+    instance a class of its own (blocks with a parametrized weight are of one type)."""
+    return parametrize.type_before_parametrizations(module)
 
 
 def _holds_weights(module: nn.Module) -> bool:
@@ -62,7 +70,8 @@ def _torch_layer(module: nn.Module) -> bool:
     """One of torch's own layers without modules of its own (a ``Linear``, a ``GRU``): a run
     of these alone is a head's parts (``Linear``, ``LayerNorm``, ``Linear``), not a model's
     layers."""
-    return next(module.children(), None) is None and type(module).__module__.startswith("torch.nn.")
+    torchs = block_type(module).__module__.startswith("torch.nn.")
+    return torchs and next(module.children(), None) is None
 
 
 def follows(previous: RecordedCall, record: RecordedCall) -> bool:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from offremat._block_runs import chain_break, hybrid_runs, preference, runs_of
+from offremat._block_runs import block_type, chain_break, hybrid_runs, preference, runs_of
 from offremat._block_values import hidden_output
 from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
@@ -176,7 +176,7 @@ def find_block_run(
     else:
         by_type: dict[type, list[RecordedCall]] = {}
         for record in records:
-            by_type.setdefault(type(record.module), []).append(record)
+            by_type.setdefault(block_type(record.module), []).append(record)
         candidates = [run for group in by_type.values() for run in runs_of(group)]
         blocks_of_runs = {r.path for run in candidates if len(run) >= 2 for r in run}
         # A hybrid run is a candidate more: one refused must not refuse the model.
@@ -206,7 +206,7 @@ def find_block_run(
         prefix = prefix[starts[-1] + 1 :] if starts else prefix
     members = [*prefix, *best, *suffix]
     if blocks is None:
-        same_depth = [r for r in by_type[type(first.module)] if r.depth == first.depth]
+        same_depth = [r for r in by_type[block_type(first.module)] if r.depth == first.depth]
         _warn_of_a_partial_run(same_depth, members)
     refuse_layer_drop(model, best)
     refuse_random_runs(model, best, records, again)
@@ -240,7 +240,7 @@ def find_block_run(
         members[0].path,
         members[-1].path,
         len(best),
-        ", ".join(sorted({type(r.module).__name__ for r in best})),
+        ", ".join(sorted({block_type(r.module).__name__ for r in best})),
     )
     keeps = all(r.keeps_shape for r in members)
     return BlockRun(calls, tuple(tuple(unit) for unit in units), keeps)

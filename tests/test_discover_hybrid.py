@@ -359,3 +359,48 @@ def test_a_hybrid_run_another_refusal_refuses_is_no_chain() -> None:
     optimized = offremat.optimize(model, x, budget=0.6)
     assert optimized.chain.metadata["blocks"][:4] == [f"layers.{k}" for k in range(4)]
     step_within_budget(optimized, model, reference, x)
+
+
+class Halved(nn.Module):
+    """A parametrization: the weight used is half the one stored."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / 2
+
+
+class StateOnly(RawFeedForward):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x + torch.tanh(x @ self.w1) @ self.w2
+
+
+class Sequenced(nn.Module):
+    """Blocks that take the state alone, in an ``nn.Sequential`` between an embedding and a
+    head."""
+
+    def __init__(self, blocks: list[nn.Module], width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.Sequential(*blocks)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.embed(x))).square().mean()
+
+
+def test_blocks_with_a_parametrized_weight_are_of_one_type() -> None:
+    """A review: parametrize gives each block a class of its own, so six such blocks in an
+    ``nn.Sequential`` were six types, no run, and the model was refused."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    blocks = [StateOnly(16) for _ in range(6)]
+    for block in blocks:
+        parametrize.register_parametrization(block, "w1", Halved())
+    model = Sequenced(blocks)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    optimized = offremat.optimize(model, x, budget=0.5)
+    assert [b for b in optimized.chain.metadata["blocks"] if b.startswith("layers.")] == [
+        f"layers.{k}" for k in range(6)
+    ]
+    step_within_budget(optimized, model, reference, x)
