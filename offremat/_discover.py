@@ -45,10 +45,12 @@ from offremat._block_runs import block_type, chain_break, hybrid_runs, preferenc
 from offremat._block_values import hidden_output
 from offremat._blocks import NotAChainError
 from offremat._discover_refusals import (
+    cut_at_reads,
     end_of,
     is_scripted,
     no_run_message,
     position_of,
+    read_elsewhere,
     refuse_callers_checkpoint,
     refuse_layer_drop,
     refuse_other_readers,
@@ -177,18 +179,24 @@ def find_block_run(
         by_type: dict[type, list[RecordedCall]] = {}
         for record in records:
             by_type.setdefault(block_type(record.module), []).append(record)
-        candidates = [run for group in by_type.values() for run in runs_of(group)]
-        blocks_of_runs = {r.path for run in candidates if len(run) >= 2 for r in run}
+        whole = [run for group in by_type.values() for run in runs_of(group)]
+        blocks_of_runs = {r.path for run in whole if len(run) >= 2 for r in run}
+        # Cut where a call outside reads a block's output: the pieces after can be chains.
+        candidates = [piece for run in whole for piece in cut_at_reads(records, run)]
         # A hybrid run is a candidate more: one refused must not refuse the model.
         candidates += [
-            run
+            piece
             for run in hybrid_runs(model, records, blocks_of_runs)
-            if _never_refused(model, records, again, run)
+            for piece in cut_at_reads(records, run)
+            if _never_refused(model, records, again, piece)
         ]
         if same_sides:
             candidates = [part for run in candidates for part in same_side_parts(run)]
         candidates = [run for run in candidates if len(run) >= 2]
         if not candidates:
+            whole = [run for run in whole if len(run) >= 2]
+            if whole:  # each read apart: say what reads them
+                refuse_other_readers(records, max(whole, key=preference))
             raise NotAChainError(no_run_message(model, _containers(model)))
     best = max(candidates, key=preference)
     first = best[0]
@@ -207,7 +215,7 @@ def find_block_run(
     members = [*prefix, *best, *suffix]
     if blocks is None:
         same_depth = [r for r in by_type[block_type(first.module)] if r.depth == first.depth]
-        _warn_of_a_partial_run(same_depth, members)
+        _warn_of_a_partial_run(records, same_depth, members)
     refuse_layer_drop(model, best)
     refuse_random_runs(model, best, records, again)
     refuse_skipping_blocks(best, again)
@@ -350,7 +358,9 @@ def _chained(records: list[RecordedCall], where: str) -> list[RecordedCall]:
     return records
 
 
-def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall]) -> None:
+def _warn_of_a_partial_run(
+    records: list[RecordedCall], group: list[RecordedCall], members: list[RecordedCall]
+) -> None:
     """Say so when the chain leaves out calls of its block type at its depth (``group``):
     they run outside the chain and keep all their activations, which no budget can change."""
     inside = [k for k, record in enumerate(group) if any(record is m for m in members)]
@@ -378,7 +388,14 @@ def _warn_of_a_partial_run(group: list[RecordedCall], members: list[RecordedCall
         record.path,
         chain_break(previous, record)
         or other_sides(previous, record)
-        or "they are not called one after the other",
+        or next(
+            (
+                f"{reader.path} reads {previous.path}'s output, which a chain keeps for the "
+                "next block only"
+                for reader, _ in read_elsewhere(records, [previous, record])
+            ),
+            "they are not called one after the other",
+        ),
     )
 
 

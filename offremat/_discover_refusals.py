@@ -135,21 +135,45 @@ def refuse_other_readers(records: list[RecordedCall], members: list[RecordedCall
                 "connection), which a chain does not keep for anything but the next block; "
                 "name a run of blocks whose outputs only feed each other with blocks="
             )
+    for reader, member in read_elsewhere(records, members):
+        raise NotAChainError(
+            f"{reader.path} reads {member.path}'s output, which a chain does not keep for "
+            "anything but the next block; name a run of blocks whose outputs only feed each "
+            "other with blocks="
+        )
+
+
+def read_elsewhere(
+    records: list[RecordedCall], members: list[RecordedCall]
+) -> list[tuple[RecordedCall, RecordedCall]]:
+    """The calls outside ``members`` (and the containers that hand the state on to them)
+    that read the output of a member but the last, in the order called, each with the first
+    member it reads."""
+    produced = {r.output: r for r in members[:-1] if r.output is not None}
     positions = {position_of(records, member) for member in members}
     inside: set[int] = set()
     for start in positions:
         inside.update(range(start, end_of(records, records[start])))
+    found: list[tuple[RecordedCall, RecordedCall]] = []
     for index, record in enumerate(records):
-        # The blocks' own calls, and the containers that hand the state on to them.
         if index in inside or any(index < k < end_of(records, record) for k in positions):
             continue
-        for token in (record.hidden, *record.side[0]):
-            if token in produced:
-                raise NotAChainError(
-                    f"{record.path} reads {produced[token].path}'s output, which a chain does "
-                    "not keep for anything but the next block; name a run of blocks whose "
-                    "outputs only feed each other with blocks="
-                )
+        read = next((produced[t] for t in (record.hidden, *record.side[0]) if t in produced), None)
+        if read is not None:
+            found.append((record, read))
+    return found
+
+
+def cut_at_reads(records: list[RecordedCall], run: list[RecordedCall]) -> list[list[RecordedCall]]:
+    """``run`` cut after each block whose output a call outside it reads (an auxiliary head's
+    deep supervision): each piece can be a chain, whose last output the model keeps."""
+    read = {id(member) for _, member in read_elsewhere(records, run)}
+    pieces: list[list[RecordedCall]] = [[]]
+    for member in run:
+        pieces[-1].append(member)
+        if id(member) in read:
+            pieces.append([])
+    return [piece for piece in pieces if piece]
 
 
 def position_of(records: list[RecordedCall], record: RecordedCall) -> int:

@@ -404,3 +404,42 @@ def test_blocks_with_a_parametrized_weight_are_of_one_type() -> None:
         f"layers.{k}" for k in range(6)
     ]
     step_within_budget(optimized, model, reference, x)
+
+
+class Supervised(nn.Module):
+    """Layers of ``kinds`` and an auxiliary head reading the second one's output (deep
+    supervision)."""
+
+    def __init__(self, kinds: str, width: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(
+            Attention(width) if kind == "a" else Convolution(width) for kind in kinds
+        )
+        self.aux = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = x[..., 0] > 1.5
+        x = self.embed(x)
+        aux = x.new_zeros(())
+        for index, layer in enumerate(self.layers):
+            x = layer(x, padding)
+            if index == 1:
+                aux = self.aux(x).square().mean()
+        return x.square().mean() + aux / 10
+
+
+@pytest.mark.parametrize("kinds", ["acacacac", "cccccccc"])
+def test_a_run_an_auxiliary_head_reads_is_cut_at_the_read(kinds: str, caplog) -> None:
+    """A review: the run was refused whole for the head's read, blocks= too, and the model
+    with them; the layers after the read form a chain."""
+    torch.manual_seed(0)
+    model = Supervised(kinds)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    with caplog.at_level("WARNING", logger="offremat"):
+        optimized = offremat.optimize(model, x, budget=0.6)
+    assert optimized.chain.metadata["blocks"] == [f"layers.{k}" for k in range(2, 8)]
+    if kinds == "cccccccc":  # the calls of the chain's type it leaves out: said, and why
+        assert "aux reads layers.1's output" in caplog.text
+    step_within_budget(optimized, model, reference, x)
