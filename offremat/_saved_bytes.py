@@ -4,10 +4,10 @@ whose blocks save the most (:mod:`offremat._block_runs`)."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
+
+from offremat._storage_table import StorageTable
 
 
 class Saved:
@@ -18,13 +18,12 @@ class Saved:
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._alive: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._counted: StorageTable[None] = StorageTable()
 
     def add(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage``, unless it is one already counted and still alive."""
-        ref = self._alive.get(storage._cdata)
-        if ref is None or ref() is not storage:
-            self._alive[storage._cdata] = weakref.ref(storage)
+        if storage not in self._counted:
+            self._counted.set(storage, None)
             self.bytes += storage.nbytes()
 
 

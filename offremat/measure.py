@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from offremat._eager import EagerDispatchMode
+from offremat._storage_table import StorageTable
 from offremat._tensors import sparse_parts, storage_bytes
 
 
@@ -55,10 +56,10 @@ class LiveStorageTracker(EagerDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._live: StorageTable[None] = StorageTable()
         # Recorded storages, and how many of their bytes stop counting in
         # ``peak_less_left_out_bytes`` (see leave_out).
-        self._left_out: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._left_out: StorageTable[int] = StorageTable()
         self.peak_bytes = 0
         self.peak_less_left_out_bytes = 0
         self.ops = 0
@@ -76,11 +77,8 @@ class LiveStorageTracker(EagerDispatchMode):
             if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
                 continue
             storage = leaf.untyped_storage()
-            key = storage._cdata
-            known = self._live.get(key)
-            # A freed storage's address can be reused at once: compare identities, not keys.
-            if key not in inputs and (known is None or known() is not storage):
-                self._live[key] = weakref.ref(storage)
+            if storage._cdata not in inputs and storage not in self._live:
+                self._live.set(storage, None)
         self.ops += 1
         self.note_peak()
         return result
@@ -92,46 +90,29 @@ class LiveStorageTracker(EagerDispatchMode):
         left_out = self.left_out_bytes if self._left_out else 0
         self.peak_less_left_out_bytes = max(self.peak_less_left_out_bytes, live - left_out)
 
+    def record(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` from now on, as one created while active."""
+        self._live.set(storage, None)
+
     def leave_out(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """From now on, count ``nbytes`` of the recorded ``storage`` (at most all of it) in
         ``peak_bytes`` only."""
-        key = storage._cdata
-        ref = self._live.get(key)
-        if ref is not None and ref() is storage:
-            self._left_out[key] = (ref, nbytes)
+        if storage in self._live:
+            self._left_out.set(storage, nbytes)
 
     @property
     def left_out_bytes(self) -> int:
-        """Bytes of the left-out storages alive now; forgets the dead ones."""
-        total = 0
-        for key, (ref, nbytes) in list(self._left_out.items()):
-            storage = ref()
-            if storage is None:
-                del self._left_out[key]
-            else:
-                total += min(nbytes, storage.nbytes())
-        return total
+        """Bytes of the left-out storages alive now."""
+        return sum(min(nbytes, s.nbytes()) for _, s, nbytes in self._left_out.items())
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the recorded storages alive now."""
-        return sum(storage.nbytes() for _, storage in self._alive())
+        """Bytes of the recorded storages alive now (it runs after every op)."""
+        return sum(storage.nbytes() for _, storage, _ in self._live.items())
 
     def live_storages(self) -> dict[int, torch.UntypedStorage]:
         """The recorded storages alive now, by key."""
-        return dict(self._alive())
-
-    def _alive(self) -> Iterator[tuple[int, torch.UntypedStorage]]:
-        """The recorded storages alive now (it runs after every op); forgets the dead ones."""
-        dead = []
-        for key, ref in self._live.items():
-            storage = ref()
-            if storage is None:
-                dead.append(key)
-            else:
-                yield key, storage
-        for key in dead:
-            del self._live[key]
+        return {key: storage for key, storage, _ in self._live.items()}
 
 
 def _storage_leaves(value: Any, found: list[Any]) -> None:
@@ -192,9 +173,7 @@ class StepMemory:
         self._existing = [weakref.ref(storage) for storage in existing]
         self._gradients_of = list(gradients_of)
         # Per storage, the bytes of each parameter's gradient in it (see _accumulated).
-        self._gradient_parts: dict[
-            int, tuple[weakref.ref[torch.UntypedStorage], dict[int, int]]
-        ] = {}
+        self._gradient_parts: StorageTable[dict[int, int]] = StorageTable()
         self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
         self._recording = False  # the tracker's dispatch mode is on the stack
@@ -225,7 +204,7 @@ class StepMemory:
             for ref in self._existing:
                 storage = ref()
                 if storage is not None:
-                    self._tracker._live[storage._cdata] = ref
+                    self._tracker.record(storage)
             self._before = self._tracker.live_bytes
             self._tracker.peak_bytes = self._before
             self._tracker.peak_less_left_out_bytes = self._before
@@ -248,11 +227,12 @@ class StepMemory:
         _storage_leaves(parameter.grad, found)
         for leaf in found:
             storage = leaf.untyped_storage()
-            known = self._gradient_parts.get(storage._cdata)
-            if known is None or known[0]() is not storage:  # a freed one's address, reused
-                known = self._gradient_parts[storage._cdata] = (weakref.ref(storage), {})
-            known[1][id(parameter)] = leaf.numel() * leaf.element_size()
-            self._tracker.leave_out(storage, sum(known[1].values()))
+            parts = self._gradient_parts.get(storage)
+            if parts is None:
+                parts = {}
+                self._gradient_parts.set(storage, parts)
+            parts[id(parameter)] = leaf.numel() * leaf.element_size()
+            self._tracker.leave_out(storage, sum(parts.values()))
 
     @property
     def live_bytes(self) -> int:
