@@ -101,7 +101,9 @@ class VariantPlanning:
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
         signature = self.numbers.key(input_signature(batch))
         values = block_values(value)
-        by_value = self._block_values_checked(batch, signature, executor, values)
+        by_value = self.sizing_values.get(signature, frozenset()) | self._modes(
+            signature, values, handed_values(batch)
+        )
         kind = chain_input_kind(value)
         shapes = chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
@@ -116,6 +118,7 @@ class VariantPlanning:
         if planned_shapes != shapes:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
+            self._check_block_values(signature, executor, values, by_value)
             return executor
         key = (signature, kind)
         if key in self.refused:
@@ -132,34 +135,30 @@ class VariantPlanning:
         self.last = variant
         return variant
 
-    def _block_values_checked(
+    def _check_block_values(
         self,
-        batch: Any,
         signature: Signature,
         executor: PlanExecutor,
         values: list[int | float | str],
-    ) -> frozenset[int]:
-        """The positions among the numbers and strings the blocks receive in a step on
-        ``batch`` (``values``: a count, a length or a mode the model computes from the batch,
-        a caption handed down) whose values key the blocks' plans on ``signature``'s plan:
-        those a step measured over its budget blamed (one may slice what the blocks save, or
-        choose what they run, as no shape shows), and the strings the model computes, on the
-        first :data:`MODE_VALUES` values they take (a mode's: a plan each, exact from its
-        first step). The others keep by type and are checked as the call's numbers are
-        (:mod:`offremat._value_checks`): a step on new values is measured, this one marked so
-        on ``executor``."""
-        by_value = self.sizing_values.get(signature, frozenset()) | self._modes(
-            signature, values, handed_values(batch)
-        )
+        by_value: frozenset[int],
+    ) -> None:
+        """Check the numbers and strings the blocks receive (``values``: a count, a length or
+        a mode the model computes from the batch, a caption handed down) on ``signature``'s
+        plan, ``executor``, as the call's numbers are (:mod:`offremat._value_checks`): a step
+        on new values is measured, this one marked so. Not those at the positions
+        ``by_value``, which key plans of their own: the ones a step measured over its budget
+        blamed (one may slice what the blocks save, or choose what they run, as no shape
+        shows), and the strings the model computes on their first :data:`MODE_VALUES` values
+        (a mode's: a plan each, exact from its first step). A plan for other blocks' inputs
+        (a variant) is profiled on its first step's values, and its later steps go unchecked."""
         if values == executor.chain.metadata.get("chain_input_values"):
-            return by_value  # the values the plan was profiled on
+            return  # the values the plan was profiled on
         checked = [(at, value) for at, value in enumerate(values) if at not in by_value]
         checks = self.numbers.checks
         call = (signature, tuple(values))
         place = (_BLOCK_VALUES, signature)
         if checked and checks.verifies(call, signature, place, checked, executor.verify_next):
             executor.verify_next = True
-        return by_value
 
     def _modes(
         self, signature: Signature, values: list[int | float | str], handed: frozenset[Any]
