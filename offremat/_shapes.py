@@ -49,6 +49,7 @@ from offremat._signatures import (
     stage_state,
 )
 from offremat._step import StepsInFlight
+from offremat._step_budget import warn_unsure
 from offremat._value_checks import trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
@@ -191,8 +192,11 @@ class ShapePlans(VariantPlanning):
             # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
             # tell them apart): taken for those, which the budget leaves out, and said.
             executor.over_budget = executor.over_within_gradients = over = False
-            _warn_unsure(executor, signature)
-        checked = signature is not called or self.numbers.checks.measured(signature)
+            warn_unsure(executor, describe(signature))
+        # A plan not profiled at its shape is profiled anew rather (below).
+        checked = signature is not called or (
+            signature not in self.unprofiled and self.numbers.checks.measured(signature)
+        )
         if over and checked and not executor.over_within_gradients:
             # Measured over its budget on values its key leaves out: the call's numbers, or
             # the blocks' own (offremat._shape_variants).
@@ -394,17 +398,3 @@ class ShapePlans(VariantPlanning):
             "variants": self.cache.variants,
             "planning_s": self.cache.planning_s,
         }
-
-
-def _warn_unsure(executor: PlanExecutor, signature: Signature) -> None:
-    if "unsure" in executor.reported_over_budget:
-        return
-    executor.reported_over_budget.add("unsure")
-    logger.warning(
-        "input %s: two steps measured over the plan's budget by no more than the parameters' "
-        "gradients they made (their .grad was None), which the budget leaves out; the CUDA "
-        "allocator cannot tell those from activations, so the plan is kept, and an overrun of "
-        "activations that small would go unseen. optimizer.zero_grad(set_to_none=False) "
-        "makes the check exact",
-        describe(signature),
-    )

@@ -113,3 +113,19 @@ def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_byte
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
     )
+
+
+def warn_unsure(executor: PlanExecutor, shape: str) -> None:
+    """Say once that a plan (for input ``shape``) was kept although two steps measured over
+    its budget by no more than the gradients they made, which CUDA cannot tell apart."""
+    if "unsure" in executor.reported_over_budget:
+        return
+    executor.reported_over_budget.add("unsure")
+    logger.warning(
+        "input %s: two steps measured over the plan's budget by no more than the parameters' "
+        "gradients they made (their .grad was None), which the budget leaves out; the CUDA "
+        "allocator cannot tell those from activations, so the plan is kept, and an overrun of "
+        "activations that small would go unseen. optimizer.zero_grad(set_to_none=False) "
+        "makes the check exact",
+        shape,
+    )
