@@ -212,7 +212,7 @@ class NumberPlaces:
         """Whether none of ``places`` (where ``batch``'s numbers differ from a profiled
         call's) is known yet; else a plan is forced by numbers that size tensors."""
         if places & self.sizing.get(_skeleton(signature), frozenset()) or not self.learns:
-            self._forced(places, batch)
+            self.forced_by(places, batch)
             return False
         return True
 
@@ -221,7 +221,7 @@ class NumberPlaces:
         several differ and the chains do too, which of them sizes is not known: nothing is
         learnt, and a later call that differs in one of them alone tells."""
         if not same and len(places) > 1:
-            self._forced(places, batch)
+            self.forced_by(places, batch)
             return
         skeleton = _skeleton(signature)
         learnt = self.neutral if same else self.sizing
@@ -234,7 +234,7 @@ class NumberPlaces:
                 _named(places, batch),
             )
         else:
-            self._forced(places, batch)
+            self.forced_by(places, batch)
 
     def check_output(self, signature: Signature, output: Any, batch: Any) -> None:
         """After a step on ``batch``: where its key left numbers out, the model's output must
@@ -280,22 +280,20 @@ class NumberPlaces:
         out, those it blames key plans again (``signature`` and ``batch``: the call after that
         step), until profiles of two of their values agree in every byte; blamed twice, for
         good. The places of the other values it checked that it blames (the numbers and
-        strings the blocks receive: :mod:`offremat._shape_variants`), where it blames none of
-        the call's: those cost a profile or two to learn again, a blocks' value a plan each."""
+        strings the blocks receive: :mod:`offremat._shape_variants`)."""
         skeleton = _skeleton(signature)
         own = frozenset((skeleton, p) for p in self.neutral.get(skeleton, frozenset()))
         others = self.checks.measured(key) - own
         blamed = self.checks.blamed(key, own | others)
-        if not blamed & own:
-            return blamed & others
         places = frozenset(p for _, p in blamed & own)
         for place in places:
             self.blames[(skeleton, place)] = self.blames.pop((skeleton, place), 0) + 1
         trim(self.blames, KEPT_SKELETONS)
-        again = frozenset(p for p in places if self.blames[(skeleton, p)] > 1)
-        seen = "a step measured over its plan's budget"
-        self._sizes_after_all(skeleton, places, again, batch, seen)
-        return frozenset()
+        if places:
+            again = frozenset(p for p in places if self.blames[(skeleton, p)] > 1)
+            seen = "a step measured over its plan's budget"
+            self._sizes_after_all(skeleton, places, again, batch, seen)
+        return blamed & others
 
     def _sizes_after_all(
         self, skeleton: Any, places: frozenset[int], sizing: frozenset[int], batch: Any, seen: str
@@ -317,7 +315,8 @@ class NumberPlaces:
             else "its values key plans until the profiles of two of them agree in every byte",
         )
 
-    def _forced(self, places: frozenset[int], batch: Any) -> None:
+    def forced_by(self, places: frozenset[int], batch: Any) -> None:
+        """Count a plan that ``places`` forced; past a few, say to pass them as tensors."""
         self.forced += 1
         if self.forced >= NUMBER_PLANS_BEFORE_WARNING and not self.warned:
             self.warned = True
@@ -371,6 +370,23 @@ def _same_block_values(known: Chain, new: Chain, handed: frozenset[Any]) -> bool
     return all(same_value(x, y) or y in handed for x, y in zip(a, b, strict=True))
 
 
+def _alike(
+    plans: ShapePlans, signature: Signature, chain: Chain, handed: frozenset[Any]
+) -> tuple[frozenset[int], Chain] | None:
+    """A chain ``plans`` profiled for a call that differs from ``signature`` in numbers of
+    unknown places only, whose blocks received the values ``chain``'s did; and those places."""
+    for known, other in reversed(plans.profiled.items()):
+        if known in plans.unprofiled or other is chain:
+            continue
+        places = differing_numbers(known, signature)
+        unknown = places is not None and not places & plans.numbers.sizing.get(
+            _skeleton(signature), frozenset()
+        )
+        if unknown and _same_block_values(other, chain, handed):
+            return places, other
+    return None
+
+
 def learn(
     plans: ShapePlans,
     signature: Signature,
@@ -384,10 +400,17 @@ def learn(
     key of ``signature`` now."""
     places, known = found
     same = same_sizes(known, chain)
-    if not same and not _same_block_values(known, chain, handed_values(batch)):
-        # Numbers or strings the model computed for its blocks differ too: which of them, or
-        # of the call's, made the chains differ is not known.
-        return signature
+    handed = handed_values(batch)
+    if not same and not _same_block_values(known, chain, handed):
+        # Numbers or strings the model computed for its blocks differ too (a loop count that
+        # alternates): which of them, or of the call's, made the chains differ is not known
+        # from this one; an earlier call on the blocks' values of this one tells.
+        alike = _alike(plans, signature, chain, handed)
+        if alike is None:
+            plans.numbers.forced_by(places, batch)
+            return signature
+        places, known = alike
+        same = same_sizes(known, chain)
     plans.numbers.learn(signature, places, same, batch)
     if not plans.numbers.is_neutral(signature, places):
         return signature

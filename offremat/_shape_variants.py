@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
-from offremat._numbers import NumberPlaces
+from offremat._numbers import NumberPlaces, same_sizes
 from offremat._signatures import (
     Signature,
     block_values,
@@ -101,14 +101,15 @@ class VariantPlanning:
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
         signature = self.numbers.key(input_signature(batch))
         values = block_values(value)
+        handed = handed_values(batch)
         by_value = self.sizing_values.get(signature, frozenset()) | self._modes(
-            signature, values, handed_values(batch)
+            signature, values, handed
         )
         kind = chain_input_kind(value)
         shapes = chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
-        if planned == kind and not _profiled_on(values, by_value, executor.chain):
-            kind = chain_input_kind(value, by_value)
+        if by_value and (planned != kind or not _profiled_on(values, by_value, executor.chain)):
+            kind = chain_input_kind(value, by_value)  # a plan of their own for these values
         # The sizes too: padding removed before the blocks sizes them by the batch's values.
         # A predicted chain's blocks never ran: its first step (measured) stands for them.
         executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes
@@ -118,7 +119,7 @@ class VariantPlanning:
         if planned_shapes != shapes:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
-            self._check_block_values(signature, executor, values, by_value)
+            self._check_block_values(signature, executor, values, by_value, handed)
             return executor
         key = (signature, kind)
         if key in self.refused:
@@ -141,6 +142,7 @@ class VariantPlanning:
         executor: PlanExecutor,
         values: list[int | float | str],
         by_value: frozenset[int],
+        handed: frozenset[Any],
     ) -> None:
         """Check the numbers and strings the blocks receive (``values``: a count, a length or
         a mode the model computes from the batch, a caption handed down) on ``signature``'s
@@ -149,11 +151,17 @@ class VariantPlanning:
         ``by_value``, which key plans of their own: the ones a step measured over its budget
         blamed (one may slice what the blocks save, or choose what they run, as no shape
         shows), and the strings the model computes on their first :data:`MODE_VALUES` values
-        (a mode's: a plan each, exact from its first step). A plan for other blocks' inputs
-        (a variant) is profiled on its first step's values, and its later steps go unchecked."""
+        (a mode's: a plan each, exact from its first step). Nor the numbers the call passes
+        (``handed``: Hugging Face's ``num_items_in_batch`` reaches every layer), which the
+        call's signature learns. A plan for other blocks' inputs (a variant) is profiled on its
+        first step's values, and its later steps go unchecked."""
         if values == executor.chain.metadata.get("chain_input_values"):
             return  # the values the plan was profiled on
-        checked = [(at, value) for at, value in enumerate(values) if at not in by_value]
+        checked = [
+            (at, value)
+            for at, value in enumerate(values)
+            if at not in by_value and (isinstance(value, str) or value not in handed)
+        ]
         checks = self.numbers.checks
         call = (signature, tuple(values))
         place = (_BLOCK_VALUES, signature)
@@ -195,6 +203,29 @@ class VariantPlanning:
             describe(signature),
         )
 
+    def _learn_neutral_values(self, signature: Signature, chain: Chain) -> None:
+        """Where ``chain``, just profiled, and another of ``signature``'s plans differ in the
+        value at one position that keys plans alone (blamed beside another: a scale new at
+        every step beside the length that sized) and agree in every byte, that position keys
+        them no more: its values size nothing."""
+        values = chain.metadata.get("chain_input_values")
+        positions = self.sizing_values.get(signature, frozenset())
+        if values is None or not positions:
+            return
+        for (known, _), other in reversed(self.variants.items()):
+            seen = other.chain.metadata.get("chain_input_values")
+            if known != signature or seen is None or len(seen) != len(values):
+                continue
+            differ = [at for at, v in enumerate(values) if not same_value(v, seen[at])]
+            if len(differ) == 1 and differ[0] in positions and same_sizes(chain, other.chain):
+                self.sizing_values[signature] = positions - {differ[0]}
+                logger.info(
+                    "the blocks' value at position %d changed and no size with it: its values "
+                    "key plans no more",
+                    differ[0],
+                )
+                return
+
     def _plan_variant(self, key: VariantKey, chain: Chain, value: Any) -> PlanExecutor:
         """Profile the blocks on ``value`` and plan them; the last few variants are kept, and
         a refusal is remembered (it comes after the code before the blocks has run)."""
@@ -225,6 +256,7 @@ class VariantPlanning:
         variant = PlanExecutor(
             self.stages, plan, variant_chain, self.measure_memory, self.in_flight, self.resources
         )
+        self._learn_neutral_values(key[0], variant_chain)
         self.variants[key] = variant
         while len(self.variants) > KEPT_VARIANTS:
             self.variants.pop(next(iter(self.variants)))

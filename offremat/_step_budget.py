@@ -40,18 +40,24 @@ def gradient_bytes(parameters: list[torch.Tensor]) -> int:
     return sum(allocated_bytes(p.numel() * p.element_size(), p.device) for p in parameters)
 
 
-def unseen_around_bytes(executor: PlanExecutor, device: torch.device) -> int:
-    """What a measured step does not see of the code around the chain, which its plan counts
-    (:mod:`offremat._model_chain`): the tensors alive at the chain's start besides its input
-    (the batch, what the code before the blocks saves), and on CPU, where the tracker pauses
-    between the chain's forward and its backward, what the code after it holds through the
-    backward. Compared with the budget without them, a step past it by less passed."""
-    outside = executor.chain.metadata.get("outside")
-    if outside is None:
+def unseen_around_bytes(
+    executor: PlanExecutor, memory: StepMemory, forward_only: bool = False
+) -> int:
+    """What a measured step (``memory``) does not see of the code around the chain, which its
+    plan counts (:mod:`offremat._model_chain`): the tensors alive at the chain's start besides
+    its input (the batch, what the code before the blocks saves), and what the code after it
+    holds through the backward where the measurement misses it (on CPU, where the tracker
+    pauses between the chain's forward and its backward, or ``forward_only``); both as the
+    plan's chain has them (for a length predicted from others, as predicted). Compared with
+    the budget without them, a step past it by less passed."""
+    chain = executor.chain
+    if "outside" not in chain.metadata:
         return 0
-    before = outside["resident_bytes"] - executor.chain.metadata.get("chain_input_bytes", 0)
-    after = outside["held_bytes"] if device.type == "cpu" else 0
-    return max(before, 0) + after
+    kept = chain.metadata.get("kept_by_modules_bytes", 0)
+    before = chain.input_bytes - kept - memory.input_bytes
+    shared = chain.metadata.get("shared_gradient_bytes", 0)
+    after = chain.held_bytes - shared if forward_only or memory.device.type == "cpu" else 0
+    return max(before, 0) + max(after, 0)
 
 
 def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
@@ -59,7 +65,7 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
     it; where that cannot be told, check the next step as well, once."""
     budget = executor.plan.budget_bytes
     exact = memory.peak_less_gradients_bytes
-    around = unseen_around_bytes(executor, memory.device)
+    around = unseen_around_bytes(executor, memory)
     if budget is None:
         executor.over_budget = executor.verify_next = False
         executor.over_within_gradients = False
@@ -82,7 +88,7 @@ def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_byte
     the budget: by the parameters' gradients the step made, which the budget leaves out, or
     by more."""
     budget = executor.plan.budget_bytes
-    around = unseen_around_bytes(executor, memory.device)
+    around = unseen_around_bytes(executor, memory)
     measured = memory.peak_bytes + around
     if budget is None or measured <= budget:
         return

@@ -11,10 +11,10 @@ numbers hold. Kept per place, not per call: beside a temperature new at every st
 call ever comes back, and a task's value past a threshold went unmeasured for 32 steps.
 
 A measured step over its budget blames the places whose values no step had measured within
-it, and of those the ones few steps had checked: a temperature checked within the budget on
-:data:`MEASURED_VALUES` values is not blamed beside a task's value checked on none, or its
-every new value would key a plan (a profile at every step). Blamed wrongly, a place is found
-on its next measured step over, as before.
+it, and of those the ones that have taken the fewest values: a category (a task's name, a
+loop count) rather than a number new at every step (a temperature, a count of tokens), whose
+every new value would otherwise key a plan (a profile at every step). Blamed wrongly, a
+place is found on its next measured step over, as before.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from offremat._signatures import Signature
 
 MEASURED_VALUES = 8
 """How many new values, per call structure, of the numbers a plan's key leaves out have the
-first step on each measured; a place with as many values checked within the budget is not
-blamed beside one with fewer."""
+first step on each measured."""
 
 MEASURED_EVERY = 32
 """After those, the first step on one new value in this many is measured."""
@@ -57,7 +56,8 @@ class ValueChecks:
         self.within: dict[bytes, None] = {}  # values at their place measured within budget
         self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
         self.new_calls: dict[Any, int] = {}  # per structure
-        self.within_count: dict[Place, int] = {}  # values measured within budget, per place
+        self.seen: dict[bytes, None] = {}  # values at their place seen
+        self.distinct: dict[Place, int] = {}  # how many values each place took
         # Per plan key, the values at their places that the step measured last on it holds.
         self.pending: dict[Signature, dict[Place, bytes]] = {}
 
@@ -73,6 +73,12 @@ class ValueChecks:
         notes); ``values``: each number the key leaves out, by its position in ``structure``.
         Where the step is ``measured`` anyway, they join what it checks."""
         places = {(structure, at): _digest((structure, at, value)) for at, value in values}
+        for place, seen in places.items():
+            if seen not in self.seen:
+                self.seen[seen] = None
+                self.distinct[place] = self.distinct.pop(place, 0) + 1
+        trim(self.seen, KEPT_VALUES)
+        trim(self.distinct, KEPT_VALUES)
         digest = _digest(signature)
         chosen = False
         if digest not in self.checked:
@@ -97,13 +103,10 @@ class ValueChecks:
 
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
-        for place, digest in self.pending.pop(key, {}).items():
-            if digest not in self.within:
-                self.within[digest] = None
-                self.within_count[place] = self.within_count.pop(place, 0) + 1
+        for digest in self.pending.pop(key, {}).values():
+            self.within[digest] = None
             self.unmeasured.pop(digest, None)
         trim(self.within, KEPT_VALUES)
-        trim(self.within_count, KEPT_VALUES)
 
     def measured(self, key: Signature) -> frozenset[Place]:
         """The places whose values the step measured last on ``key``'s plan checks, until it
@@ -116,11 +119,11 @@ class ValueChecks:
         places = self.pending.pop(key, None)
         if places is None:
             return suspects
-        unchecked = frozenset(p for p in suspects if p in places and places[p] not in self.within)
+        unchecked = [p for p in suspects if p in places and places[p] not in self.within]
         if not unchecked:  # each value checked alone: their combination passed it
             return suspects
-        few = frozenset(p for p in unchecked if self.within_count.get(p, 0) < MEASURED_VALUES)
-        return few or unchecked
+        least = min(self.distinct.get(p, 0) for p in unchecked)
+        return frozenset(p for p in unchecked if self.distinct.get(p, 0) == least)
 
 
 def same_value(a: Any, b: Any) -> bool:

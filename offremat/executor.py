@@ -65,6 +65,7 @@ from offremat._scan import scan_modules
 from offremat._signatures import refuse_module_tracker
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
+from offremat._step_budget import unseen_around_bytes
 from offremat._tensors import (
     flatten,
     unflatten,
@@ -251,7 +252,8 @@ class PlanExecutor:
         with StepMemory(device, tensors) as memory:
             value = run_plainly(self.stages, value, device, self._finished)
         budget = self.plan.budget_bytes
-        if budget is not None and memory.peak_bytes > budget:
+        around = unseen_around_bytes(self, memory, forward_only=True)
+        if budget is not None and memory.peak_bytes + around > budget:
             self.over_budget = True
         return value
 
