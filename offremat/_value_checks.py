@@ -4,11 +4,12 @@ measured over its budget blames (:mod:`offremat._numbers` learns the places).
 A number learnt to size nothing from two profiled values may still make a block save more on
 another (a loop past a threshold) without changing a shape; only a measured step finds it.
 Measuring every step would slow each on CPU (the dispatch tracker), so per call structure the
-first :data:`MEASURED_VALUES` new values are measured, then one in :data:`MEASURED_EVERY`,
-and a value back at its place (a task's name, a data source: a category, not a number new at
-every step) that no measured step had is measured on its return, whatever the call's other
-numbers hold. Kept per place, not per call: beside a temperature new at every step no whole
-call ever comes back, and a task's value past a threshold went unmeasured for 32 steps.
+first :data:`MEASURED_VALUES` new values are measured, then one in :data:`MEASURED_EVERY`;
+and, whatever the call's other numbers hold, a new value at a place that has taken fewer than
+:data:`MEASURED_VALUES` (a loop count, a task's name: a category, not a number new at every
+step), and a value back at its place that no measured step had. Kept per place, not per
+call: beside a temperature new at every step no whole call ever comes back, and a task's
+value past a threshold went unmeasured for 32 steps.
 
 A measured step over its budget blames the places whose values no step had measured within
 it, and of those the ones that have taken the fewest values: a category (a task's name, a
@@ -73,9 +74,12 @@ class ValueChecks:
         notes); ``values``: each number the key leaves out, by its position in ``structure``.
         Where the step is ``measured`` anyway, they join what it checks."""
         places = {(structure, at): _digest((structure, at, value)) for at, value in values}
+        # A new value where few have been (a loop count, a task), beside one new at every step.
+        category = False
         for place, seen in places.items():
             if seen not in self.seen:
                 self.seen[seen] = None
+                category |= self.distinct.get(place, 0) < MEASURED_VALUES
                 self.distinct[place] = self.distinct.pop(place, 0) + 1
         trim(self.seen, KEPT_VALUES)
         trim(self.distinct, KEPT_VALUES)
@@ -86,7 +90,7 @@ class ValueChecks:
             count = self.new_calls.pop(structure, 0) + 1
             self.new_calls[structure] = count
             trim(self.new_calls, KEPT_STRUCTURES)
-            chosen = back or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+            chosen = back or category or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
         if measured or chosen:
             self.checked[digest] = None
             trim(self.checked, KEPT_VALUES)

@@ -288,11 +288,16 @@ class Looped(nn.Module):
         return self.head(hidden).square().sum() / num_items_in_batch
 
 
-@pytest.mark.parametrize("loops", [[1, 1, 3, 1, 3, 1, 3, 3, 1, 3, 1, 3], [1, 3] * 6])
+@pytest.mark.parametrize(
+    "loops",
+    [[1, 1, 3, 1, 3, 1, 3, 3, 1, 3, 1, 3], [1, 3] * 6, [1] * 10 + [3, 1, 3, 1]],
+    ids=["early", "alternating", "late"],
+)
 def test_a_loop_count_beside_a_count_new_every_step_costs_a_few_profiles(loops) -> None:
     # A review: past its threshold early in training, the count was blamed twice and keyed
     # plans for good (25 profiles in 28 steps); alternating, every step was a profile,
-    # unsaid. Now one step runs over (measured, said) and a few profiles tell the two apart.
+    # unsaid; late, after 8 new counts, the first step on 3 loops went unmeasured, 2.08 times
+    # the budget. Now one step runs over (measured, said) and a few profiles tell them apart.
     torch.manual_seed(0)
     model = Looped()
     plain = copy.deepcopy(model)
@@ -318,7 +323,7 @@ def test_a_loop_count_beside_a_count_new_every_step_costs_a_few_profiles(loops) 
         info = om.cache_info()
         plans.append(info["misses"] + info["variants"])
     assert sum(peak > 1 for peak in peaks) <= 1  # the first step on 3 loops, measured
-    assert plans[-1] <= 4 and plans[-1] == plans[len(loops) // 2]  # none in the later steps
+    assert plans[-1] <= 4 and plans[-1] == plans[-2]  # a few, and none once both are seen
 
 
 def test_a_length_beside_a_scale_new_every_step_keys_plans_and_the_scale_does_not() -> None:
