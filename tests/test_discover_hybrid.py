@@ -306,20 +306,24 @@ class MixedCalls(nn.Module):
         return self.head(x).square().mean()
 
 
+def _every_layer_chained(model: nn.Module, layers: int, budget: float) -> None:
+    """The model's ``layers.0`` .. are all in its chain, and a step at ``budget`` is plain
+    autograd's, within the budget."""
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8)
+    optimized = offremat.optimize(model, x, budget=budget)
+    chained = [b for b in optimized.chain.metadata["blocks"] if b.startswith("layers.")]
+    assert chained == [f"layers.{k}" for k in range(layers)]
+    step_within_budget(optimized, model, reference, x)
+
+
 @pytest.mark.parametrize("kinds", ["cacccacc", "agagagag"])
 def test_layers_called_each_their_own_way_or_torchs_own_form_one_chain(kinds: str) -> None:
     """A review: cut where the side arguments changed, the convolutions' run held 3 of the 8
     layers and half of keep-all was refused; torch's GRU layers were no blocks at all, and
     the model was refused."""
     torch.manual_seed(0)
-    model = MixedCalls(kinds)
-    reference = copy.deepcopy(model)
-    x = torch.randn(4, 32, 8)
-    optimized = offremat.optimize(model, x, budget=0.6)
-    assert [b for b in optimized.chain.metadata["blocks"] if b.startswith("layers.")] == [
-        f"layers.{k}" for k in range(8)
-    ]
-    step_within_budget(optimized, model, reference, x)
+    _every_layer_chained(MixedCalls(kinds), 8, budget=0.6)
 
 
 class Adapter(nn.Module):
@@ -396,14 +400,7 @@ def test_blocks_with_a_parametrized_weight_are_of_one_type() -> None:
     blocks = [StateOnly(16) for _ in range(6)]
     for block in blocks:
         parametrize.register_parametrization(block, "w1", Halved())
-    model = Sequenced(blocks)
-    reference = copy.deepcopy(model)
-    x = torch.randn(4, 32, 8)
-    optimized = offremat.optimize(model, x, budget=0.5)
-    assert [b for b in optimized.chain.metadata["blocks"] if b.startswith("layers.")] == [
-        f"layers.{k}" for k in range(6)
-    ]
-    step_within_budget(optimized, model, reference, x)
+    _every_layer_chained(Sequenced(blocks), 6, budget=0.5)
 
 
 class Supervised(nn.Module):
