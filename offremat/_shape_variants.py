@@ -22,6 +22,7 @@ from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces, same_sizes
 from offremat._signatures import (
+    BlockValue,
     Signature,
     block_values,
     chain_input_kind,
@@ -48,8 +49,9 @@ MODE_VALUES = 4
 their own each (a mode's): the first seen; the later ones (a caption made lower case, new
 at every step) are keyed by type, and checked."""
 
-KEPT_VARIANTS = 8
-"""How many plans for blocks' inputs of another kind a state keeps (the latest made)."""
+KEPT_VARIANTS = 64
+"""How many plans for blocks' inputs of another kind a state keeps (the latest used): as
+many as a call's signatures, since a blocks' length keys them by value once blamed."""
 
 
 def _profiled_on(values: list[Any], by_value: frozenset[int], chain: Chain) -> bool:
@@ -102,6 +104,43 @@ class VariantPlanning:
         signature = self.numbers.key(input_signature(batch))
         values = block_values(value)
         handed = handed_values(batch)
+        kind, by_value = self._kind(signature, executor, value, values, handed)
+        variant = None if kind is None else self.variants.get((signature, kind))
+        if variant is not None and self._over_on_values((signature, kind), variant):
+            kind, by_value = self._kind(signature, executor, value, values, handed)
+            variant = None if kind is None else self.variants.get((signature, kind))
+        if kind is None:
+            self._check_block_values(signature, signature, executor, values, by_value, handed)
+            return executor
+        key = (signature, kind)
+        if key in self.refused:
+            # A fresh error: a stored one would keep each refused step's frames alive.
+            raise InfeasibleBudgetError(*self.refused[key])
+        if variant is None:
+            variant = self._plan_variant(key, executor.chain, value)
+        else:
+            self.variants[key] = self.variants.pop(key)  # the latest used
+            if not variant.verify_next:  # the step measured last on it ended, within budget
+                self.numbers.checks.within_budget(key)
+        self._check_block_values(key, signature, variant, values, by_value, handed)
+        if not variant.plain:
+            # The call's own plan may have run plainly where this one does not.
+            reason = plain_autograd_only(self.stages, batch)
+            if reason is not None:
+                raise RuntimeError(reason)
+        self.last = variant
+        return variant
+
+    def _kind(
+        self,
+        signature: Signature,
+        executor: PlanExecutor,
+        value: Any,
+        values: list[BlockValue],
+        handed: frozenset[Any],
+    ) -> tuple[str | None, frozenset[int]]:
+        """The kind of the blocks' input ``value`` (None where ``executor``, the plan of its
+        call's shape, serves it), and the positions among its ``values`` that key by value."""
         by_value = self.sizing_values.get(signature, frozenset()) | self._modes(
             signature, values, handed
         )
@@ -119,42 +158,39 @@ class VariantPlanning:
         if planned_shapes != shapes:
             kind = f"{kind} of shapes {shapes}"
         if planned is None or planned == kind or self.profile_blocks is None:
-            self._check_block_values(signature, executor, values, by_value, handed)
-            return executor
-        key = (signature, kind)
-        if key in self.refused:
-            # A fresh error: a stored one would keep each refused step's frames alive.
-            raise InfeasibleBudgetError(*self.refused[key])
-        variant = self.variants.get(key)
-        if variant is None:
-            variant = self._plan_variant(key, executor.chain, value)
-        if not variant.plain:
-            # The call's own plan may have run plainly where this one does not.
-            reason = plain_autograd_only(self.stages, batch)
-            if reason is not None:
-                raise RuntimeError(reason)
-        self.last = variant
-        return variant
+            return None, by_value
+        return kind, by_value
+
+    def _over_on_values(self, key: VariantKey, variant: PlanExecutor) -> bool:
+        """Whether the step measured last on the plan ``variant`` passed its budget on blocks'
+        values its key ``key`` leaves out; if so, they are blamed (:meth:`block_values_size`)
+        and key plans from now on, as on the shape's own plan (:meth:`executor`)."""
+        measured = self.numbers.checks.measured(key)
+        if not variant.over_budget or variant.over_within_gradients or not measured:
+            return False
+        variant.over_budget = False
+        self.block_values_size(key[0], self.numbers.checks.blamed(key, measured))
+        return True
 
     def _check_block_values(
         self,
+        key: Signature | VariantKey,
         signature: Signature,
         executor: PlanExecutor,
-        values: list[int | float | str],
+        values: list[BlockValue],
         by_value: frozenset[int],
         handed: frozenset[Any],
     ) -> None:
         """Check the numbers and strings the blocks receive (``values``: a count, a length or
-        a mode the model computes from the batch, a caption handed down) on ``signature``'s
-        plan, ``executor``, as the call's numbers are (:mod:`offremat._value_checks`): a step
-        on new values is measured, this one marked so. Not those at the positions
-        ``by_value``, which key plans of their own: the ones a step measured over its budget
-        blamed (one may slice what the blocks save, or choose what they run, as no shape
-        shows), and the strings the model computes on their first :data:`MODE_VALUES` values
-        (a mode's: a plan each, exact from its first step). Nor the numbers the call passes
-        (``handed``: Hugging Face's ``num_items_in_batch`` reaches every layer), which the
-        call's signature learns. A plan for other blocks' inputs (a variant) is profiled on its
-        first step's values, and its later steps go unchecked."""
+        a mode the model computes from the batch, a caption handed down) on the plan that runs
+        the step, ``executor`` (of key ``key``: the call's ``signature``, or a variant's), as
+        the call's numbers are (:mod:`offremat._value_checks`): a step on new values is
+        measured, this one marked so. Not those at the positions ``by_value``, which key plans
+        of their own: the ones a step measured over its budget blamed (one may slice what the
+        blocks save, or choose what they run, as no shape shows), and the strings the model
+        computes on their first :data:`MODE_VALUES` values (a mode's: a plan each, exact from
+        its first step). Nor the numbers the call passes (``handed``: Hugging Face's
+        ``num_items_in_batch`` reaches every layer), which the call's signature learns."""
         if values == executor.chain.metadata.get("chain_input_values"):
             return  # the values the plan was profiled on
         checked = [
@@ -163,13 +199,13 @@ class VariantPlanning:
             if at not in by_value and (isinstance(value, str) or value not in handed)
         ]
         checks = self.numbers.checks
-        call = (signature, tuple(values))
+        call = (key, tuple(values))
         place = (_BLOCK_VALUES, signature)
-        if checked and checks.verifies(call, signature, place, checked, executor.verify_next):
+        if checked and checks.verifies(call, key, place, checked, executor.verify_next):
             executor.verify_next = True
 
     def _modes(
-        self, signature: Signature, values: list[int | float | str], handed: frozenset[Any]
+        self, signature: Signature, values: list[BlockValue], handed: frozenset[Any]
     ) -> frozenset[int]:
         """The positions of the strings among ``values`` that the call does not pass
         (``handed``), where they hold one of the first :data:`MODE_VALUES` values seen there."""
@@ -197,9 +233,9 @@ class VariantPlanning:
         logger.warning(
             "a step measured over its plan's budget where the blocks received numbers or "
             "strings at values that plan was not profiled on (a count, a length or a mode the "
-            "model computes from the batch?): they decide what the blocks save, so from now "
-            "on each of their values gets a plan of its own, for input %s. Pass what sizes "
-            "tensors as tensors where you can",
+            "model computes from the batch, a Python number or a 0-d integer tensor?): they "
+            "decide what the blocks save, so from now on each of their values gets a plan of "
+            "its own, for input %s",
             describe(signature),
         )
 

@@ -11,7 +11,7 @@ it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,29 +109,57 @@ def chain_input_kind(value: Any, by_value: frozenset[int] = frozenset()) -> str:
     Numbers, strings and objects by type: one the model computes from the batch (a count, a
     scale, a caption made lower case) may be another at every step, and one handed down from
     the call (a caption in Hugging Face's ``**kwargs``) is the call signature's to key. But
-    the numbers and strings at positions ``by_value`` among :func:`block_values` by value: a
-    measured step found that they decide what the blocks save (a loop count, a mode:
+    the values at positions ``by_value`` among :func:`block_values` by value: a measured step
+    found that they decide what the blocks save (a loop count, a mode:
     :mod:`offremat._shape_variants`)."""
     tensors, structure = flatten(value)
-    return repr(
-        (
-            tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
-            _structure_key(structure, True, by_value, [0]),
-        )
+    kind: tuple[Any, ...] = (
+        tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
+        _structure_key(structure, True),
     )
+    if by_value:
+        values = block_values(value)
+        # repr tells 1 from 1.0 and True, as same_value does.
+        kind += (tuple((at, repr(values[at])) for at in sorted(by_value) if at < len(values)),)
+    return repr(kind)
 
 
-def block_values(value: Any) -> list[int | float | str]:
-    """The numbers and strings among the blocks' own inputs ``value``, in order: their
-    values are checked by measured steps (:mod:`offremat._shape_variants`)."""
-    found: list[int | float | str] = []
-    pending = [flatten(value)[1]]
-    while pending:
-        structure = pending.pop()
-        if structure.kind == "value" and _is_block_value(structure.value):
-            found.append(structure.value)
-        pending.extend(reversed(structure.children))
+BlockValue = int | float | str | bool
+"""A number or string among the blocks' inputs, or a 0-d integer or bool tensor's value."""
+
+
+def block_values(value: Any) -> list[BlockValue]:
+    """The numbers and strings among the blocks' own inputs ``value``, and the values of
+    their 0-d integer and bool tensors (a length the model computes as ``lengths.max()`` and
+    the blocks slice to), in order: their values are checked by measured steps
+    (:mod:`offremat._shape_variants`). Reading a tensor on a GPU waits for it; a model that
+    sizes a tensor by that value waits for it anyway."""
+    tensors, structure = flatten(value)
+    found: list[BlockValue] = []
+    _block_values(structure, iter(tensors), found)
     return found
+
+
+def _block_values(structure: Structure, tensors: Iterator[torch.Tensor], found: list[Any]) -> None:
+    # In flatten's order, which is the order of its tensors.
+    if structure.kind == "tensor":
+        tensor = next(tensors)
+        if _is_value_tensor(tensor):
+            found.append(tensor.item())
+    elif structure.kind == "value" and _is_block_value(structure.value):
+        found.append(structure.value)
+    for child in structure.children:
+        _block_values(child, tensors, found)
+
+
+def _is_value_tensor(tensor: torch.Tensor) -> bool:
+    # A float is a scale, which sizes nothing; a fake tensor (a predicted chain) has no value.
+    return (
+        tensor.dim() == 0
+        and not tensor.is_floating_point()
+        and not tensor.is_complex()
+        and tensor.device.type != "meta"
+    )
 
 
 def handed_values(batch: Any) -> frozenset[int | float | str]:
@@ -158,17 +186,12 @@ def chain_input_shapes(value: Any) -> str:
     return repr(tuple(tuple(t.shape) for t in flatten(value)[0]))
 
 
-def _structure_key(
-    structure: Structure,
-    by_type: bool = False,
-    by_value: frozenset[int] = frozenset(),
-    counter: list[int] | None = None,
-) -> Any:
+def _structure_key(structure: Structure, by_type: bool = False) -> Any:
     if structure.kind == "tensor":
         return "tensor"
     if structure.kind == "value":
         value = structure.value
-        if by_type and learnable(value) and not _by_value(value, by_value, counter):
+        if by_type and learnable(value):
             return type(value).__qualname__
         if type(value) in (int, float) or isinstance(value, (bool, type(None))):
             return value
@@ -180,18 +203,8 @@ def _structure_key(
     return (
         structure.kind,
         repr(container),
-        tuple(_structure_key(child, by_type, by_value, counter) for child in structure.children),
+        tuple(_structure_key(child, by_type) for child in structure.children),
     )
-
-
-def _by_value(value: Any, by_value: frozenset[int], counter: list[int] | None) -> bool:
-    """Whether a value among the blocks' own inputs keys by value (see
-    :func:`chain_input_kind`): one of :func:`block_values` at a position in ``by_value``
-    (``counter`` counts them)."""
-    if counter is None or not _is_block_value(value):
-        return False
-    counter[0] += 1
-    return counter[0] - 1 in by_value
 
 
 def differing_size(
