@@ -360,9 +360,13 @@ def sibling(
     return None
 
 
-def _same_block_values(known: Chain, new: Chain, handed: frozenset[Any]) -> bool:
-    """Whether the numbers and strings two chains' blocks received agree, but where ``new``'s
-    is one of its call's (``handed``), which the call signatures tell apart."""
+def _same_blocks_inputs(known: Chain, new: Chain, handed: frozenset[Any]) -> bool:
+    """Whether two chains' blocks received inputs of one kind and size, and the same numbers
+    and strings, but where ``new``'s is one of its call's (``handed``), which the call
+    signatures tell apart. Where they differ (Hugging Face passes no mask where a batch has
+    no padding, a 4-d one where it has), so may the chains, whatever the call's numbers."""
+    if _blocks_input_kind(known) != _blocks_input_kind(new):
+        return False
     a = known.metadata.get("chain_input_values")
     b = new.metadata.get("chain_input_values")
     if a is None or b is None or len(a) != len(b):
@@ -370,11 +374,16 @@ def _same_block_values(known: Chain, new: Chain, handed: frozenset[Any]) -> bool
     return all(same_value(x, y) or y in handed for x, y in zip(a, b, strict=True))
 
 
+def _blocks_input_kind(chain: Chain) -> tuple[Any, Any]:
+    return chain.metadata.get("chain_input"), chain.metadata.get("chain_input_shapes")
+
+
 def _alike(
     plans: ShapePlans, signature: Signature, chain: Chain, handed: frozenset[Any]
 ) -> tuple[frozenset[int], Chain] | None:
     """A chain ``plans`` profiled for a call that differs from ``signature`` in numbers of
-    unknown places only, whose blocks received the values ``chain``'s did; and those places."""
+    unknown places only, whose blocks received inputs of the kind, sizes and values
+    ``chain``'s did; and those places."""
     for known, other in reversed(plans.profiled.items()):
         if known in plans.unprofiled or other is chain:
             continue
@@ -382,7 +391,7 @@ def _alike(
         unknown = places is not None and not places & plans.numbers.sizing.get(
             _skeleton(signature), frozenset()
         )
-        if unknown and _same_block_values(other, chain, handed):
+        if unknown and _same_blocks_inputs(other, chain, handed):
             return places, other
     return None
 
@@ -401,13 +410,14 @@ def learn(
     places, known = found
     same = same_sizes(known, chain)
     handed = handed_values(batch)
-    if not same and not _same_block_values(known, chain, handed):
-        # Numbers or strings the model computed for its blocks differ too (a loop count that
-        # alternates): which of them, or of the call's, made the chains differ is not known
-        # from this one; an earlier call on the blocks' values of this one tells.
+    if not same and not _same_blocks_inputs(known, chain, handed):
+        # The blocks' inputs differ too (a loop count that alternates, a padding mask):
+        # which of them, or of the call's numbers, made the chains differ is not known from
+        # this one; an earlier call with the blocks' inputs of this one tells.
         alike = _alike(plans, signature, chain, handed)
         if alike is None:
-            plans.numbers.forced_by(places, batch)
+            if _blocks_input_kind(known) == _blocks_input_kind(chain):
+                plans.numbers.forced_by(places, batch)
             return signature
         places, known = alike
         same = same_sizes(known, chain)

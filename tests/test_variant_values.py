@@ -2,8 +2,10 @@
 kind (a variant: a mode's plan), and as 0-d integer tensors. A review found a new loop count
 on a mode's plan at 1.96 times the budget at every step, never measured, and a length the
 model handed its blocks as ``lengths.max()`` at 1.34 times, unwarned; and, once a length was
-blamed, twelve recurring lengths a profile at every step with eight plans kept. Oracles: the
-budget measured by StepMemory, gradients by plain autograd, bit for bit."""
+blamed, twelve recurring lengths a profile at every step with eight plans kept. And a call's
+count beside padded batches, whose blocks' inputs are of another kind, is learnt from calls
+with blocks' inputs of one kind. Oracles: the budget measured by StepMemory, gradients by
+plain autograd, bit for bit."""
 
 from __future__ import annotations
 
@@ -134,3 +136,34 @@ def test_recurring_lengths_keep_their_plans_once_blamed() -> None:
     peaks += _steps(om, model, plain, batches)
     assert om.cache_info()["variants"] == planned  # none planned again
     assert sum(peak > 1 for peak in peaks) == 1  # the step that blamed the length
+
+
+def test_a_count_beside_padding_is_learnt_to_size_nothing(caplog) -> None:
+    # As Hugging Face's Trainer calls a model: some batches padded (a 4-d mask reaches the
+    # layers, where an unpadded batch passes none), the count of label tokens in the call.
+    # The count was learnt to size a tensor from an unpadded and a padded chain, and each new
+    # count was a profile (a review: 7 profiles in 12 steps, and a false warning).
+    from tests import model_zoo as zoo
+    from tests.oracles import step_as_plain_autograd
+
+    torch.manual_seed(0)
+    model = zoo.llama()
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(pad: int) -> dict:
+        ids = torch.randint(1, 96, (2, 32), generator=generator)
+        mask, labels = torch.ones(2, 32, dtype=torch.long), ids.clone()
+        mask[1, 32 - pad :], labels[1, 32 - pad :] = 0, -100
+        count = int((labels[:, 1:] != -100).sum())
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "num_items_in_batch": count}  # fmt: skip
+
+    om = offremat.optimize(model, batch(0), budget=0.5)
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        for pad in (0, 3, 0, 5, 2, 0, 7, 1, 4, 6, 0, 3):
+            peak = step_as_plain_autograd(om, model, plain, **batch(pad))
+            assert peak <= om.plan.budget_bytes
+    # The padded kind's count learnt, and the unpadded kind a plan of its own.
+    assert om.cache_info()["misses"] == 2 and om.cache_info()["variants"] == 1
+    assert "num_items_in_batch" not in caplog.text
