@@ -57,6 +57,7 @@ from offremat._discover_refusals import (
     refuse_random_runs,
     refuse_skipping_blocks,
     scripted_note,
+    unread_ends,
 )
 from offremat._record import RecordedCall, record_calls
 from offremat._side_patterns import other_sides, same_side_parts, side_patterns
@@ -212,6 +213,7 @@ def find_block_run(
         suffix = suffix[: ends[0]] if ends else suffix
         starts = [k for k, r in enumerate(prefix) if r.output in returned]
         prefix = prefix[starts[-1] + 1 :] if starts else prefix
+        prefix, suffix = unread_ends(records, prefix, best, suffix)
     members = [*prefix, *best, *suffix]
     if blocks is None:
         same_depth = [r for r in by_type[block_type(first.module)] if r.depth == first.depth]

@@ -176,6 +176,27 @@ def cut_at_reads(records: list[RecordedCall], run: list[RecordedCall]) -> list[l
     return [piece for piece in pieces if piece]
 
 
+def unread_ends(
+    records: list[RecordedCall],
+    stem: list[RecordedCall],
+    run: list[RecordedCall],
+    tail: list[RecordedCall],
+) -> tuple[list[RecordedCall], list[RecordedCall]]:
+    """The ``stem`` before a ``run`` of blocks and the ``tail`` after it, cut where a call
+    outside reads their outputs (two heads reading the final norm): such an output ends the
+    chain, or comes before it, and the run's blocks stay a chain."""
+    while True:
+        read = {id(m) for _, m in read_elsewhere(records, [*stem, *run, *tail])}
+        after = [k for k, r in enumerate((run[-1], *tail)) if id(r) in read]
+        before = [k for k, r in enumerate(stem) if id(r) in read]
+        if after:
+            tail = tail[: after[0]]
+        elif before:
+            stem = stem[before[-1] + 1 :]
+        else:
+            return stem, tail
+
+
 def position_of(records: list[RecordedCall], record: RecordedCall) -> int:
     return next(k for k, r in enumerate(records) if r is record)
 

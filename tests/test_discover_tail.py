@@ -1,6 +1,7 @@
 """The tail of a chain of state-only blocks is the calls that read its output first: an
 encoder-decoder's encoder chain took the key projection deep inside the decoder's
-cross-attention as its tail, and optimize refused a valid model with a misleading message."""
+cross-attention as its tail, and optimize refused a valid model with a misleading message.
+And the tail ends at an output that calls outside read (two heads reading the final norm)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.nn import functional as F
 
 import offremat
 from offremat.measure import StepMemory
+from tests.oracles import step_as_plain_autograd
 
 WIDTH = 16
 
@@ -86,3 +88,50 @@ def test_an_encoders_chain_ends_where_the_decoder_takes_its_output(decoders: int
         # The embedding and the encoder's output are used in and after the chain: their
         # gradients add up in another order, equal up to rounding.
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Gated(Residual):
+    """Another block type: the layers are a hybrid run."""
+
+
+class TwoHeads(nn.Module):
+    """Two heads read the final norm: its output is the chain's last, not an intermediate."""
+
+    def __init__(self, hybrid: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        kinds = (Residual, Gated) if hybrid else (Residual, Residual)
+        self.layers = nn.ModuleList(kinds[k % 2]() for k in range(6))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, 1)
+        self.aux = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        hidden = self.norm(hidden)
+        return self.head(hidden).square().mean() + self.aux(hidden).abs().mean()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_tail_ends_at_an_output_two_heads_read(hybrid: bool) -> None:
+    # The tail took the first head, and the second head's read of the norm refused the
+    # model, where blocks="layers" ran (a review).
+    torch.manual_seed(0)
+    model = TwoHeads(hybrid)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, x, budget=0.6)
+    assert om.chain.stage_names[-1] == "norm" and len(om.chain.stage_names) == 8
+    assert step_as_plain_autograd(om, model, plain, x) <= om.plan.budget_bytes
