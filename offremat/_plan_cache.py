@@ -10,7 +10,9 @@ does not validate against its chain or does not fit its budget there, or whose c
 caller cannot use, is logged and ignored: never fatal, never trusted. A plan read is scored on
 its chain again, so its predictions are the simulator's, not the file's. Files are written to
 a temporary name in the same folder and renamed over the target, so two processes writing the
-same entry leave one whole file.
+same entry leave one whole file. The folder keeps the :data:`KEPT_FILES` entries used last
+(read or written; a number that sizes tensors and changes at every step writes one at every
+step), as the plans in memory are bounded.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ logger = logging.getLogger(__name__)
 # chain input a model's chain was profiled on, in its metadata; 6: a forward set on the
 # instance in the key, and a digest of the chain and plan
 FORMAT = "offremat.plan-cache/6"
+
+KEPT_FILES = 1024
+"""How many entries a cache folder keeps: those read or written last."""
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -372,6 +377,8 @@ class PlanCache:
             return None
         logger.info("plan for input %s read from %s", signature, path)
         self.loaded += 1
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used last: kept (see _evict)
         return chain, plan
 
     def store(self, signature: str, chain: Chain, plan: Plan) -> None:
@@ -397,6 +404,22 @@ class PlanCache:
             logger.warning("could not write plan cache file %s: %s", path, error)
             if temporary is not None:
                 temporary.unlink(missing_ok=True)
+            return
+        self._evict(path)
+
+    def _evict(self, written: Path) -> None:
+        """Remove all but the :data:`KEPT_FILES` entries used last (by modification time),
+        ``written`` kept whatever the clock's resolution."""
+        entries = []
+        for entry in self.directory.glob("[0-9a-f]*.json"):
+            if entry == written:
+                continue
+            with contextlib.suppress(OSError):  # another process removed it
+                entries.append((entry.stat().st_mtime_ns, entry))
+        entries.sort()
+        for _, entry in entries[: max(len(entries) + 1 - KEPT_FILES, 0)]:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 def _digest(chain: Any, plan: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 from typing import Any
 
 import pytest
@@ -252,3 +253,27 @@ def test_a_forward_set_on_the_instance_is_part_of_the_key() -> None:
 
     model[0].forward = types.MethodType(doubled, model[0])
     assert model_fingerprint(model) != before
+
+
+def test_the_folder_keeps_the_entries_used_last(tmp_path, monkeypatch) -> None:
+    # A number that sizes tensors and changes at every step writes an entry at every step:
+    # the folder grew without end. Its modification time says when an entry was used last.
+    monkeypatch.setattr("offremat._plan_cache.KEPT_FILES", 3)
+    chain = small_chain()
+    plan = solve(chain, 900)
+    cache = PlanCache(tmp_path, KEY)
+    for step, length in enumerate(range(10, 14)):
+        cache.store(f"({length},)", chain, plan)
+        for path in tmp_path.glob("*.json"):  # one second between steps
+            os.utime(path, (path.stat().st_mtime - 1,) * 2)
+        if step == 0:
+            assert cache.load("(10,)") is not None  # read back: used last, until the next
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    assert cache.load("(10,)") is None  # the one used longest ago
+    assert all(cache.load(f"({n},)") is not None for n in (11, 12, 13))
+    for path in tmp_path.glob("*.json"):
+        os.utime(path, (path.stat().st_mtime - 1,) * 2)
+    cache.load("(11,)")
+    cache.store("(14,)", chain, plan)
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    assert cache.load("(11,)") is not None and cache.load("(14,)") is not None
