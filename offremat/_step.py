@@ -235,8 +235,10 @@ class _Step(Compute):
             self._close()  # after an error, without a measurement
         self._mark()
         if self.memory is not None:
-            if self.executor.measure_memory:
-                report_over_budget(self.executor, self.memory, self.new_grad_bytes)
+            if self.executor.measure_memory or self.verifying:  # said now: see report_over_budget
+                # A second check of CUDA's uncertainty alone replans nothing.
+                anew = self.verifying and not self.executor.verify_again
+                report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)

@@ -82,11 +82,15 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
     executor.verify_again = executor.verify_next
 
 
-def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
+def report_over_budget(
+    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, replanned: bool
+) -> None:
     """Warn, once per plan and reason, when the independent measurement (with what it does
     not see of the code around the chain, as profiled: :func:`unseen_around_bytes`) exceeds
     the budget: by the parameters' gradients the step made, which the budget leaves out, or
-    by more."""
+    by more; ``replanned`` where the step checked what its plan was not profiled on, which
+    the next step on it plans anew. At the step's end, not when its plan's key comes back (a
+    step found over on a shape that never came back went unsaid)."""
     budget = executor.plan.budget_bytes
     around = unseen_around_bytes(executor, memory)
     measured = memory.peak_bytes + around
@@ -110,14 +114,17 @@ def report_over_budget(executor: PlanExecutor, memory: StepMemory, new_grad_byte
         )
         return
     logger.warning(
-        "this step measured %s of activations, over its budget of %s (its plan "
-        "predicted %s). The model's activation sizes depend on more than the input's "
-        "shapes (the values of a padding mask, a routing decision) or differ from the "
-        "sizes predicted for this shape: lower the budget given to offremat.optimize by "
-        "that margin",
+        "this step measured %s of activations, over its budget of %s (its plan predicted %s). %s",
         format_bytes(less if memory.peak_less_gradients_bytes is not None else measured),
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
+        "It ran on what its plan was not profiled on (numbers or strings of other values, "
+        "a chain read from cache_dir, given to optimize or predicted from other shapes): "
+        "the next step on them is planned anew"
+        if replanned
+        else "The model's activation sizes depend on more than the input's shapes (the "
+        "values of a padding mask, a routing decision) or differ from the sizes predicted "
+        "for this shape: lower the budget given to offremat.optimize by that margin",
     )
 
 
