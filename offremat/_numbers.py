@@ -220,13 +220,19 @@ class NumberPlaces:
         """``places`` are neutral where their chains agree (``same``), else they size; where
         several differ and the chains do too, which of them sizes is not known: nothing is
         learnt, and a later call that differs in one of them alone tells."""
-        if not same and len(places) > 1:
+        skeleton = _skeleton(signature)
+        blamed_once = any(self.blames.get((skeleton, p)) == 1 for p in places)
+        if not same and (len(places) > 1 or blamed_once):
+            # Blamed once, a place keys plans until two profiles agree (see over_budget): the
+            # profile it differs from may be of a value on the other side of a threshold.
             self.forced_by(places, batch)
             return
-        skeleton = _skeleton(signature)
         learnt = self.neutral if same else self.sizing
         learnt[skeleton] = learnt.pop(skeleton, frozenset()) | places
         trim(learnt, KEPT_SKELETONS)
+        if same and blamed_once:
+            for place in places:  # found neutral again: on one side of a threshold, maybe
+                self.checks.forget((skeleton, place))
         if same:
             logger.info(
                 "%s changed and no size with it (a second profile agrees with the first in "
@@ -325,7 +331,7 @@ class NumberPlaces:
                 "%s: %s, so its value keys plans (those of the last %d signatures are kept). "
                 "Pass a number that only scales a loss as a tensor, or keep it to a few values",
                 _named(places, batch),
-                "it changes a tensor size"
+                "it changes what the model saves"
                 if self.learns
                 else "it is part of the input an nn.Sequential hands its first block",
                 _kept_signatures(),

@@ -91,6 +91,8 @@ class VariantPlanning:
     # Per plan key, the positions among the blocks' numbers and strings that key by value;
     # per plan key and position, the values a string the model computes took (see _modes).
     sizing_values: dict[Signature, frozenset[int]]
+    # How many measured steps over their budget blamed each of those positions.
+    value_blames: dict[tuple[Signature, int], int]
     mode_values: dict[tuple[Signature, int], dict[str, None]]
     resources: DeviceResources
 
@@ -230,6 +232,9 @@ class VariantPlanning:
             return
         self.sizing_values[signature] = self.sizing_values.pop(signature, frozenset()) | positions
         trim(self.sizing_values, KEPT_STRUCTURES)
+        for at in positions:
+            self.value_blames[(signature, at)] = self.value_blames.pop((signature, at), 0) + 1
+        trim(self.value_blames, KEPT_STRUCTURES)
         logger.warning(
             "a step measured over its plan's budget where the blocks received numbers or "
             "strings at values that plan was not profiled on (a count, a length or a mode the "
@@ -243,7 +248,11 @@ class VariantPlanning:
         """Where ``chain``, just profiled, and another of ``signature``'s plans differ in the
         value at one position that keys plans alone (blamed beside another: a scale new at
         every step beside the length that sized) and agree in every byte, that position keys
-        them no more: its values size nothing."""
+        them no more: its values size nothing, or none between those two (a float picking a
+        branch past a threshold, two values on one side), so its next new values are measured
+        as a new place's are, and blamed a second time it keys plans for good (a float new at
+        every step picking a branch ran half its steps at 1.46 times the budget, unmeasured,
+        blamed and found neutral again in turn)."""
         values = chain.metadata.get("chain_input_values")
         positions = self.sizing_values.get(signature, frozenset())
         if values is None or not positions:
@@ -253,8 +262,14 @@ class VariantPlanning:
             if known != signature or seen is None or len(seen) != len(values):
                 continue
             differ = [at for at, v in enumerate(values) if not same_value(v, seen[at])]
-            if len(differ) == 1 and differ[0] in positions and same_sizes(chain, other.chain):
+            if (
+                len(differ) == 1
+                and differ[0] in positions
+                and self.value_blames.get((signature, differ[0]), 0) < 2
+                and same_sizes(chain, other.chain)
+            ):
                 self.sizing_values[signature] = positions - {differ[0]}
+                self.numbers.checks.forget(((_BLOCK_VALUES, signature), differ[0]))
                 logger.info(
                     "the blocks' value at position %d changed and no size with it: its values "
                     "key plans no more",

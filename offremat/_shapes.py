@@ -126,6 +126,7 @@ class ShapePlans(VariantPlanning):
         self.unprofiled: set[Signature] = set()
         self.variants: dict[VariantKey, PlanExecutor] = {}
         self.sizing_values: dict[Signature, frozenset[int]] = {}
+        self.value_blames: dict[tuple[Signature, int], int] = {}
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
         self.refused: dict[VariantKey, tuple[Any, ...]] = {}

@@ -7,9 +7,12 @@ Measuring every step would slow each on CPU (the dispatch tracker), so per call 
 first :data:`MEASURED_VALUES` new values are measured, then one in :data:`MEASURED_EVERY`;
 and, whatever the call's other numbers hold, a new value at a place that has taken fewer than
 :data:`MEASURED_VALUES` (a loop count, a task's name: a category, not a number new at every
-step), and a value back at its place that no measured step had. Kept per place, not per
-call: beside a temperature new at every step no whole call ever comes back, and a task's
-value past a threshold went unmeasured for 32 steps.
+step), a value back at its place that no measured step had, and a number beyond the range
+a place's measured steps within budget have spanned (a length that grows over training, an
+annealed temperature: past the first values, a curriculum's lengths ran 20 steps at up to
+1.51 times the budget, unmeasured; such a number has every step measured while it grows).
+Kept per place, not per call: beside a temperature new at every step no whole call ever
+comes back, and a task's value past a threshold went unmeasured for 32 steps.
 
 A measured step over its budget blames the places whose values no step had measured within
 it, and of those the ones that have taken the fewest values: a category (a task's name, a
@@ -21,6 +24,7 @@ place is found on its next measured step over, as before.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 from offremat._signatures import Signature
@@ -59,8 +63,10 @@ class ValueChecks:
         self.new_calls: dict[Any, int] = {}  # per structure
         self.seen: dict[bytes, None] = {}  # values at their place seen
         self.distinct: dict[Place, int] = {}  # how many values each place took
+        # Per place, the least and greatest number that measured steps within budget held.
+        self.spanned: dict[Place, tuple[float, float]] = {}
         # Per plan key, the values at their places that the step measured last on it holds.
-        self.pending: dict[Signature, dict[Place, bytes]] = {}
+        self.pending: dict[Signature, dict[Place, tuple[bytes, Any]]] = {}
 
     def verifies(
         self,
@@ -73,10 +79,10 @@ class ValueChecks:
         """Whether the step on ``signature`` (of plan key ``key``) is to be measured (module
         notes); ``values``: each number the key leaves out, by its position in ``structure``.
         Where the step is ``measured`` anyway, they join what it checks."""
-        places = {(structure, at): _digest((structure, at, value)) for at, value in values}
+        places = {(structure, at): (_digest((structure, at, v)), v) for at, v in values}
         # A new value where few have been (a loop count, a task), beside one new at every step.
         category = False
-        for place, seen in places.items():
+        for place, (seen, _) in places.items():
             if seen not in self.seen:
                 self.seen[seen] = None
                 category |= self.distinct.get(place, 0) < MEASURED_VALUES
@@ -86,11 +92,13 @@ class ValueChecks:
         digest = _digest(signature)
         chosen = False
         if digest not in self.checked:
-            back = any(d in self.unmeasured and d not in self.within for d in places.values())
+            back = any(d in self.unmeasured and d not in self.within for d, _ in places.values())
+            beyond = any(self._beyond(place, v) for place, (_, v) in places.items())
             count = self.new_calls.pop(structure, 0) + 1
             self.new_calls[structure] = count
             trim(self.new_calls, KEPT_STRUCTURES)
-            chosen = back or category or count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
+            chosen = back or category or beyond
+            chosen |= count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
         if measured or chosen:
             self.checked[digest] = None
             trim(self.checked, KEPT_VALUES)
@@ -101,16 +109,33 @@ class ValueChecks:
             return True
         self.pending.pop(key, None)  # a measurement that never ended
         if digest not in self.checked:
-            self.unmeasured.update(dict.fromkeys(places.values()))
+            self.unmeasured.update(dict.fromkeys(d for d, _ in places.values()))
             trim(self.unmeasured, KEPT_VALUES)
         return False
 
+    def _beyond(self, place: Place, value: Any) -> bool:
+        """Whether ``value``, a finite number, lies outside what ``place`` has spanned."""
+        if type(value) not in (int, float) or not math.isfinite(value):
+            return False
+        low, high = self.spanned.get(place, (math.inf, -math.inf))
+        return not low <= value <= high
+
+    def forget(self, place: Place) -> None:
+        """Measure ``place``'s next new values as a new place's: the values it took were
+        found to size nothing, but only on one side of what they may decide."""
+        self.distinct.pop(place, None)
+        self.spanned.pop(place, None)
+
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
-        for digest in self.pending.pop(key, {}).values():
+        for place, (digest, value) in self.pending.pop(key, {}).items():
             self.within[digest] = None
             self.unmeasured.pop(digest, None)
+            if type(value) in (int, float) and math.isfinite(value):
+                low, high = self.spanned.pop(place, (value, value))
+                self.spanned[place] = (min(low, value), max(high, value))
         trim(self.within, KEPT_VALUES)
+        trim(self.spanned, KEPT_VALUES)
 
     def measured(self, key: Signature) -> frozenset[Place]:
         """The places whose values the step measured last on ``key``'s plan checks, until it
@@ -123,7 +148,7 @@ class ValueChecks:
         places = self.pending.pop(key, None)
         if places is None:
             return suspects
-        unchecked = [p for p in suspects if p in places and places[p] not in self.within]
+        unchecked = [p for p in suspects if p in places and places[p][0] not in self.within]
         if not unchecked:  # each value checked alone: their combination passed it
             return suspects
         least = min(self.distinct.get(p, 0) for p in unchecked)

@@ -169,8 +169,9 @@ def test_a_string_that_sizes_the_head_gets_a_plan_per_value() -> None:
 
 
 def test_a_number_new_at_every_step_has_only_some_of_its_steps_measured() -> None:
-    # An annealed temperature had every step measured, each 14% slower (a hunt): the first
-    # new values are, then one in MEASURED_EVERY.
+    # A temperature new at every step had every step measured, each 14% slower (a hunt): the
+    # first new values are, then one in MEASURED_EVERY, and those past the values measured
+    # (an annealed temperature has all its steps measured: test_value_thresholds).
     from offremat._value_checks import MEASURED_EVERY, MEASURED_VALUES
 
     torch.manual_seed(0)
@@ -178,9 +179,11 @@ def test_a_number_new_at_every_step_has_only_some_of_its_steps_measured() -> Non
     om = offremat.optimize(model, {"x": X, "temperature": 2.0}, budget=0.7)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    # A second value, then the least and the greatest, then new values between them.
+    temperatures = [1.5, 1.0, 3.0] + [1 + (step * 0.618) % 2 for step in range(3, 80)]
     measured = []
-    for step in range(80):
-        om(x=X, temperature=2 * 0.99 ** (step + 1)).backward()
+    for temperature in temperatures:
+        om(x=X, temperature=temperature).backward()
         measured.append(om.stats.measured_peak_bytes is not None)
     # Step 0 (a second value) is profiled and learnt neutral; the next are new values.
     new_values = range(1, len(measured))
@@ -408,10 +411,11 @@ def test_a_number_learnt_to_size_nothing_is_measured_on_each_new_value(caplog) -
     _refused_after_measured_over(om, x, caplog)
 
 
-def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None:
+def test_a_value_past_those_measured_is_measured_on_its_first_step(caplog) -> None:
     # After the first new values, one in MEASURED_EVERY is measured: a value first seen then
     # was never measured, on any of its steps, as it had been seen (review: a task's name,
-    # 2.29 times the budget at every step on it, unwarned).
+    # 2.29 times the budget at every step on it, unwarned); then on its second step (a value
+    # back); now on its first where it lies past the values measured within budget.
     from offremat._value_checks import MEASURED_VALUES
 
     om, x = _threshold_model()
@@ -419,9 +423,9 @@ def test_a_value_not_measured_on_its_first_step_is_on_its_second(caplog) -> None
     for k in (2, *range(-1, -MEASURED_VALUES - 1, -1)):
         om(x=x, k=k).backward()
         assert (om.stats.measured_peak_bytes is not None) == (k != 2)
-    om(x=x, k=32).backward()  # a new value past those: its first step is not measured
+    om(x=x, k=-4).backward()  # a value back, measured before
     assert om.stats.measured_peak_bytes is None
-    om(x=x, k=32).backward()  # back: measured, over the budget
+    om(x=x, k=32).backward()  # a new value past those: measured, over the budget
     assert om.stats.measured_peak_bytes > om.plan.budget_bytes
     _refused_after_measured_over(om, x, caplog)
 

@@ -1,0 +1,106 @@
+"""Numbers that decide what the model saves past a threshold, new at every step: a length
+that grows over training, an annealed temperature, a float the model computes that picks a
+branch. A review found each sampled (1 new value in 32 measured once a place had taken 8):
+a curriculum's lengths 20 steps at up to 1.51 times the budget, a temperature past its
+threshold 14 steps at 1.28 times, and a branch found neutral on one side of its threshold
+half its steps at 1.46 times, all unmeasured. Oracles: the budget measured by StepMemory,
+gradients by plain autograd, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tests.test_block_values import Lengths, X
+from tests.test_variant_values import _optimized, _steps
+
+WIDTH = 32
+
+
+class Branching(nn.Module):
+    """Adds a second, saved branch where ``value`` is past ``threshold``."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+        self.up2 = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down2 = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, value: float) -> torch.Tensor:
+        x = x + self.down(torch.tanh(self.up(x)))
+        if value > self.threshold:
+            x = x + self.down2(torch.tanh(self.up2(x)))
+        return x
+
+
+class Annealed(nn.Module):
+    """Hands its blocks the temperature it is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Branching(1.0) for _ in range(6))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, temperature: float) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = block(hidden, temperature)
+        return self.head(hidden).square().mean()
+
+
+class SignPicked(Annealed):
+    """Hands its blocks a float it computes from the batch: new at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Branching(0.0) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x, float(x[:, 0, 0].mean()))
+
+
+def test_a_growing_length_is_measured_past_the_lengths_measured_before(caplog) -> None:
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Lengths(), {"x": X, "lengths": torch.tensor([8, 4, 2, 8])}, 0.7)
+    lengths = [2, 3, 4, 5, 6, 7, 1, 9, 10, 11, 12, 13, 14, 15, 16]
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        peaks = []
+        for n in lengths:
+            peaks += _steps(om, model, plain, [{"x": X, "lengths": torch.tensor([n, 1, 1, 1])}])
+            assert om.stats.measured_peak_bytes is not None or peaks[-1] <= 1
+    assert sum(peak > 1 for peak in peaks) == 1  # found on its first step, and said
+    assert "this step measured" in caplog.text
+
+
+def test_an_annealed_temperature_past_its_threshold_is_found_and_planned() -> None:
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": 0.1}, 0.7)
+    temperatures = [round(0.15 + 0.05 * step, 2) for step in range(32)]
+    peaks = _steps(om, model, plain, [{"x": X, "temperature": t} for t in temperatures])
+    assert sum(peak > 1 for peak in peaks) == 1
+    # Keyed again past the threshold until two hot profiles agree: not a profile per step.
+    assert om.cache_info()["misses"] <= 4
+
+
+def test_a_float_picking_a_branch_is_not_found_neutral_for_good() -> None:
+    torch.manual_seed(0)
+    generator, pattern = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+
+    def batch(hot: bool) -> dict:
+        x = torch.randn(4, 64, 8, generator=generator)
+        x[:, 0, 0] = x[:, 0, 0].abs() * (1 if hot else -1)
+        return {"x": x}
+
+    om, model, plain = _optimized(SignPicked(), batch(False), 0.7)
+    hot = [bool(torch.rand(1, generator=pattern) < 0.5) for _ in range(40)]
+    peaks, measured = [], []
+    for step in hot:
+        peaks += _steps(om, model, plain, [batch(step)])
+        measured.append(om.stats.measured_peak_bytes is not None)
+    over = [k for k, peak in enumerate(peaks) if peak > 1]
+    assert len(over) <= 2 and all(measured[k] for k in over)
