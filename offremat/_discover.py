@@ -173,6 +173,12 @@ def find_block_run(
                 f"name one whose children it calls, such as blocks={blocks + '.0'!r}"
             )
         candidates = [_chained(called, blocks)]
+        for reader, member in read_elsewhere(records, candidates[0]):
+            raise NotAChainError(
+                f"blocks={blocks!r}: {reader.path} reads {member.path}'s output, which a chain "
+                "does not keep for anything but the next block; leave blocks= unset, and the "
+                "blocks after the last one read can be the chain"
+            )
         if same_sides and len(parts := same_side_parts(candidates[0])) > 1:
             reason = other_sides(parts[0][-1], parts[1][0])
             raise NotAChainError(f"blocks={blocks!r}: the blocks are not a chain: {reason}")

@@ -135,3 +135,36 @@ def test_a_tail_ends_at_an_output_two_heads_read(hybrid: bool) -> None:
     om = offremat.optimize(model, x, budget=0.6)
     assert om.chain.stage_names[-1] == "norm" and len(om.chain.stage_names) == 8
     assert step_as_plain_autograd(om, model, plain, x) <= om.plan.budget_bytes
+
+
+class Supervised(nn.Module):
+    """Blocks that take the state alone, and an auxiliary head reading the second one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.layers = nn.ModuleList(Residual() for _ in range(8))
+        self.aux = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        aux = hidden.new_zeros(())
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden)
+            if index == 1:
+                aux = self.aux(hidden).square().mean()
+        return hidden.square().mean() + aux / 10
+
+
+def test_a_stem_ends_after_an_output_read_outside() -> None:
+    # The stem walked back over the layers before the read, and the model was refused whole,
+    # blocks= too, with a remedy that failed the same way (a review).
+    torch.manual_seed(0)
+    model = Supervised()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(0))
+    om = offremat.optimize(model, x, budget=0.7)
+    assert om.chain.metadata["blocks"] == [f"layers.{k}" for k in range(2, 8)]
+    assert step_as_plain_autograd(om, model, plain, x) <= om.plan.budget_bytes
+    with pytest.raises(offremat.NotAChainError, match="leave blocks= unset"):
+        offremat.optimize(model, x, budget=0.7, blocks="layers")
