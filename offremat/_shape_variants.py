@@ -93,6 +93,9 @@ class VariantPlanning:
     sizing_values: dict[Signature, frozenset[int]]
     # How many measured steps over their budget blamed each of those positions.
     value_blames: dict[tuple[Signature, int], int]
+    # The plan :meth:`executor` marked for measuring this step on the call's numbers, and its
+    # mark before.
+    call_measured: tuple[PlanExecutor, bool] | None
     mode_values: dict[tuple[Signature, int], dict[str, None]]
     resources: DeviceResources
 
@@ -103,12 +106,14 @@ class VariantPlanning:
         when values differ (a padded batch where the example had none): they save other
         tensors, so they get a plan of their own, profiled on ``value`` in the step, with the
         costs around the blocks taken from ``executor``'s chain. Kept in memory only."""
-        signature = self.numbers.key(input_signature(batch))
+        called = input_signature(batch)
+        signature = self.numbers.key(called)
         values = block_values(value)
         handed = handed_values(batch)
         kind, by_value = self._kind(signature, executor, value, values, handed)
         variant = None if kind is None else self.variants.get((signature, kind))
-        if variant is not None and self._over_on_values((signature, kind), variant):
+        over = variant is not None and self._over_on_values((signature, kind), variant, batch)
+        if over:
             kind, by_value = self._kind(signature, executor, value, values, handed)
             variant = None if kind is None else self.variants.get((signature, kind))
         if kind is None:
@@ -124,6 +129,14 @@ class VariantPlanning:
             self.variants[key] = self.variants.pop(key)  # the latest used
             if not variant.verify_next:  # the step measured last on it ended, within budget
                 self.numbers.checks.within_budget(key)
+        measured, self.call_measured = self.call_measured, None
+        if measured is not None and measured[0] is executor:
+            # The call's numbers chose this step for measuring: it runs on this plan.
+            executor.verify_next = measured[1]
+            variant.verify_next = True
+            self.numbers.checks.move(signature, key)
+        # A call's number blamed here keys plans from the next step: this one is measured.
+        variant.verify_next |= over and signature != self.numbers.key(called)
         self._check_block_values(key, signature, variant, values, by_value, handed)
         if not variant.plain:
             # The call's own plan may have run plainly where this one does not.
@@ -163,15 +176,17 @@ class VariantPlanning:
             return None, by_value
         return kind, by_value
 
-    def _over_on_values(self, key: VariantKey, variant: PlanExecutor) -> bool:
-        """Whether the step measured last on the plan ``variant`` passed its budget on blocks'
-        values its key ``key`` leaves out; if so, they are blamed (:meth:`block_values_size`)
-        and key plans from now on, as on the shape's own plan (:meth:`executor`)."""
-        measured = self.numbers.checks.measured(key)
-        if not variant.over_budget or variant.over_within_gradients or not measured:
+    def _over_on_values(self, key: VariantKey, variant: PlanExecutor, batch: Any) -> bool:
+        """Whether the step measured last on the plan ``variant`` passed its budget on values
+        its key ``key`` leaves out (the blocks', the call's); if so, they are blamed and key
+        plans from now on, as on the shape's own plan (:meth:`executor`)."""
+        if not variant.over_budget or variant.over_within_gradients:
+            return False
+        if not self.numbers.checks.measured(key):
             return False
         variant.over_budget = False
-        self.block_values_size(key[0], self.numbers.checks.blamed(key, measured))
+        others = self.numbers.over_budget(key, input_signature(batch), batch)
+        self.block_values_size(key[0], others)
         return True
 
     def _check_block_values(

@@ -127,6 +127,7 @@ class ShapePlans(VariantPlanning):
         self.variants: dict[VariantKey, PlanExecutor] = {}
         self.sizing_values: dict[Signature, frozenset[int]] = {}
         self.value_blames: dict[tuple[Signature, int], int] = {}
+        self.call_measured: tuple[PlanExecutor, bool] | None = None
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
         self.refused: dict[VariantKey, tuple[Any, ...]] = {}
@@ -182,6 +183,7 @@ class ShapePlans(VariantPlanning):
 
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
+        self.call_measured = None
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
@@ -227,6 +229,8 @@ class ShapePlans(VariantPlanning):
             if not executor.verify_next:  # the step measured last on it ended, within budget
                 self.numbers.within_budget(signature)
             if self.numbers.verifies(called, signature):
+                # for_chain_input moves it where the step runs on a variant.
+                self.call_measured = (executor, executor.verify_next)
                 executor.verify_next = True
         else:
             self.cache.misses += 1

@@ -120,6 +120,12 @@ class ValueChecks:
         low, high = self.spanned.get(place, (math.inf, -math.inf))
         return not low <= value <= high
 
+    def move(self, key: Any, to: Any) -> None:
+        """The step measured on ``key``'s plan runs on ``to``'s: its values go with it."""
+        places = self.pending.pop(key, None)
+        if places is not None:
+            self.pending.setdefault(to, {}).update(places)
+
     def forget(self, place: Place) -> None:
         """Measure ``place``'s next new values as a new place's: the values it took were
         found to size nothing, but only on one side of what they may decide."""

@@ -3,8 +3,9 @@ that grows over training, an annealed temperature, a float the model computes th
 branch. A review found each sampled (1 new value in 32 measured once a place had taken 8):
 a curriculum's lengths 20 steps at up to 1.51 times the budget, a temperature past its
 threshold 14 steps at 1.28 times, and a branch found neutral on one side of its threshold
-half its steps at 1.46 times, all unmeasured. Oracles: the budget measured by StepMemory,
-gradients by plain autograd, bit for bit."""
+half its steps at 1.46 times, all unmeasured; and a temperature past its threshold, on the
+plan for unpadded blocks' inputs, 1.26 times, its measurement spent on another plan.
+Oracles: the budget measured by StepMemory, gradients by plain autograd, bit for bit."""
 
 from __future__ import annotations
 
@@ -104,3 +105,54 @@ def test_a_float_picking_a_branch_is_not_found_neutral_for_good() -> None:
         measured.append(om.stats.measured_peak_bytes is not None)
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert len(over) <= 2 and all(measured[k] for k in over)
+
+
+class Masked(Branching):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, value: float) -> torch.Tensor:
+        if mask is not None:
+            x = x * mask
+        return super().forward(x, value)
+
+
+class PaddedTemperature(nn.Module):
+    """Passes its blocks no mask where no row is padded, as Hugging Face does, and the
+    temperature it is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Masked(1.0) for _ in range(6))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor, temperature: float) -> torch.Tensor:
+        positions = torch.arange(x.shape[1])[None, :, None]
+        padded = bool((lengths < x.shape[1]).any())
+        mask = (positions < lengths[:, None, None]).float() if padded else None
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = block(hidden, mask, temperature)
+        return self.head(hidden).square().mean()
+
+
+def test_a_call_number_is_checked_on_the_plan_the_step_runs_on(caplog) -> None:
+    # The call's number chose a step for measuring on its shape's plan, and the step ran on
+    # the plan for unpadded blocks' inputs: 1.26 times the budget, unmeasured (a review).
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(temperature: float, padded: bool) -> dict:
+        x = torch.randn(4, 64, 8, generator=generator)
+        lengths = torch.tensor([20, 64, 40, 64]) if padded else torch.full((4,), 64)
+        return {"x": x, "lengths": lengths, "temperature": temperature}
+
+    torch.manual_seed(0)
+    om, model, plain = _optimized(PaddedTemperature(), batch(0.1, True), 0.7)
+    calls = [(0.2, True), (0.3, False), (0.5, False), (1.5, False), (1.6, False), (1.7, True)]
+    calls += [(1.8, False), (0.4, True), (1.9, False), (2.0, False), (2.1, True), (2.2, False)]
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        peaks, measured = [], []
+        for temperature, padded in calls:
+            peaks += _steps(om, model, plain, [batch(temperature, padded)])
+            measured.append(om.stats.measured_peak_bytes is not None)
+    over = [k for k, peak in enumerate(peaks) if peak > 1]
+    assert over and all(measured[k] for k in over) and max(over) <= 4
+    assert "this step measured" in caplog.text
