@@ -220,6 +220,7 @@ class ShapePlans(VariantPlanning):
                 else "",
             )
             del self.executors[signature]
+            self.numbers.checks.not_settled(signature)
             executor = None
         if executor is not None:
             self.cache.hits += 1

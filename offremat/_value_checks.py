@@ -57,7 +57,7 @@ class ValueChecks:
     """The values of the numbers that plans' keys leave out, as checked by measured steps."""
 
     def __init__(self) -> None:
-        self.checked: dict[bytes, None] = {}  # calls measured
+        self.checked: dict[bytes, None] = {}  # calls measured within budget, or blamed
         self.within: dict[bytes, None] = {}  # values at their place measured within budget
         self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
         self.new_calls: dict[Any, int] = {}  # per structure
@@ -65,8 +65,10 @@ class ValueChecks:
         self.distinct: dict[Place, int] = {}  # how many values each place took
         # Per place, the least and greatest number that measured steps within budget held.
         self.spanned: dict[Place, tuple[float, float]] = {}
-        # Per plan key, the values at their places that the step measured last on it holds.
+        # Per plan key, the values at their places that the step measured last on it holds,
+        # and its calls.
         self.pending: dict[Signature, dict[Place, tuple[bytes, Any]]] = {}
+        self.pending_calls: dict[Signature, set[bytes]] = {}
 
     def verifies(
         self,
@@ -100,14 +102,13 @@ class ValueChecks:
             chosen = back or category or beyond
             chosen |= count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
         if measured or chosen:
-            self.checked[digest] = None
-            trim(self.checked, KEPT_VALUES)
             if measured:
                 self.pending.setdefault(key, {}).update(places)
+                self.pending_calls.setdefault(key, set()).add(digest)
             else:  # a measurement left from before never ended (no backward ran)
-                self.pending[key] = places
+                self.pending[key], self.pending_calls[key] = places, {digest}
             return True
-        self.pending.pop(key, None)  # a measurement that never ended
+        self._unsettled(key)  # a measurement that never ended
         if digest not in self.checked:
             self.unmeasured.update(dict.fromkeys(d for d, _ in places.values()))
             trim(self.unmeasured, KEPT_VALUES)
@@ -125,6 +126,19 @@ class ValueChecks:
         places = self.pending.pop(key, None)
         if places is not None:
             self.pending.setdefault(to, {}).update(places)
+            self.pending_calls.setdefault(to, set()).update(self.pending_calls.pop(key, ()))
+
+    def not_settled(self, key: Signature) -> None:
+        """The step measured on ``key``'s plan passed its budget for another reason than its
+        values (a plan read from disk or predicted, not profiled at its shape): they are to
+        be measured again (a loop count over on such a step was taken for checked)."""
+        for digest, _ in self._unsettled(key).values():
+            self.unmeasured[digest] = None
+        trim(self.unmeasured, KEPT_VALUES)
+
+    def _unsettled(self, key: Signature) -> dict[Place, tuple[bytes, Any]]:
+        self.pending_calls.pop(key, None)
+        return self.pending.pop(key, {})
 
     def forget(self, place: Place) -> None:
         """Measure ``place``'s next new values as a new place's: the values it took were
@@ -134,6 +148,8 @@ class ValueChecks:
 
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
+        self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
+        trim(self.checked, KEPT_VALUES)
         for place, (digest, value) in self.pending.pop(key, {}).items():
             self.within[digest] = None
             self.unmeasured.pop(digest, None)
@@ -151,6 +167,8 @@ class ValueChecks:
     def blamed(self, key: Signature, suspects: frozenset[Place]) -> frozenset[Place]:
         """Of the ``suspects``, those to blame for the step measured over its budget on
         ``key``'s plan (module notes); all of them where that step is not known."""
+        self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
+        trim(self.checked, KEPT_VALUES)
         places = self.pending.pop(key, None)
         if places is None:
             return suspects
