@@ -277,6 +277,16 @@ class NumberPlaces:
         left_out = [(place, value) for place, value in enumerate(values) if place in neutral]
         return self.checks.verifies(signature, key, skeleton, left_out)
 
+    def left_out(self, signature: Signature) -> frozenset[tuple[type, Any]]:
+        """The numbers of a call of ``signature`` that its plan's key leaves out, by type and
+        value: the call's checks measure the steps on their new values."""
+        neutral = self.neutral.get(_skeleton(signature), frozenset())
+        values: list[Any] = []
+        _numbers(signature[1], values)
+        return frozenset(
+            (type(v), v) for at, v in enumerate(values) if at in neutral and type(v) in (int, float)
+        )
+
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan, if any, ended within its budget."""
         self.checks.within_budget(key)
@@ -377,7 +387,7 @@ def _same_blocks_inputs(known: Chain, new: Chain, handed: frozenset[Any]) -> boo
     b = new.metadata.get("chain_input_values")
     if a is None or b is None or len(a) != len(b):
         return a == b
-    return all(same_value(x, y) or y in handed for x, y in zip(a, b, strict=True))
+    return all(same_value(x, y) or (type(y), y) in handed for x, y in zip(a, b, strict=True))
 
 
 def _blocks_input_kind(chain: Chain) -> tuple[Any, Any]:

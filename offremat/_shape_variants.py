@@ -116,8 +116,11 @@ class VariantPlanning:
         if over:
             kind, by_value = self._kind(signature, executor, value, values, handed)
             variant = None if kind is None else self.variants.get((signature, kind))
+        # The call's numbers that its checks measure: not the ones its key holds by value (a
+        # cap on a loop count equal to it hid the count).
+        checked = self.numbers.left_out(called)
         if kind is None:
-            self._check_block_values(signature, signature, executor, values, by_value, handed)
+            self._check_block_values(signature, signature, executor, values, by_value, checked)
             return executor
         key = (signature, kind)
         if key in self.refused:
@@ -137,7 +140,7 @@ class VariantPlanning:
             self.numbers.checks.move(signature, key)
         # A call's number blamed here keys plans from the next step: this one is measured.
         variant.verify_next |= over and signature != self.numbers.key(called)
-        self._check_block_values(key, signature, variant, values, by_value, handed)
+        self._check_block_values(key, signature, variant, values, by_value, checked)
         if not variant.plain:
             # The call's own plan may have run plainly where this one does not.
             reason = plain_autograd_only(self.stages, batch)
@@ -196,7 +199,7 @@ class VariantPlanning:
         executor: PlanExecutor,
         values: list[BlockValue],
         by_value: frozenset[int],
-        handed: frozenset[Any],
+        called: frozenset[tuple[type, Any]],
     ) -> None:
         """Check the numbers and strings the blocks receive (``values``: a count, a length or
         a mode the model computes from the batch, a caption handed down) on the plan that runs
@@ -206,14 +209,15 @@ class VariantPlanning:
         of their own: the ones a step measured over its budget blamed (one may slice what the
         blocks save, or choose what they run, as no shape shows), and the strings the model
         computes on their first :data:`MODE_VALUES` values (a mode's: a plan each, exact from
-        its first step). Nor the numbers the call passes (``handed``: Hugging Face's
-        ``num_items_in_batch`` reaches every layer), which the call's signature learns."""
+        its first step). Nor the numbers the call passes that its key leaves out (``called``:
+        Hugging Face's ``num_items_in_batch`` reaches every layer), which the call's own checks
+        measure."""
         if values == executor.chain.metadata.get("chain_input_values"):
             return  # the values the plan was profiled on
         checked = [
             (at, value)
             for at, value in enumerate(values)
-            if at not in by_value and (isinstance(value, str) or value not in handed)
+            if at not in by_value and (isinstance(value, str) or (type(value), value) not in called)
         ]
         checks = self.numbers.checks
         call = (key, tuple(values))
@@ -228,7 +232,7 @@ class VariantPlanning:
         (``handed``), where they hold one of the first :data:`MODE_VALUES` values seen there."""
         modes = set()
         for at, value in enumerate(values):
-            if isinstance(value, str) and value not in handed:
+            if isinstance(value, str) and (type(value), value) not in handed:
                 seen = self.mode_values.pop((signature, at), {})
                 if len(seen) < MODE_VALUES:
                     seen[value] = None

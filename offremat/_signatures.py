@@ -162,14 +162,15 @@ def _is_value_tensor(tensor: torch.Tensor) -> bool:
     )
 
 
-def handed_values(batch: Any) -> frozenset[int | float | str]:
-    """The numbers and strings among a call's arguments, which may reach the blocks."""
+def handed_values(batch: Any) -> frozenset[tuple[type, int | float | str]]:
+    """The numbers and strings among a call's arguments, which may reach the blocks, by type
+    and value (a temperature of 3.0 is no loop count of 3)."""
     found: set[Any] = set()
     pending = [flatten(batch)[1]]
     while pending:
         structure = pending.pop()
         if structure.kind == "value" and _is_block_value(structure.value):
-            found.add(structure.value)
+            found.add((type(structure.value), structure.value))
         pending.extend(structure.children)
     return frozenset(found)
 
