@@ -265,13 +265,14 @@ class VariantPlanning:
 
     def _learn_neutral_values(self, signature: Signature, chain: Chain) -> None:
         """Where ``chain``, just profiled, and another of ``signature``'s plans differ in the
-        value at one position that keys plans alone (blamed beside another: a scale new at
-        every step beside the length that sized) and agree in every byte, that position keys
-        them no more: its values size nothing, or none between those two (a float picking a
-        branch past a threshold, two values on one side), so its next new values are measured
-        as a new place's are, and blamed a second time it keys plans for good (a float new at
-        every step picking a branch ran half its steps at 1.46 times the budget, unmeasured,
-        blamed and found neutral again in turn)."""
+        values at positions that key plans (blamed beside another: a scale new at every step
+        beside the length that sized; two such, each new at every step, were a profile at
+        every step when one alone had to differ) and agree in every byte, those positions key
+        them no more: their values size nothing, or none between those two (a float picking
+        a branch past a threshold, two values on one side), so their next new values are
+        measured as a new place's are, and blamed a second time they key plans for good (a
+        float new at every step picking a branch ran half its steps at 1.46 times the budget,
+        unmeasured, blamed and found neutral again in turn)."""
         values = chain.metadata.get("chain_input_values")
         positions = self.sizing_values.get(signature, frozenset())
         if values is None or not positions:
@@ -280,19 +281,19 @@ class VariantPlanning:
             seen = other.chain.metadata.get("chain_input_values")
             if known != signature or seen is None or len(seen) != len(values):
                 continue
-            differ = [at for at, v in enumerate(values) if not same_value(v, seen[at])]
+            differ = [at for at in positions if not same_value(values[at], seen[at])]
             if (
-                len(differ) == 1
-                and differ[0] in positions
-                and self.value_blames.get((signature, differ[0]), 0) < 2
+                differ
+                and all(self.value_blames.get((signature, at), 0) < 2 for at in differ)
                 and same_sizes(chain, other.chain)
             ):
-                self.sizing_values[signature] = positions - {differ[0]}
-                self.numbers.checks.forget(((_BLOCK_VALUES, signature), differ[0]))
+                self.sizing_values[signature] = positions - set(differ)
+                for at in differ:
+                    self.numbers.checks.forget(((_BLOCK_VALUES, signature), at))
                 logger.info(
-                    "the blocks' value at position %d changed and no size with it: its values "
-                    "key plans no more",
-                    differ[0],
+                    "the blocks' values at positions %s changed and no size with them: their "
+                    "values key plans no more",
+                    sorted(differ),
                 )
                 return
 
