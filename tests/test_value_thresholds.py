@@ -70,7 +70,9 @@ class SignPicked(Annealed):
 def test_a_growing_length_is_measured_past_the_lengths_measured_before(caplog) -> None:
     torch.manual_seed(0)
     om, model, plain = _optimized(Lengths(), {"x": X, "lengths": torch.tensor([8, 4, 2, 8])}, 0.7)
-    lengths = [2, 3, 4, 5, 6, 7, 1, 9, 10, 11, 12, 13, 14, 15, 16]
+    # Where the plan (made on measured times) passes its budget differs from run to run:
+    # by 20, every plan has.
+    lengths = [2, 3, 4, 5, 6, 7, 1, 9, *range(10, 21)]
     with caplog.at_level(logging.WARNING, logger="offremat"):
         peaks = []
         for n in lengths:
@@ -188,4 +190,4 @@ def test_a_loop_count_over_on_a_plan_read_from_disk_is_measured_again(tmp_path) 
         peaks += _steps(om, model, plain, [batch(loops)])
         measured.append(om.stats.measured_peak_bytes is not None)
     over = [k for k, peak in enumerate(peaks) if peak > 1]
-    assert all(measured[k] for k in over) and max(over) <= 2
+    assert over and all(measured[k] for k in over) and max(over) <= 2
