@@ -45,14 +45,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from offremat._signatures import Signature, Value, handed_values, learnable
+from offremat._signatures import Signature, Value, learnable
 from offremat._tensors import Structure, flatten
 from offremat._value_checks import Place, ValueChecks, same_value, trim
 from solvers.chain import Chain
 from solvers.chain_limits import STAGE_BYTE_FIELDS
 
 if TYPE_CHECKING:
-    from offremat._shapes import ShapePlans
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -357,94 +357,3 @@ def _kept_signatures() -> int:
     from offremat._shapes import KEPT_SIGNATURES  # the module that keeps them imports this one
 
     return KEPT_SIGNATURES
-
-
-def sibling(
-    plans: ShapePlans, signature: Signature, batch: Any
-) -> tuple[frozenset[int], Chain] | None:
-    """A chain ``plans`` profiled for a call that differs from ``batch`` (of ``signature``)
-    in numbers of unknown places only, and those places; None where there is none (or they
-    are known to size tensors)."""
-    for known in reversed(plans.profiled):
-        if known in plans.unprofiled:
-            continue  # read from disk or predicted: not profiled here
-        places = differing_numbers(known, signature)
-        if places is not None:
-            if not plans.numbers.unknown(signature, places, batch):
-                return None
-            return places, plans.profiled[known]
-    return None
-
-
-def _same_blocks_inputs(known: Chain, new: Chain, handed: frozenset[Any]) -> bool:
-    """Whether two chains' blocks received inputs of one kind and size, and the same numbers
-    and strings, but where ``new``'s is one of its call's (``handed``), which the call
-    signatures tell apart. Where they differ (Hugging Face passes no mask where a batch has
-    no padding, a 4-d one where it has), so may the chains, whatever the call's numbers."""
-    if _blocks_input_kind(known) != _blocks_input_kind(new):
-        return False
-    a = known.metadata.get("chain_input_values")
-    b = new.metadata.get("chain_input_values")
-    if a is None or b is None or len(a) != len(b):
-        return a == b
-    return all(same_value(x, y) or (type(y), y) in handed for x, y in zip(a, b, strict=True))
-
-
-def _blocks_input_kind(chain: Chain) -> tuple[Any, Any]:
-    return chain.metadata.get("chain_input"), chain.metadata.get("chain_input_shapes")
-
-
-def _alike(
-    plans: ShapePlans, signature: Signature, chain: Chain, handed: frozenset[Any]
-) -> tuple[frozenset[int], Chain] | None:
-    """A chain ``plans`` profiled for a call that differs from ``signature`` in numbers of
-    unknown places only, whose blocks received inputs of the kind, sizes and values
-    ``chain``'s did; and those places."""
-    for known, other in reversed(plans.profiled.items()):
-        if known in plans.unprofiled or other is chain:
-            continue
-        places = differing_numbers(known, signature)
-        unknown = places is not None and not places & plans.numbers.sizing.get(
-            _skeleton(signature), frozenset()
-        )
-        if unknown and _same_blocks_inputs(other, chain, handed):
-            return places, other
-    return None
-
-
-def learn(
-    plans: ShapePlans,
-    signature: Signature,
-    batch: Any,
-    found: tuple[frozenset[int], Chain],
-    chain: Chain,
-) -> Signature:
-    """Learn from ``chain``, just profiled for ``batch``, and ``found`` (what :func:`sibling`
-    gave before): where the places are neutral, every plan of ``plans`` is keyed without them
-    (the latest of those that then share a key stays: they differ in those numbers alone). The
-    key of ``signature`` now."""
-    places, known = found
-    same = same_sizes(known, chain)
-    handed = handed_values(batch)
-    if not same and not _same_blocks_inputs(known, chain, handed):
-        # The blocks' inputs differ too (a loop count that alternates, a padding mask):
-        # which of them, or of the call's numbers, made the chains differ is not known from
-        # this one; an earlier call with the blocks' inputs of this one tells.
-        alike = _alike(plans, signature, chain, handed)
-        if alike is None:
-            if _blocks_input_kind(known) == _blocks_input_kind(chain):
-                plans.numbers.forced_by(places, batch)
-            return signature
-        places, known = alike
-        same = same_sizes(known, chain)
-    plans.numbers.learn(signature, places, same, batch)
-    if not plans.numbers.is_neutral(signature, places):
-        return signature
-    key = plans.numbers.key
-    plans.executors = {key(s): e for s, e in plans.executors.items()}
-    plans.profiled = {key(s): c for s, c in plans.profiled.items()}
-    plans.provisional = {key(s) for s in plans.provisional}
-    plans.unprofiled = {key(s) for s in plans.unprofiled}
-    plans.variants = {(key(s), kind): v for (s, kind), v in plans.variants.items()}
-    plans.refused = {(key(s), kind): r for (s, kind), r in plans.refused.items()}
-    return key(signature)

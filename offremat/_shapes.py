@@ -37,7 +37,8 @@ from typing import Any
 from torch import nn
 
 from offremat._host import DeviceResources
-from offremat._numbers import NumberPlaces, learn, sibling
+from offremat._number_learning import learn, sibling
+from offremat._numbers import NumberPlaces
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import VariantKey, VariantPlanning, parametrize_cache_suspended
@@ -166,11 +167,15 @@ class ShapePlans(VariantPlanning):
             self.cache.predicted += 1
             self.unprofiled.add(signature)
             return predicted
-        with parametrize_cache_suspended():
-            chain = self.profile(batch)
+        chain = self.profile_call(batch)
         self.profiled[signature] = chain
         trim(self.profiled, KEPT_SIGNATURES)
         return chain
+
+    def profile_call(self, batch: Any) -> Chain:
+        """Profile the model on ``batch``, outside the caller's ``parametrize.cached()``."""
+        with parametrize_cache_suspended():
+            return self.profile(batch)
 
     def _learn(self, signature: Signature, batch: Any, predict: bool) -> tuple[Signature, Chain]:
         """:meth:`_chain`, and what a profile says of numbers that alone differ from a

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import offremat
 import offremat._shapes
 from offremat.measure import StepMemory
+from tests.oracles import step_as_plain_autograd
 
 WIDTH = 16
 
@@ -195,13 +197,14 @@ def test_a_number_new_at_every_step_has_only_some_of_its_steps_measured() -> Non
 def test_a_number_that_sizes_the_head_gets_a_plan_per_value() -> None:
     # keep sizes the head's logits, outside the blocks: their inputs alone would not tell.
     om, profiles = _steps({"keep": 8}, [{"keep": k} for k in (5, 6, 7, 5)])
-    assert len(profiles) == 3
+    # One more: keep=5's tensors with the value 8, which tells keep's doing from theirs.
+    assert len(profiles) == 4
     assert om.cache_info()["plans"] == 4 and om.cache_info()["hits"] == 1
 
 
 def test_a_number_that_sizes_the_blocks_inputs_gets_a_plan_per_value() -> None:
     om, profiles = _steps({"cut": 20}, [{"cut": c} for c in (12, 16, 12)])
-    assert len(profiles) == 2
+    assert len(profiles) == 3  # with one on cut=12's tensors and the value 20
     assert om.cache_info()["plans"] == 3 and om.cache_info()["hits"] == 1
 
 
@@ -211,8 +214,8 @@ def test_a_neutral_count_beside_a_sizing_one_keeps_each_apart() -> None:
     calls += [{"count": 6, "keep": 8}, {"count": 7, "keep": 6}]
     om, profiles = _steps({"count": 2, "keep": 8}, calls)
     # count learnt on step 1; keep=5 planned (differs in keep only from keep=8's plan: learnt
-    # sizing); counts 5 and 6 reuse; keep=6 is planned.
-    assert len(profiles) == 3
+    # sizing, on its tensors with keep=8 too); counts 5 and 6 reuse; keep=6 is planned.
+    assert len(profiles) == 4
     assert om.cache_info()["plans"] == 3
 
 
@@ -229,7 +232,7 @@ def test_plans_stay_bounded_and_a_warning_says_to_pass_a_tensor(monkeypatch, cap
     monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
     with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
         om, profiles = _steps({"keep": 12}, [{"keep": k} for k in range(11, 3, -1)])
-    assert len(profiles) == 8  # every value profiled: it sizes the head
+    assert len(profiles) == 9  # every value profiled, the first twice: it sizes the head
     assert om.cache_info()["plans"] == 3
     plans = om._plans
     assert len(plans.profiled) <= 3 and plans.unprofiled <= plans.executors.keys()
@@ -601,3 +604,45 @@ def test_a_string_the_model_computes_for_its_blocks_gets_a_plan_of_its_own() -> 
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
     assert om.cache_info()["variants"] == 1
+
+
+class SparseHead(nn.Module):
+    """Scores the masked tokens alone (as ModernBERT's sparse prediction does): what the head
+    saves follows how many tokens each batch masks, beside a count that divides the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(WIDTH, 512)
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        chosen = labels != -100
+        loss = F.cross_entropy(self.head(hidden[chosen]), labels[chosen], reduction="sum")
+        return loss / num_items_in_batch
+
+
+def test_a_count_beside_a_head_on_the_masked_tokens_is_learnt_to_size_nothing() -> None:
+    # The two calls' chains differed in the head, which the mask's values size, and the
+    # count was taken to size it: a profile at almost every step, 17 in 30 (a review).
+    generator = torch.Generator().manual_seed(0)
+
+    def batch() -> dict:
+        ids = torch.randint(0, 512, (4, 64), generator=generator)
+        masked = torch.rand(4, 64, generator=generator) < 0.15
+        count = int(masked.sum()) + int(torch.randint(20, 60, (1,), generator=generator))
+        return {"input_ids": ids, "labels": ids.masked_fill(~masked, -100),
+                "num_items_in_batch": count}  # fmt: skip
+
+    torch.manual_seed(0)
+    model = SparseHead()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, batch(), budget=0.7)
+    for _ in range(12):
+        step_as_plain_autograd(om, model, plain, **batch())
+    assert om.cache_info()["misses"] <= 2
