@@ -320,15 +320,21 @@ class NumberPlaces:
         if left:
             self.neutral[skeleton] = left
         self.sizing[skeleton] = self.sizing.get(skeleton, frozenset()) | sizing
+        told = []
+        if sizing:
+            told.append(f"each value of {_named(sizing, batch)} gets its own plan")
+        if places - sizing:
+            told.append(
+                f"the values of {_named(places - sizing, batch)} key plans until the profiles "
+                "of two of them agree in every byte"
+            )
         logger.warning(
             "%s with the Python argument %s, which a second profile had found to size nothing: "
             "that step ran on the plan of another value, and could pass its budget; from now "
-            "on %s. Pass a number that sizes tensors as a tensor where you can",
+            "on %s",
             seen,
             _named(places, batch),
-            "each value gets its own plan"
-            if sizing == places
-            else "its values key plans until the profiles of two of them agree in every byte",
+            "; ".join(told),
         )
 
     def forced_by(self, places: frozenset[int], batch: Any) -> None:

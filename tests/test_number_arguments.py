@@ -646,3 +646,15 @@ def test_a_count_beside_a_head_on_the_masked_tokens_is_learnt_to_size_nothing() 
     for _ in range(12):
         step_as_plain_autograd(om, model, plain, **batch())
     assert om.cache_info()["misses"] <= 2
+
+
+def test_a_blame_says_which_numbers_key_plans_for_good(caplog) -> None:
+    # Blamed together, one a second time: the warning said of both what held for one.
+    from offremat._numbers import NumberPlaces, number_names
+
+    batch = {"x": X, "count": 3, "temperature": 0.5}
+    count, temperature = number_names(batch)
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        NumberPlaces()._sizes_after_all("call", frozenset({0, 1}), frozenset({0}), batch, "over")
+    said = f"each value of {count} gets its own plan; the values of {temperature} key plans"
+    assert said in caplog.text
