@@ -212,7 +212,7 @@ class VariantPlanning:
         its first step). Nor the numbers the call passes that its key leaves out (``called``:
         Hugging Face's ``num_items_in_batch`` reaches every layer), which the call's own checks
         measure."""
-        if values == executor.chain.metadata.get("chain_input_values"):
+        if _profiled_on(values, frozenset(range(len(values))), executor.chain):
             return  # the values the plan was profiled on
         checked = [
             (at, value)
@@ -281,7 +281,9 @@ class VariantPlanning:
             seen = other.chain.metadata.get("chain_input_values")
             if known != signature or seen is None or len(seen) != len(values):
                 continue
-            differ = [at for at in positions if not same_value(values[at], seen[at])]
+            differ = [
+                at for at in positions if at < len(values) and not same_value(values[at], seen[at])
+            ]
             if (
                 differ
                 and all(self.value_blames.get((signature, at), 0) < 2 for at in differ)
