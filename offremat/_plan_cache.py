@@ -26,6 +26,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import tempfile
 import types
 from collections.abc import Callable
@@ -411,8 +412,9 @@ class PlanCache:
         """Remove all but the :data:`KEPT_FILES` entries used last (by modification time),
         ``written`` kept whatever the clock's resolution."""
         entries = []
-        for entry in self.directory.glob("[0-9a-f]*.json"):
-            if entry == written:
+        for entry in self.directory.glob("*.json"):
+            # Entries alone, named as _entry names them: the folder may hold the user's files.
+            if entry == written or not re.fullmatch(r"[0-9a-f]{32}\.json", entry.name):
                 continue
             with contextlib.suppress(OSError):  # another process removed it
                 entries.append((entry.stat().st_mtime_ns, entry))

@@ -259,6 +259,11 @@ def test_the_folder_keeps_the_entries_used_last(tmp_path, monkeypatch) -> None:
     # A number that sizes tensors and changes at every step writes an entry at every step:
     # the folder grew without end. Its modification time says when an entry was used last.
     monkeypatch.setattr("offremat._plan_cache.KEPT_FILES", 3)
+    # The user's files in the folder are not entries (a review: all were deleted).
+    mine = ["config.json", "data.json", "adapter_config.json", "0123456789abcdef.json"]
+    for name in mine:
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (1.0, 1.0))
     chain = small_chain()
     plan = solve(chain, 900)
     cache = PlanCache(tmp_path, KEY)
@@ -268,12 +273,13 @@ def test_the_folder_keeps_the_entries_used_last(tmp_path, monkeypatch) -> None:
             os.utime(path, (path.stat().st_mtime - 1,) * 2)
         if step == 0:
             assert cache.load("(10,)") is not None  # read back: used last, until the next
-    assert len(list(tmp_path.glob("*.json"))) == 3
+    assert len(list(tmp_path.glob("*.json"))) == 3 + len(mine)
     assert cache.load("(10,)") is None  # the one used longest ago
     assert all(cache.load(f"({n},)") is not None for n in (11, 12, 13))
     for path in tmp_path.glob("*.json"):
         os.utime(path, (path.stat().st_mtime - 1,) * 2)
     cache.load("(11,)")
     cache.store("(14,)", chain, plan)
-    assert len(list(tmp_path.glob("*.json"))) == 3
+    assert len(list(tmp_path.glob("*.json"))) == 3 + len(mine)
+    assert all((tmp_path / name).exists() for name in mine)
     assert cache.load("(11,)") is not None and cache.load("(14,)") is not None
