@@ -85,12 +85,12 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
 def report_over_budget(
     executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, replanned: bool
 ) -> None:
-    """Warn, once per plan and reason, when the independent measurement (with what it does
-    not see of the code around the chain, as profiled: :func:`unseen_around_bytes`) exceeds
-    the budget: by the parameters' gradients the step made, which the budget leaves out, or
-    by more; ``replanned`` where the step checked what its plan was not profiled on, which
-    the next step on it plans anew. At the step's end, not when its plan's key comes back (a
-    step found over on a shape that never came back went unsaid)."""
+    """Warn when the independent measurement (with what it does not see of the code around
+    the chain, as profiled: :func:`unseen_around_bytes`) exceeds the budget: by the
+    parameters' gradients the step made, which the budget leaves out, or by more; once per
+    plan and reason, but at every ``replanned`` step (one that checked what its plan was not
+    profiled on, which the next step on it plans anew). At the step's end, not when its
+    plan's key comes back (a step found over on a shape that never came back went unsaid)."""
     budget = executor.plan.budget_bytes
     around = unseen_around_bytes(executor, memory)
     measured = memory.peak_bytes + around
@@ -99,7 +99,8 @@ def report_over_budget(
     less = memory.peak_less_gradients_bytes
     less = measured - new_grad_bytes if less is None else less + around
     reason = "gradients" if less <= budget else "activations"
-    if reason in executor.reported_over_budget:
+    # Each step over on values its plan was not profiled on is said: it replans them.
+    if reason in executor.reported_over_budget and not (replanned and reason == "activations"):
         return
     executor.reported_over_budget.add(reason)
     if reason == "gradients":
