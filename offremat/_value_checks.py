@@ -58,13 +58,17 @@ class ValueChecks:
 
     def __init__(self) -> None:
         self.checked: dict[bytes, None] = {}  # calls measured within budget, or blamed
-        self.within: dict[bytes, None] = {}  # values at their place measured within budget
+        # Values at their place measured within budget, by plan key: a value checked on a
+        # plan profiled on it says nothing of another plan (a loop count checked on a padded
+        # batch's plan ran at 1.61 times the budget on the unpadded one's, unmeasured).
+        self.within: dict[tuple[bytes, bytes], None] = {}
         self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
         self.new_calls: dict[Any, int] = {}  # per structure
         self.seen: dict[bytes, None] = {}  # values at their place seen
         self.distinct: dict[Place, int] = {}  # how many values each place took
-        # Per place, the least and greatest number that measured steps within budget held.
-        self.spanned: dict[Place, tuple[float, float]] = {}
+        # Per place and plan key, the least and greatest number that measured steps within
+        # budget held.
+        self.spanned: dict[tuple[Place, bytes], tuple[float, float]] = {}
         # Per plan key, the values at their places that the step measured last on it holds,
         # and its calls.
         self.pending: dict[Signature, dict[Place, tuple[bytes, Any]]] = {}
@@ -91,11 +95,13 @@ class ValueChecks:
                 self.distinct[place] = self.distinct.pop(place, 0) + 1
         trim(self.seen, KEPT_VALUES)
         trim(self.distinct, KEPT_VALUES)
-        digest = _digest(signature)
+        digest, plan = _digest(signature), _digest(key)
         chosen = False
         if digest not in self.checked:
-            back = any(d in self.unmeasured and d not in self.within for d, _ in places.values())
-            beyond = any(self._beyond(place, v) for place, (_, v) in places.items())
+            back = any(
+                d in self.unmeasured and (plan, d) not in self.within for d, _ in places.values()
+            )
+            beyond = any(self._beyond((place, plan), v) for place, (_, v) in places.items())
             count = self.new_calls.pop(structure, 0) + 1
             self.new_calls[structure] = count
             trim(self.new_calls, KEPT_STRUCTURES)
@@ -114,11 +120,12 @@ class ValueChecks:
             trim(self.unmeasured, KEPT_VALUES)
         return False
 
-    def _beyond(self, place: Place, value: Any) -> bool:
-        """Whether ``value``, a finite number, lies outside what ``place`` has spanned."""
+    def _beyond(self, where: tuple[Place, bytes], value: Any) -> bool:
+        """Whether ``value``, a finite number, lies outside what a place has spanned on a
+        plan (``where``)."""
         if type(value) not in (int, float) or not math.isfinite(value):
             return False
-        low, high = self.spanned.get(place, (math.inf, -math.inf))
+        low, high = self.spanned.get(where, (math.inf, -math.inf))
         return not low <= value <= high
 
     def move(self, key: Any, to: Any) -> None:
@@ -144,18 +151,20 @@ class ValueChecks:
         """Measure ``place``'s next new values as a new place's: the values it took were
         found to size nothing, but only on one side of what they may decide."""
         self.distinct.pop(place, None)
-        self.spanned.pop(place, None)
+        for where in [where for where in self.spanned if where[0] == place]:
+            del self.spanned[where]
 
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
         self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
         trim(self.checked, KEPT_VALUES)
+        plan = _digest(key)
         for place, (digest, value) in self.pending.pop(key, {}).items():
-            self.within[digest] = None
+            self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
             if type(value) in (int, float) and math.isfinite(value):
-                low, high = self.spanned.pop(place, (value, value))
-                self.spanned[place] = (min(low, value), max(high, value))
+                low, high = self.spanned.pop((place, plan), (value, value))
+                self.spanned[(place, plan)] = (min(low, value), max(high, value))
         trim(self.within, KEPT_VALUES)
         trim(self.spanned, KEPT_VALUES)
 
@@ -172,7 +181,8 @@ class ValueChecks:
         places = self.pending.pop(key, None)
         if places is None:
             return suspects
-        unchecked = [p for p in suspects if p in places and places[p][0] not in self.within]
+        plan = _digest(key)
+        unchecked = [p for p in suspects if p in places and (plan, places[p][0]) not in self.within]
         if not unchecked:  # each value checked alone: their combination passed it
             return suspects
         least = min(self.distinct.get(p, 0) for p in unchecked)
