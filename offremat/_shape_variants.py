@@ -36,6 +36,7 @@ from offremat._value_checks import KEPT_STRUCTURES, Place, same_value, trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
+from solvers.registry import keep_all_peak
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class VariantPlanning:
     sizing_values: dict[Signature, frozenset[int]]
     # How many measured steps over their budget blamed each of those positions.
     value_blames: dict[tuple[Signature, int], int]
+    # The keys that another value's plan stands in for, and per plan key the keep-all peak
+    # of the chain whose plan, standing in, last passed the budget (see _stand_in).
+    stand_ins: dict[VariantKey, None]
+    outgrown: dict[Signature, int]
+    standing: tuple[VariantKey, PlanExecutor] | None  # the stand-in the last step ran on
     # The plan :meth:`executor` marked for measuring this step on the call's numbers, and its
     # mark before.
     call_measured: tuple[PlanExecutor, bool] | None
@@ -110,6 +116,7 @@ class VariantPlanning:
         signature = self.numbers.key(called)
         values = block_values(value)
         handed = handed_values(batch)
+        self._settle_stand_in()
         kind, by_value = self._kind(signature, executor, value, values, handed)
         variant = None if kind is None else self.variants.get((signature, kind))
         over = variant is not None and self._over_on_values((signature, kind), variant, batch)
@@ -126,6 +133,8 @@ class VariantPlanning:
         if key in self.refused:
             # A fresh error: a stored one would keep each refused step's frames alive.
             raise InfeasibleBudgetError(*self.refused[key])
+        if variant is None:
+            variant = self._stand_in(key, value, by_value)
         if variant is None:
             variant = self._plan_variant(key, executor.chain, value)
         else:
@@ -178,6 +187,53 @@ class VariantPlanning:
         if planned is None or planned == kind or self.profile_blocks is None:
             return None, by_value
         return kind, by_value
+
+    def _stand_in(
+        self, key: VariantKey, value: Any, by_value: frozenset[int]
+    ) -> PlanExecutor | None:
+        """Where blocks' values keyed for good (blamed twice: a float new at every step that
+        picks a branch) make ``key``, the plan of another of their values whose chain holds
+        the most, to run this step on, measured; None where there is none. A profile at every
+        step otherwise (a review: 76 in 80 steps); over, the value is profiled at its next."""
+        signature = key[0]
+        if not any(self.value_blames.get((signature, at), 0) > 1 for at in by_value):
+            return None
+        kind = (chain_input_kind(value), chain_input_shapes(value))
+        others = [
+            variant
+            for (known, _), variant in self.variants.items()
+            if known == signature
+            and (
+                variant.chain.metadata.get("chain_input"),
+                variant.chain.metadata.get("chain_input_shapes"),
+            )
+            == kind
+        ]
+        chosen = max(others, key=lambda other: keep_all_peak(other.chain), default=None)
+        if chosen is None or keep_all_peak(chosen.chain) <= self.outgrown.get(signature, -1):
+            return None
+        self.variants[key], self.stand_ins[key] = chosen, None
+        trim(self.variants, KEPT_VARIANTS)
+        trim(self.stand_ins, KEPT_VARIANTS)
+        chosen.verify_next = True
+        self.standing = (key, chosen)
+        return chosen
+
+    def _settle_stand_in(self) -> None:
+        """Where the step run last on a plan standing in for its value's passed the budget
+        (said at its end), that value is profiled at its next step, and the next values
+        until one holds more than that plan's chain (past a threshold no plan has seen)."""
+        standing, self.standing = self.standing, None
+        if standing is None or not standing[1].over_budget:
+            return
+        key, variant = standing
+        variant.over_budget = False
+        if self.variants.get(key) is variant:
+            del self.variants[key]
+        self.stand_ins.pop(key, None)
+        self.numbers.checks.not_settled(key)
+        self.outgrown[key[0]] = keep_all_peak(variant.chain)
+        trim(self.outgrown, KEPT_STRUCTURES)
 
     def _over_on_values(self, key: VariantKey, variant: PlanExecutor, batch: Any) -> bool:
         """Whether the step measured last on the plan ``variant`` passed its budget on values
