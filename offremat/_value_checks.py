@@ -6,7 +6,7 @@ another (a loop past a threshold) without changing a shape; only a measured step
 Measuring every step would slow each on CPU (the dispatch tracker), so per call structure the
 first :data:`MEASURED_VALUES` new values are measured, then one in :data:`MEASURED_EVERY`;
 and, whatever the call's other numbers hold, a new value at a place that has taken fewer than
-:data:`MEASURED_VALUES` (a loop count, a task's name: a category, not a number new at every
+:data:`CATEGORY_VALUES` (a loop count, a task's name: a category, not a number new at every
 step), a value back at its place that no measured step had, and a number beyond the range
 a place's measured steps within budget have spanned (a length that grows over training, an
 annealed temperature: past the first values, a curriculum's lengths ran 20 steps at up to
@@ -33,6 +33,11 @@ MEASURED_VALUES = 8
 """How many new values, per call structure, of the numbers a plan's key leaves out have the
 first step on each measured."""
 
+CATEGORY_VALUES = 64
+"""A new value at a place that has taken fewer values than this has its first step measured,
+whatever the call's other values hold (a task's id among 16, one of which adds a branch, ran
+its first step unmeasured at 1.46 times the budget when 8 was the bound)."""
+
 MEASURED_EVERY = 32
 """After those, the first step on one new value in this many is measured."""
 
@@ -57,7 +62,7 @@ class ValueChecks:
     """The values of the numbers that plans' keys leave out, as checked by measured steps."""
 
     def __init__(self) -> None:
-        self.checked: dict[bytes, None] = {}  # calls measured within budget, or blamed
+        self.checked: dict[bytes, None] = {}  # calls measured within budget
         # Values at their place measured within budget, by plan key: a value checked on a
         # plan profiled on it says nothing of another plan (a loop count checked on a padded
         # batch's plan ran at 1.61 times the budget on the unpadded one's, unmeasured).
@@ -91,7 +96,7 @@ class ValueChecks:
         for place, (seen, _) in places.items():
             if seen not in self.seen:
                 self.seen[seen] = None
-                category |= self.distinct.get(place, 0) < MEASURED_VALUES
+                category |= self.distinct.get(place, 0) < CATEGORY_VALUES
                 self.distinct[place] = self.distinct.pop(place, 0) + 1
         trim(self.seen, KEPT_VALUES)
         trim(self.distinct, KEPT_VALUES)
@@ -176,11 +181,15 @@ class ValueChecks:
     def blamed(self, key: Signature, suspects: frozenset[Place]) -> frozenset[Place]:
         """Of the ``suspects``, those to blame for the step measured over its budget on
         ``key``'s plan (module notes); all of them where that step is not known."""
-        self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
-        trim(self.checked, KEPT_VALUES)
+        # The calls stay unchecked, and their values are measured where they come back
+        # unkeyed (found neutral again on two values of one side, a task's id that ran over
+        # ran unmeasured at every later step on it).
+        self.pending_calls.pop(key, None)
         places = self.pending.pop(key, None)
         if places is None:
             return suspects
+        self.unmeasured.update(dict.fromkeys(d for d, _ in places.values()))
+        trim(self.unmeasured, KEPT_VALUES)
         plan = _digest(key)
         unchecked = [p for p in suspects if p in places and (plan, places[p][0]) not in self.within]
         if not unchecked:  # each value checked alone: their combination passed it

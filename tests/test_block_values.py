@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import offremat
-from offremat._value_checks import MEASURED_EVERY, MEASURED_VALUES
+from offremat._value_checks import CATEGORY_VALUES, MEASURED_EVERY, MEASURED_VALUES
 from offremat.measure import StepMemory
 from tests.test_number_arguments import WIDTH as MODE_WIDTH
 from tests.test_number_arguments import ModeBlock
@@ -103,17 +103,19 @@ def test_a_number_computed_for_the_blocks_that_sizes_what_they_save_gets_plans(c
 
 def test_a_number_computed_for_the_blocks_new_at_every_step_is_measured_on_some() -> None:
     # A scale from the input's values, new at every step and sizing nothing: measured on the
-    # first new values and one in MEASURED_EVERY after, and never planned again. Its first
-    # new values span those after it (one past them is measured: test_value_thresholds).
+    # first new values (those of a category's size) and one in MEASURED_EVERY after, and
+    # never planned again. Its first new values span those after it (one past them is
+    # measured: test_value_thresholds).
     om, model, plain = _optimized()
-    offsets = [0, 39, 1] + [(step * 7) % 37 + 2 for step in range(3, 40)]
+    offsets = [0, 39, 1] + [2 + (step * 0.618) % 1 * 36 for step in range(3, 100)]
     measured = []
     for offset in offsets:
         _step(om, model, plain, [8, 4, 2, 3], X + offset / 64)
         measured.append(om.stats.measured_peak_bytes is not None)
     # The first step is on the values the plan was profiled on: nothing to check.
-    expected = [False] + [n <= MEASURED_VALUES or n % MEASURED_EVERY == 0 for n in range(1, 40)]
-    assert measured == expected
+    new_values = range(1, len(offsets))
+    expected = [n <= CATEGORY_VALUES or n % MEASURED_EVERY == 0 for n in new_values]
+    assert measured == [False, *expected]
     assert om.cache_info()["variants"] == 0 and om.cache_info()["misses"] == 0
 
 
