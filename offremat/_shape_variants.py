@@ -313,7 +313,7 @@ class VariantPlanning:
         logger.warning(
             "a step measured over its plan's budget where the blocks received numbers or "
             "strings at values that plan was not profiled on (a count, a length or a mode the "
-            "model computes from the batch, a Python number or a 0-d integer tensor?): they "
+            "model computes from the batch, a Python number or a 0-d tensor?): they "
             "decide what the blocks save, so from now on each of their values gets a plan of "
             "its own, for input %s",
             describe(signature),

@@ -125,13 +125,13 @@ def chain_input_kind(value: Any, by_value: frozenset[int] = frozenset()) -> str:
 
 
 BlockValue = int | float | str | bool
-"""A number or string among the blocks' inputs, or a 0-d integer or bool tensor's value."""
+"""A number or string among the blocks' inputs, or a 0-d tensor's value."""
 
 
 def block_values(value: Any) -> list[BlockValue]:
     """The numbers and strings among the blocks' own inputs ``value``, and the values of
-    their 0-d integer and bool tensors (a length the model computes as ``lengths.max()`` and
-    the blocks slice to), in order: their values are checked by measured steps
+    their 0-d tensors (a length the model computes as ``lengths.max()`` and the blocks slice
+    to, a temperature passed as a tensor), in order: their values are checked by measured steps
     (:mod:`offremat._shape_variants`). Reading a tensor on a GPU waits for it; a model that
     sizes a tensor by that value waits for it anyway."""
     tensors, structure = flatten(value)
@@ -153,13 +153,9 @@ def _block_values(structure: Structure, tensors: Iterator[torch.Tensor], found: 
 
 
 def _is_value_tensor(tensor: torch.Tensor) -> bool:
-    # A float is a scale, which sizes nothing; a fake tensor (a predicted chain) has no value.
-    return (
-        tensor.dim() == 0
-        and not tensor.is_floating_point()
-        and not tensor.is_complex()
-        and tensor.device.type != "meta"
-    )
+    # A float too may pick a branch (a temperature past a threshold ran at 1.46 times the
+    # budget, unmeasured); a fake tensor (a predicted chain) has no value.
+    return tensor.dim() == 0 and not tensor.is_complex() and tensor.device.type != "meta"
 
 
 def handed_values(batch: Any) -> frozenset[tuple[type, int | float | str]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,12 +83,21 @@ def test_a_growing_length_is_measured_past_the_lengths_measured_before(caplog) -
     assert "this step measured" in caplog.text
 
 
-def test_an_annealed_temperature_past_its_threshold_is_found_and_planned() -> None:
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_an_annealed_temperature_past_its_threshold_is_found_and_planned(as_tensor) -> None:
+    # As a 0-d tensor, the blocks' input was never read: 22 of 40 steps at 1.46 times the
+    # budget, unmeasured (a review).
     torch.manual_seed(0)
-    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": 0.1}, 0.7)
+    given = torch.tensor if as_tensor else float
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": given(0.1)}, 0.7)
     temperatures = [round(0.15 + 0.05 * step, 2) for step in range(32)]
-    peaks = _steps(om, model, plain, [{"x": X, "temperature": t} for t in temperatures])
-    assert sum(peak > 1 for peak in peaks) == 1
+    calls = [{"x": X, "temperature": given(t)} for t in temperatures]
+    peaks, measured = [], []
+    for call in calls:
+        peaks += _steps(om, model, plain, [call])
+        measured.append(om.stats.measured_peak_bytes is not None)
+    over = [k for k, peak in enumerate(peaks) if peak > 1]
+    assert len(over) <= (2 if as_tensor else 1) and all(measured[k] for k in over)
     # Keyed again past the threshold until two hot profiles agree: not a profile per step.
     assert om.cache_info()["misses"] <= 4
 
