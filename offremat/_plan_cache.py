@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 # instance in the key, and a digest of the chain and plan
 FORMAT = "offremat.plan-cache/6"
 
+# How every entry begins, whatever its format's version (json.dump writes "format" first).
+_HEADER = b'{"format": "offremat.plan-cache/'
+
 KEPT_FILES = 1024
 """How many entries a cache folder keeps: those read or written last."""
 
@@ -413,11 +416,13 @@ class PlanCache:
         ``written`` kept whatever the clock's resolution."""
         entries = []
         for entry in self.directory.glob("*.json"):
-            # Entries alone, named as _entry names them: the folder may hold the user's files.
+            # Entries alone, named as _entry names them and written as store writes them: the
+            # folder may hold the user's files.
             if entry == written or not re.fullmatch(r"[0-9a-f]{32}\.json", entry.name):
                 continue
-            with contextlib.suppress(OSError):  # another process removed it
-                entries.append((entry.stat().st_mtime_ns, entry))
+            with contextlib.suppress(OSError), entry.open("rb") as handle:
+                if handle.read(len(_HEADER)) == _HEADER:
+                    entries.append((entry.stat().st_mtime_ns, entry))
         entries.sort()
         for _, entry in entries[: max(len(entries) + 1 - KEPT_FILES, 0)]:
             with contextlib.suppress(OSError):

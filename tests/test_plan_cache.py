@@ -261,6 +261,7 @@ def test_the_folder_keeps_the_entries_used_last(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("offremat._plan_cache.KEPT_FILES", 3)
     # The user's files in the folder are not entries (a review: all were deleted).
     mine = ["config.json", "data.json", "adapter_config.json", "0123456789abcdef.json"]
+    mine.append("d41d8cd98f00b204e9800998ecf8427e.json")  # an MD5 name, not an entry
     for name in mine:
         (tmp_path / name).write_text("{}")
         os.utime(tmp_path / name, (1.0, 1.0))
