@@ -18,7 +18,7 @@ from torch import nn
 
 import offremat
 from tests.test_block_values import Lengths, X
-from tests.test_variant_values import _optimized, _steps
+from tests.test_variant_values import _measured_steps, _optimized, _steps
 
 WIDTH = 32
 
@@ -92,10 +92,7 @@ def test_an_annealed_temperature_past_its_threshold_is_found_and_planned(as_tens
     om, model, plain = _optimized(Annealed(), {"x": X, "temperature": given(0.1)}, 0.7)
     temperatures = [round(0.15 + 0.05 * step, 2) for step in range(32)]
     calls = [{"x": X, "temperature": given(t)} for t in temperatures]
-    peaks, measured = [], []
-    for call in calls:
-        peaks += _steps(om, model, plain, [call])
-        measured.append(om.stats.measured_peak_bytes is not None)
+    peaks, measured = _measured_steps(om, model, plain, calls)
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert len(over) <= (2 if as_tensor else 1) and all(measured[k] for k in over)
     # Keyed again past the threshold until two hot profiles agree: not a profile per step.
@@ -202,10 +199,9 @@ def test_a_loop_count_over_on_a_plan_read_from_disk_is_measured_again(tmp_path) 
     for p in (*model.parameters(), *plain.parameters()):
         p.grad = torch.zeros_like(p)
     assert om.cache_info()["from_disk"] == 1
-    peaks, measured = [], []
-    for loops in (3, 1, 3, 1, 3, 3, 1, 3):
-        peaks += _steps(om, model, plain, [batch(loops)])
-        measured.append(om.stats.measured_peak_bytes is not None)
+    peaks, measured = _measured_steps(
+        om, model, plain, [batch(loops) for loops in (3, 1, 3, 1, 3, 3, 1, 3)]
+    )
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert over and all(measured[k] for k in over) and max(over) <= 2
 
@@ -259,10 +255,7 @@ def test_a_value_checked_on_one_plan_is_not_taken_as_checked_on_another() -> Non
     torch.manual_seed(0)
     om, model, plain = _optimized(MaskedLoops(), batch(1, False), 0.8)
     calls = [batch(2 - step % 2, step < 20) for step in range(36)]
-    peaks, measured = [], []
-    for call in calls:
-        peaks += _steps(om, model, plain, [call])
-        measured.append(om.stats.measured_peak_bytes is not None)
+    peaks, measured = _measured_steps(om, model, plain, calls)
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert len(over) <= 1 and all(measured[k] for k in over)
     assert om.cache_info()["variants"] <= 4
@@ -300,10 +293,7 @@ def test_a_value_past_every_plan_standing_in_is_profiled() -> None:
     om, model, plain = _optimized(TierPicked(), batch(0), 0.7)
     tiers = [int(torch.randint(0, 2, (1,), generator=pattern)) for _ in range(16)]
     tiers += [int(torch.randint(0, 3, (1,), generator=pattern)) for _ in range(24)]
-    peaks, measured = [], []
-    for tier in tiers:
-        peaks += _steps(om, model, plain, [batch(tier)])
-        measured.append(om.stats.measured_peak_bytes is not None)
+    peaks, measured = _measured_steps(om, model, plain, [batch(tier) for tier in tiers])
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert over and all(measured[k] for k in over) and len(over) <= 4
     planned = om.cache_info()["variants"]
@@ -346,9 +336,6 @@ def test_a_task_that_ran_over_is_measured_whenever_it_comes_back_unkeyed() -> No
     torch.manual_seed(0)
     om, model, plain = _optimized(Tasked(), batch(0), 0.7)
     tasks = [int(torch.randint(0, 16, (1,), generator=pattern)) for _ in range(60)]
-    peaks, measured = [], []
-    for task in tasks:
-        peaks += _steps(om, model, plain, [batch(task)])
-        measured.append(om.stats.measured_peak_bytes is not None)
+    peaks, measured = _measured_steps(om, model, plain, [batch(task) for task in tasks])
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert over and all(measured[k] for k in over) and len(over) <= 3

@@ -73,6 +73,16 @@ def _steps(om, model: nn.Module, plain: nn.Module, batches: list[dict]) -> list[
     return peaks
 
 
+def _measured_steps(om, model: nn.Module, plain: nn.Module, batches) -> tuple[list, list]:
+    """:func:`_steps` on each of ``batches``: each step's peak ÷ the budget, and whether the
+    library measured it."""
+    peaks, measured = [], []
+    for batch in batches:
+        peaks += _steps(om, model, plain, [batch])
+        measured.append(om.stats.measured_peak_bytes is not None)
+    return peaks, measured
+
+
 def _optimized(model: nn.Module, example: dict, budget: float) -> tuple:
     plain = copy.deepcopy(model)
     om = offremat.optimize(model, example, budget=budget)
