@@ -130,7 +130,9 @@ class ShapePlans(VariantPlanning):
         self.value_blames: dict[tuple[Signature, int], int] = {}
         self.stand_ins: dict[VariantKey, None] = {}
         self.outgrown: dict[Signature, int] = {}
-        self.standing: tuple[VariantKey, PlanExecutor] | None = None
+        self.standing: tuple[VariantKey, PlanExecutor, dict[int, Any]] | None = None
+        self.stood_spans: dict[PlanExecutor, dict[int, tuple[float, float]]] = {}
+        self.stood_count = 0
         self.call_measured: tuple[PlanExecutor, bool] | None = None
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
@@ -311,6 +313,7 @@ class ShapePlans(VariantPlanning):
             kept = ({}, {}, set(), {}, set())
         self.executors, self.profiled, self.provisional, self.variants, self.unprofiled = kept
         self.refused, self.stand_ins, self.outgrown, self.standing = {}, {}, {}, None
+        self.stood_spans = {}
         self.module_state, self.modes = state
 
     def check_output(self, batch: Any, output: Any) -> None:

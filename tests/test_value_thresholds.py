@@ -121,8 +121,10 @@ def test_a_float_picking_a_branch_is_not_found_neutral_for_good(caplog) -> None:
     # Each said at its end, the second on the plan too (once per plan, it went unsaid).
     assert len(over) <= 2 and all(measured[k] and said[k] for k in over)
     # Keyed for good, a value new at every step runs on the plan of the value that holds
-    # most, measured: each was a profile (a review: 76 in 80 steps).
+    # most: each was a profile (a review: 76 in 80 steps); measured past the values it was
+    # measured within budget on (each measured, steps were 1.4 times slower on CPU).
     assert om.cache_info()["variants"] <= 4
+    assert sum(measured[20:]) <= 8
 
 
 class Masked(Branching):
