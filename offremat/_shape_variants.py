@@ -24,6 +24,7 @@ from offremat._numbers import NumberPlaces, same_sizes
 from offremat._signatures import (
     BlockValue,
     Signature,
+    VariantKey,
     block_values,
     chain_input_kind,
     chain_input_shapes,
@@ -31,17 +32,14 @@ from offremat._signatures import (
     handed_values,
     input_signature,
 )
+from offremat._stand_ins import StandIns
 from offremat._step import StepsInFlight
-from offremat._value_checks import KEPT_STRUCTURES, MEASURED_EVERY, Place, same_value, trim
+from offremat._value_checks import KEPT_STRUCTURES, Place, same_value, trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
-from solvers.registry import keep_all_peak
 
 logger = logging.getLogger(__name__)
-
-VariantKey = tuple[Signature, str]
-"""A call's signature and the kind of its blocks' inputs (:func:`chain_input_kind`)."""
 
 _BLOCK_VALUES = "the blocks' own inputs"  # a structure of places (offremat._value_checks)
 
@@ -63,11 +61,6 @@ def _profiled_on(values: list[Any], by_value: frozenset[int], chain: Chain) -> b
     if profiled is None or len(profiled) != len(values):
         return False
     return all(same_value(values[at], profiled[at]) for at in by_value)
-
-
-def _spanned(span: tuple[float, float] | None, value: Any) -> bool:
-    """Whether ``value`` is a number within ``span`` (None: nothing spanned yet)."""
-    return span is not None and type(value) in (int, float) and span[0] <= value <= span[1]
 
 
 @contextmanager
@@ -99,16 +92,7 @@ class VariantPlanning:
     sizing_values: dict[Signature, frozenset[int]]
     # How many measured steps over their budget blamed each of those positions.
     value_blames: dict[tuple[Signature, int], int]
-    # The keys that another value's plan stands in for, and per plan key the keep-all peak
-    # of the chain whose plan, standing in, last passed the budget (see _stand_in).
-    stand_ins: dict[VariantKey, None]
-    outgrown: dict[Signature, int]
-    # The stand-in the last step ran on, measured, and its keyed values; per stand-in plan,
-    # the range each keyed position's values spanned within budget on it; how many steps ran
-    # on stand-ins.
-    standing: tuple[VariantKey, PlanExecutor, dict[int, Any]] | None
-    stood_spans: dict[PlanExecutor, dict[int, tuple[float, float]]]
-    stood_count: int
+    stand_ins: StandIns
     # The plan :meth:`executor` marked for measuring this step on the call's numbers, and its
     # mark before.
     call_measured: tuple[PlanExecutor, bool] | None
@@ -126,7 +110,7 @@ class VariantPlanning:
         signature = self.numbers.key(called)
         values = block_values(value)
         handed = handed_values(batch)
-        self._settle_stand_in()
+        self.stand_ins.settle(self.variants, self.numbers.checks)
         kind, by_value = self._kind(signature, executor, value, values, handed)
         variant = None if kind is None else self.variants.get((signature, kind))
         over = variant is not None and self._over_on_values((signature, kind), variant, batch)
@@ -201,68 +185,12 @@ class VariantPlanning:
     def _stand_in(
         self, key: VariantKey, value: Any, values: list[BlockValue], by_value: frozenset[int]
     ) -> PlanExecutor | None:
-        """Where blocks' values keyed for good (blamed twice: a float new at every step that
-        picks a branch) make ``key``, the plan of another of their values whose chain holds
-        the most, to run this step on; None where there is none. A profile at every step
-        otherwise (a review: 76 in 80 steps). The step is measured where those values lie
-        beyond the range that plan's measured steps within budget spanned standing in, or
-        are no numbers, and one in :data:`offremat._value_checks.MEASURED_EVERY` else (each
-        measured, steps were 1.4 times slower on CPU, in a review); over, the value is
-        profiled at its next step."""
-        signature = key[0]
+        """A plan of another value to run ``key``'s step on, where its blocks' values are
+        keyed for good (:mod:`offremat._stand_ins`); None else."""
         keyed = {at: values[at] for at in by_value if at < len(values)}
-        if not any(self.value_blames.get((signature, at), 0) > 1 for at in keyed):
+        if not any(self.value_blames.get((key[0], at), 0) > 1 for at in keyed):
             return None
-        kind = (chain_input_kind(value), chain_input_shapes(value))
-        others = [
-            variant
-            for (known, _), variant in self.variants.items()
-            if known == signature
-            and (
-                variant.chain.metadata.get("chain_input"),
-                variant.chain.metadata.get("chain_input_shapes"),
-            )
-            == kind
-        ]
-        chosen = max(others, key=lambda other: keep_all_peak(other.chain), default=None)
-        if chosen is None or keep_all_peak(chosen.chain) <= self.outgrown.get(signature, -1):
-            return None
-        self.variants[key], self.stand_ins[key] = chosen, None
-        trim(self.variants, KEPT_VARIANTS)
-        trim(self.stand_ins, KEPT_VARIANTS)
-        spans = self.stood_spans.get(chosen, {})
-        self.stood_count += 1
-        spanned = all(_spanned(spans.get(at), v) for at, v in keyed.items())
-        if not spanned or self.stood_count % MEASURED_EVERY == 0:
-            chosen.verify_next = True
-            self.standing = (key, chosen, keyed)
-        return chosen
-
-    def _settle_stand_in(self) -> None:
-        """Where the step run last on a plan standing in for its value's passed the budget
-        (said at its end), that value is profiled at its next step, and the next values
-        until one holds more than that plan's chain (past a threshold no plan has seen)."""
-        standing, self.standing = self.standing, None
-        if standing is None:
-            return
-        key, variant, keyed = standing
-        if not variant.over_budget:  # within budget: its values widen what the plan spans
-            spans = self.stood_spans.pop(variant, {})
-            for at, v in keyed.items():
-                if type(v) in (int, float):
-                    low, high = spans.get(at, (v, v))
-                    spans[at] = (min(low, v), max(high, v))
-            self.stood_spans[variant] = spans
-            trim(self.stood_spans, KEPT_VARIANTS)
-            return
-        variant.over_budget = False
-        self.stood_spans.pop(variant, None)
-        if self.variants.get(key) is variant:
-            del self.variants[key]
-        self.stand_ins.pop(key, None)
-        self.numbers.checks.not_settled(key)
-        self.outgrown[key[0]] = keep_all_peak(variant.chain)
-        trim(self.outgrown, KEPT_STRUCTURES)
+        return self.stand_ins.choose(key, value, keyed, self.variants)
 
     def _over_on_values(self, key: VariantKey, variant: PlanExecutor, batch: Any) -> bool:
         """Whether the step measured last on the plan ``variant`` passed its budget on values

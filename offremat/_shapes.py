@@ -41,14 +41,20 @@ from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
-from offremat._shape_variants import VariantKey, VariantPlanning, parametrize_cache_suspended
+from offremat._shape_variants import (
+    KEPT_VARIANTS,
+    VariantPlanning,
+    parametrize_cache_suspended,
+)
 from offremat._signatures import (
     Signature,
     StageState,
+    VariantKey,
     describe,
     input_signature,
     stage_state,
 )
+from offremat._stand_ins import StandIns
 from offremat._step import StepsInFlight
 from offremat._step_budget import warn_unsure
 from offremat._value_checks import trim
@@ -128,11 +134,7 @@ class ShapePlans(VariantPlanning):
         self.variants: dict[VariantKey, PlanExecutor] = {}
         self.sizing_values: dict[Signature, frozenset[int]] = {}
         self.value_blames: dict[tuple[Signature, int], int] = {}
-        self.stand_ins: dict[VariantKey, None] = {}
-        self.outgrown: dict[Signature, int] = {}
-        self.standing: tuple[VariantKey, PlanExecutor, dict[int, Any]] | None = None
-        self.stood_spans: dict[PlanExecutor, dict[int, tuple[float, float]]] = {}
-        self.stood_count = 0
+        self.stand_ins = StandIns(KEPT_VARIANTS)
         self.call_measured: tuple[PlanExecutor, bool] | None = None
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
@@ -312,8 +314,7 @@ class ShapePlans(VariantPlanning):
                 )
             kept = ({}, {}, set(), {}, set())
         self.executors, self.profiled, self.provisional, self.variants, self.unprofiled = kept
-        self.refused, self.stand_ins, self.outgrown, self.standing = {}, {}, {}, None
-        self.stood_spans = {}
+        self.refused, self.stand_ins = {}, StandIns(KEPT_VARIANTS)
         self.module_state, self.modes = state
 
     def check_output(self, batch: Any, output: Any) -> None:

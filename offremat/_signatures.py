@@ -92,6 +92,10 @@ def memory_layout(tensor: torch.Tensor) -> Any:
     return tuple(sorted(dimensions, key=lambda d: (-tensor.stride(d), d)))
 
 
+VariantKey = tuple[Signature, str]
+"""A call's signature and the kind of its blocks' inputs (:func:`chain_input_kind`)."""
+
+
 # What a model chain's metadata says of the chain input it was profiled on.
 CHAIN_INPUT_KEYS = (
     "chain_input",
