@@ -43,16 +43,13 @@ may pass the budget, and the next plans the blamed numbers' values anew.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from offremat._signatures import Signature, Value, learnable
 from offremat._tensors import Structure, flatten
 from offremat._value_checks import Place, ValueChecks, same_value, trim
 from solvers.chain import Chain
 from solvers.chain_limits import STAGE_BYTE_FIELDS
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
