@@ -169,7 +169,9 @@ class VariantPlanning:
         shapes = chain_input_shapes(value)
         planned = executor.chain.metadata.get("chain_input")
         if by_value and (planned != kind or not _profiled_on(values, by_value, executor.chain)):
-            kind = chain_input_kind(value, by_value)  # a plan of their own for these values
+            # A plan of their own for these values (read once: a GPU waits for a tensor's).
+            keyed = tuple((at, values[at]) for at in sorted(by_value) if at < len(values))
+            kind = chain_input_kind(value, keyed)
         # The sizes too: padding removed before the blocks sizes them by the batch's values.
         # A predicted chain's blocks never ran: its first step (measured) stands for them.
         executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes

@@ -105,7 +105,7 @@ CHAIN_INPUT_KEYS = (
 )
 
 
-def chain_input_kind(value: Any, by_value: frozenset[int] = frozenset()) -> str:
+def chain_input_kind(value: Any, keyed: Sequence[tuple[int, Any]] = ()) -> str:
     """What a plan depends on in the blocks' own inputs beyond the call's shapes: which side
     inputs are tensors and which None (Hugging Face passes no mask where the attention mask
     is all ones, a 4-d one where a batch of the same shape is padded), their dtypes and ranks,
@@ -113,18 +113,16 @@ def chain_input_kind(value: Any, by_value: frozenset[int] = frozenset()) -> str:
     Numbers, strings and objects by type: one the model computes from the batch (a count, a
     scale, a caption made lower case) may be another at every step, and one handed down from
     the call (a caption in Hugging Face's ``**kwargs``) is the call signature's to key. But
-    the values at positions ``by_value`` among :func:`block_values` by value: a measured step
-    found that they decide what the blocks save (a loop count, a mode:
+    the values ``keyed`` (position among :func:`block_values`, value) by value: a measured
+    step found that they decide what the blocks save (a loop count, a mode:
     :mod:`offremat._shape_variants`)."""
     tensors, structure = flatten(value)
     kind: tuple[Any, ...] = (
         tuple((str(t.dtype), t.dim(), t.requires_grad) for t in tensors),
         _structure_key(structure, True),
     )
-    if by_value:
-        values = block_values(value)
-        # repr tells 1 from 1.0 and True, as same_value does.
-        kind += (tuple((at, repr(values[at])) for at in sorted(by_value) if at < len(values)),)
+    if keyed:  # repr tells 1 from 1.0 and True, as same_value does
+        kind += (tuple((at, repr(v)) for at, v in keyed),)
     return repr(kind)
 
 
