@@ -17,11 +17,17 @@ from __future__ import annotations
 from typing import Any
 
 from offremat._signatures import Signature, VariantKey, chain_input_kind, chain_input_shapes
-from offremat._value_checks import KEPT_STRUCTURES, MEASURED_EVERY, ValueChecks, trim
+from offremat._value_checks import (
+    KEPT_STRUCTURES,
+    MEASURED_EVERY,
+    Span,
+    ValueChecks,
+    trim,
+    widened,
+    within_span,
+)
 from offremat.executor import PlanExecutor
 from solvers.registry import keep_all_peak
-
-Span = tuple[float, float]
 
 
 class StandIns:
@@ -34,7 +40,7 @@ class StandIns:
         # the budget.
         self.outgrown: dict[Signature, int] = {}
         # Per stand-in plan, the range each keyed position's values spanned within budget.
-        self.spans: dict[PlanExecutor, dict[int, Span]] = {}
+        self.spans: dict[PlanExecutor, dict[int, Span | None]] = {}
         # The stand-in the last step ran on, measured, and its keyed values.
         self.standing: tuple[VariantKey, PlanExecutor, dict[int, Any]] | None = None
         self.count = 0  # steps run on stand-ins
@@ -68,7 +74,7 @@ class StandIns:
         trim(self.keys, self.kept)
         spans = self.spans.get(chosen, {})
         self.count += 1
-        spanned = all(_spanned(spans.get(at), v) for at, v in keyed.items())
+        spanned = all(within_span(spans.get(at), v) for at, v in keyed.items())
         if not spanned or self.count % MEASURED_EVERY == 0:
             chosen.verify_next = True
             self.standing = (key, chosen, keyed)
@@ -84,9 +90,7 @@ class StandIns:
         if not variant.over_budget:
             spans = self.spans.pop(variant, {})
             for at, v in keyed.items():
-                if type(v) in (int, float):
-                    low, high = spans.get(at, (v, v))
-                    spans[at] = (min(low, v), max(high, v))
+                spans[at] = widened(spans.get(at), v)
             self.spans[variant] = spans
             trim(self.spans, self.kept)
             return
@@ -98,8 +102,3 @@ class StandIns:
         checks.not_settled(key)
         self.outgrown[key[0]] = keep_all_peak(variant.chain)
         trim(self.outgrown, KEPT_STRUCTURES)
-
-
-def _spanned(span: Span | None, value: Any) -> bool:
-    """Whether ``value`` is a number within ``span`` (None: nothing spanned yet)."""
-    return span is not None and type(value) in (int, float) and span[0] <= value <= span[1]

@@ -73,7 +73,7 @@ class ValueChecks:
         self.distinct: dict[Place, int] = {}  # how many values each place took
         # Per place and plan key, the least and greatest number that measured steps within
         # budget held.
-        self.spanned: dict[tuple[Place, bytes], tuple[float, float]] = {}
+        self.spanned: dict[tuple[Place, bytes], Span | None] = {}
         # Per plan key, the values at their places that the step measured last on it holds,
         # and its calls.
         self.pending: dict[Signature, dict[Place, tuple[bytes, Any]]] = {}
@@ -128,10 +128,7 @@ class ValueChecks:
     def _beyond(self, where: tuple[Place, bytes], value: Any) -> bool:
         """Whether ``value``, a finite number, lies outside what a place has spanned on a
         plan (``where``)."""
-        if type(value) not in (int, float) or not math.isfinite(value):
-            return False
-        low, high = self.spanned.get(where, (math.inf, -math.inf))
-        return not low <= value <= high
+        return _finite(value) and not within_span(self.spanned.get(where), value)
 
     def move(self, key: Any, to: Any) -> None:
         """The step measured on ``key``'s plan runs on ``to``'s: its values go with it."""
@@ -167,9 +164,8 @@ class ValueChecks:
         for place, (digest, value) in self.pending.pop(key, {}).items():
             self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
-            if type(value) in (int, float) and math.isfinite(value):
-                low, high = self.spanned.pop((place, plan), (value, value))
-                self.spanned[(place, plan)] = (min(low, value), max(high, value))
+            if _finite(value):
+                self.spanned[(place, plan)] = widened(self.spanned.pop((place, plan), None), value)
         trim(self.within, KEPT_VALUES)
         trim(self.spanned, KEPT_VALUES)
 
@@ -196,6 +192,26 @@ class ValueChecks:
             return suspects
         least = min(self.distinct.get(p, 0) for p in unchecked)
         return frozenset(p for p in unchecked if self.distinct.get(p, 0) == least)
+
+
+Span = tuple[float, float]
+"""The least and the greatest of the numbers some measured steps held."""
+
+
+def within_span(span: Span | None, value: Any) -> bool:
+    """Whether ``value`` is a finite number within ``span`` (None: nothing spanned yet)."""
+    return span is not None and _finite(value) and span[0] <= value <= span[1]
+
+
+def widened(span: Span | None, value: Any) -> Span | None:
+    """``span`` widened to take ``value`` in, where that is a finite number."""
+    if not _finite(value):
+        return span
+    return (value, value) if span is None else (min(span[0], value), max(span[1], value))
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def same_value(a: Any, b: Any) -> bool:
