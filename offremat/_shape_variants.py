@@ -192,7 +192,18 @@ class VariantPlanning:
         keyed = {at: values[at] for at in by_value if at < len(values)}
         if not any(self.value_blames.get((key[0], at), 0) > 1 for at in keyed):
             return None
-        return self.stand_ins.choose(key, value, keyed, self.variants)
+        return self.stand_ins.choose(key, value, keyed, self.variants, self._executor_for)
+
+    def _executor_for(self, signature: Signature, chain: Chain) -> PlanExecutor:
+        """An executor of a plan for ``chain``, one of ``signature``'s variants (see
+        :meth:`_plan`); the planning time is counted."""
+        began = time.perf_counter()
+        plan = self._plan(signature, chain, variant=True)
+        executor = PlanExecutor(
+            self.stages, plan, chain, self.measure_memory, self.in_flight, self.resources
+        )
+        self.cache.planning_s += time.perf_counter() - began
+        return executor
 
     def _over_on_values(self, key: VariantKey, variant: PlanExecutor, batch: Any) -> bool:
         """Whether the step measured last on the plan ``variant`` passed its budget on values
@@ -328,8 +339,9 @@ class VariantPlanning:
         )
         with parametrize_cache_suspended():
             variant_chain = self.profile_blocks(chain, value)
+        self.cache.planning_s += time.perf_counter() - began
         try:
-            plan = self._plan(key[0], variant_chain, variant=True)
+            variant = self._executor_for(key[0], variant_chain)
         except InfeasibleBudgetError as error:
             self.refused[key] = (
                 error.budget_bytes,
@@ -341,12 +353,8 @@ class VariantPlanning:
             while len(self.refused) > KEPT_VARIANTS:
                 self.refused.pop(next(iter(self.refused)))
             raise
-        variant = PlanExecutor(
-            self.stages, plan, variant_chain, self.measure_memory, self.in_flight, self.resources
-        )
         self._learn_neutral_values(key[0], variant_chain)
         self.variants[key] = variant
         while len(self.variants) > KEPT_VARIANTS:
             self.variants.pop(next(iter(self.variants)))
-        self.cache.planning_s += time.perf_counter() - began
         return variant
