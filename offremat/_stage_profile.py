@@ -27,6 +27,7 @@ from offremat._clock import MarkingPacker, mark, seconds, timed
 from offremat._ctx_tensors import refuse_hidden_saved, refuse_tensors_on_ctx
 from offremat._fsdp import sharded_parameters
 from offremat._graph_leaves import GraphLeaf, graph_leaves, graph_run_before
+from offremat._pinned_grads import PinnedGradients
 from offremat._scan import scan_modules
 from offremat._stage import (
     GradSlot,
@@ -72,6 +73,8 @@ class Measured:
     # gradients B(i) gives them (see _measure).
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
+    # What the storages that parameters' gradients view hold beyond them (offremat._pinned_grads).
+    pinned_grad_bytes: int = 0
 
 
 class StageProfile:
@@ -260,14 +263,18 @@ class StageProfile:
         for parameter in made:
             if id(parameter) in summed or id(parameter) in sharded:
                 parameter.grad = torch.zeros_like(parameter)
-        handles = [p.register_post_accumulate_grad_hook(_let_go) for p in made if p.grad is None]
+        pinned = PinnedGradients()
+        handles = [
+            p.register_post_accumulate_grad_hook(pinned.let_go) for p in made if p.grad is None
+        ]
         try:
-            return self._measure(warmup, repeats, sizes_only, last)
+            sizes, handed = self._measure(warmup, repeats, sizes_only, last)
         finally:
             for handle in handles:
                 handle.remove()
             for parameter in made:
                 parameter.grad = None
+        return dataclasses.replace(sizes, pinned_grad_bytes=pinned.pinned_bytes), handed
 
     def _measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool
@@ -408,8 +415,3 @@ class StageProfile:
             "refill_s": min(statistics.median(refill_times), forward_s),
         }
         return dataclasses.replace(sizes, **timed_figures), handed
-
-
-def _let_go(parameter: torch.Tensor) -> None:
-    """A gradient profiling made, let go once accumulated."""
-    parameter.grad = None

@@ -104,7 +104,10 @@ def profile_model(
         )
     # Parameters several stages use: their running gradient sums (offremat._shared_grads)
     # are held to the end of the backward at most, and each earlier user's B adds to one.
+    # So are the storages a parameter's gradient, a slice of a larger one, keeps alive from
+    # its stage's backward (offremat._pinned_grads).
     shared, added = shared_gradient_bytes([list(stage_module(g).parameters()) for g in grouped])
+    shared += sum(m.pinned_grad_bytes for m in measured)
     chain_stages = tuple(
         Stage(
             name=stage_name,
@@ -195,7 +198,8 @@ def profile_model(
         input_bytes=storage_bytes(input_tensors) + kept,
         input_grad_bytes=gradient_bytes(input_tensors),
         # The caller's output and the gradient it seeds stay alive to the end of the backward,
-        # and so, at most, do the summed gradients of parameters several stages use.
+        # and so, at most, do the summed gradients of parameters several stages use and the
+        # storages parameters' gradients pin.
         held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes + shared,
         stages=chain_stages,
         link=link,

@@ -577,3 +577,40 @@ def test_a_models_blocks_that_make_leaves_fit_keep_all_under_plain_autograd() ->
     peak, grads = step(om, list(model.parameters()), batch)
     assert peak <= om.plan.budget_bytes
     assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+class Prefixed(nn.Module):
+    """Puts a learned prefix before its rows: the prefix's gradient is a slice of the
+    concatenation's, which holds the rows' gradient as well."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(8, width))
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(torch.cat([self.prefix, x], 0)))[8:]
+
+
+@pytest.mark.parametrize("solver", ["dp", "chen", "keep-all"])
+def test_a_prefix_whose_gradient_keeps_the_rows_gradient_fits_its_budget(solver: str) -> None:
+    """Where ``.grad`` is None (``zero_grad(set_to_none=True)``, PyTorch's default), autograd
+    keeps the slice it hands the prefix as ``.grad``, and the slice keeps the concatenation's
+    whole gradient alive to the end of the step. Before: 1.12 times the budget at every
+    step (a review), the activations measured without the gradients' own bytes."""
+    torch.manual_seed(0)
+    width = 64
+    model = nn.Sequential(*(Prefixed(width) for _ in range(6)), MeanSquare())
+    batch = torch.randn(512, width)
+    chain = profile_model(copy.deepcopy(model), batch, warmup=0, repeats=1)
+    reference = copy.deepcopy(model)
+    reference(batch).backward()
+    least = min_feasible_budget(chain, solver)
+    executor = PlanExecutor(stage_modules(model, chain), solve(chain, least, solver), chain)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with StepMemory("cpu", batch, gradients_of=list(model.parameters())) as memory:
+            executor(batch).backward()
+        assert memory.peak_less_gradients_bytes <= least
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, expected.grad)
