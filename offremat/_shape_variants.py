@@ -110,7 +110,7 @@ class VariantPlanning:
         signature = self.numbers.key(called)
         values = block_values(value)
         handed = handed_values(batch)
-        self.stand_ins.settle(self.variants, self.numbers.checks)
+        self.stand_ins.settle(self.numbers.checks)
         kind, by_value = self._kind(signature, executor, value, values, handed)
         variant = None if kind is None else self.variants.get((signature, kind))
         over = variant is not None and self._over_on_values((signature, kind), variant, batch)
@@ -127,14 +127,14 @@ class VariantPlanning:
         if key in self.refused:
             # A fresh error: a stored one would keep each refused step's frames alive.
             raise InfeasibleBudgetError(*self.refused[key])
-        if variant is None:
-            variant = self._stand_in(key, value, values, by_value)
-        if variant is None:
-            variant = self._plan_variant(key, executor.chain, value)
-        else:
+        if variant is not None:
             self.variants[key] = self.variants.pop(key)  # the latest used
             if not variant.verify_next:  # the step measured last on it ended, within budget
                 self.numbers.checks.within_budget(key)
+        else:
+            variant = self._stand_in(key, value, values, by_value)
+            if variant is None:
+                variant = self._plan_variant(key, executor.chain, value)
         measured, self.call_measured = self.call_measured, None
         if measured is not None and measured[0] is executor:
             # The call's numbers chose this step for measuring: it runs on this plan.

@@ -48,7 +48,8 @@ KEPT_STRUCTURES = 64
 """How many call structures keep their counts (the latest used)."""
 
 
-def _digest(value: Any) -> bytes:
+def value_digest(value: Any) -> bytes:
+    """A value's identity for the records of checked values."""
     # By digest: a signature holds its strings whole (a caption of kilobytes, each step).
     # Not hash(): hash(-1) == hash(-2), so two values would pass for one.
     return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()
@@ -90,7 +91,7 @@ class ValueChecks:
         """Whether the step on ``signature`` (of plan key ``key``) is to be measured (module
         notes); ``values``: each number the key leaves out, by its position in ``structure``.
         Where the step is ``measured`` anyway, they join what it checks."""
-        places = {(structure, at): (_digest((structure, at, v)), v) for at, v in values}
+        places = {(structure, at): (value_digest((structure, at, v)), v) for at, v in values}
         # A new value where few have been (a loop count, a task), beside one new at every step.
         category = False
         for place, (seen, _) in places.items():
@@ -100,7 +101,7 @@ class ValueChecks:
                 self.distinct[place] = self.distinct.pop(place, 0) + 1
         trim(self.seen, KEPT_VALUES)
         trim(self.distinct, KEPT_VALUES)
-        digest, plan = _digest(signature), _digest(key)
+        digest, plan = value_digest(signature), value_digest(key)
         chosen = False
         if digest not in self.checked:
             back = any(
@@ -160,7 +161,7 @@ class ValueChecks:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
         self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
         trim(self.checked, KEPT_VALUES)
-        plan = _digest(key)
+        plan = value_digest(key)
         for place, (digest, value) in self.pending.pop(key, {}).items():
             self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
@@ -186,7 +187,7 @@ class ValueChecks:
             return suspects
         self.unmeasured.update(dict.fromkeys(d for d, _ in places.values()))
         trim(self.unmeasured, KEPT_VALUES)
-        plan = _digest(key)
+        plan = value_digest(key)
         unchecked = [p for p in suspects if p in places and (plan, places[p][0]) not in self.within]
         if not unchecked:  # each value checked alone: their combination passed it
             return suspects

@@ -120,11 +120,12 @@ def test_a_float_picking_a_branch_is_not_found_neutral_for_good(caplog) -> None:
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     # Each said at its end, the second on the plan too (once per plan, it went unsaid).
     assert len(over) <= 2 and all(measured[k] and said[k] for k in over)
-    # Keyed for good, a value new at every step runs on the plan of the value that holds
-    # most: each was a profile (a review: 76 in 80 steps); measured past the values it was
-    # measured within budget on (each measured, steps were 1.4 times slower on CPU).
+    # Keyed for good, a value new at every step runs on a plan standing in: each was a
+    # profile (a review: 76 in 80 steps).
     assert om.cache_info()["variants"] <= 4
-    assert sum(measured[20:]) <= 8
+    # Each step on a value no step measured within budget on its plan is measured (one in
+    # 32 left a band of values between two others 1.05 times over, unmeasured: a review).
+    assert all(measured[20:])
 
 
 class Masked(Branching):
@@ -281,9 +282,9 @@ class TierPicked(SignPicked):
 
 
 def test_a_value_past_every_plan_standing_in_is_profiled() -> None:
-    # Keyed for good, a value new at every step runs on the plan that holds most; a value
-    # past all of them (a third tier) is found over, and the next such values are profiled
-    # until one holds more. Every step over measured and said, and no profile at every step.
+    # Keyed for good, a value new at every step runs on a plan standing in; a value past
+    # all of them (a third tier) is found over, and the next values are profiled until one
+    # holds more. Every step over measured and said, and no profile at every step.
     generator, pattern = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
 
     def batch(tier: int) -> dict:
@@ -301,38 +302,6 @@ def test_a_value_past_every_plan_standing_in_is_profiled() -> None:
     planned = om.cache_info()["variants"]
     _steps(om, model, plain, [batch(tier) for tier in tiers[-8:]])
     assert planned <= 10 and om.cache_info()["variants"] == planned
-
-
-class ParityPicked(SignPicked):
-    """Hands a float it computes to its even blocks, and its negation to the odd ones: either
-    sign adds the branch to three blocks, as much memory in other blocks."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        value = float(x[:, 0, 0].mean())
-        hidden = self.embed(x)
-        for index, block in enumerate(self.blocks):
-            hidden = block(hidden, value if index % 2 == 0 else -value)
-        return self.head(hidden).square().mean()
-
-
-def test_values_that_pick_which_blocks_branch_stand_in_on_the_envelope() -> None:
-    # The plan of one sign held the other at 1.03 times the budget, measured, and then no
-    # value's chain held more than it: a profile at every later step (a review: 35 in 40).
-    generator, pattern = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
-
-    def batch(hot: bool) -> dict:
-        x = torch.randn(4, 64, 8, generator=generator)
-        x[:, 0, 0] = x[:, 0, 0].abs() * (1 if hot else -1)
-        return {"x": x}
-
-    torch.manual_seed(0)
-    om, model, plain = _optimized(ParityPicked(), batch(False), 0.4)
-    hot = [bool(torch.rand(1, generator=pattern) < 0.5) for _ in range(40)]
-    peaks, measured = _measured_steps(om, model, plain, [batch(side) for side in hot])
-    over = [k for k, peak in enumerate(peaks) if peak > 1]
-    assert len(over) <= 3 and all(measured[k] for k in over)
-    assert om.cache_info()["variants"] <= 4
-    assert max(peaks[20:]) <= 1
 
 
 class TaskBlock(Branching):
