@@ -115,10 +115,14 @@ class ValueChecks:
             chosen |= count <= MEASURED_VALUES or count % MEASURED_EVERY == 0
         if measured or chosen:
             if measured:
-                self.pending.setdefault(key, {}).update(places)
-                self.pending_calls.setdefault(key, set()).add(digest)
+                self.pending[key] = {**self.pending.pop(key, {}), **places}
+                self.pending_calls[key] = self.pending_calls.pop(key, set()) | {digest}
             else:  # a measurement left from before never ended (no backward ran)
                 self.pending[key], self.pending_calls[key] = places, {digest}
+            # A plan key new at every step (a stand-in's) leaves its measurement to no later
+            # step: kept for the latest keys only.
+            trim(self.pending, KEPT_STRUCTURES)
+            trim(self.pending_calls, KEPT_STRUCTURES)
             return True
         self._unsettled(key)  # a measurement that never ended
         if digest not in self.checked:
@@ -212,7 +216,8 @@ def widened(span: Span | None, value: Any) -> Span | None:
 
 
 def _finite(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    # An int is finite however large (math.isfinite overflows past a float's range).
+    return type(value) is int or (type(value) is float and math.isfinite(value))
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -342,3 +342,11 @@ def test_a_task_that_ran_over_is_measured_whenever_it_comes_back_unkeyed() -> No
     peaks, measured = _measured_steps(om, model, plain, [batch(task) for task in tasks])
     over = [k for k, peak in enumerate(peaks) if peak > 1]
     assert over and all(measured[k] for k in over) and len(over) <= 3
+
+
+def test_an_int_past_a_floats_range_handed_to_the_blocks_is_a_value_like_another() -> None:
+    # Its range check overflowed converting it to a float: the step crashed (a review).
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": 10**400}, 0.7)
+    peaks = _steps(om, model, plain, [{"x": X, "temperature": 10**400 + k} for k in range(3)])
+    assert max(peaks) <= 1
