@@ -308,3 +308,61 @@ def test_a_learned_gate_handed_to_the_blocks_is_no_value_to_check() -> None:
         for optimizer in optimizers:
             optimizer.step()
     assert measured == 0 and om.cache_info()["misses"] == 0
+
+
+class ScoreBlock(nn.Module):
+    """Adds a saved branch where the score it is handed is positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base, self.branch = (
+            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
+            for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        x = x + self.base(x)
+        if score > 0:
+            x = x + score * self.branch(x)
+        return x
+
+
+class Scored(nn.Module):
+    """Hands its blocks a score computed from the activations: a 0-d tensor with a gradient
+    that decides what they save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(ScoreBlock() for _ in range(6))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        score = hidden[:, 0, 0].mean()
+        for block in self.blocks:
+            hidden = block(hidden, score)
+        return self.head(hidden).square().mean()
+
+
+def test_a_score_computed_from_the_activations_that_picks_a_branch_is_checked() -> None:
+    # Left out with the learned gates, it ran 20 steps in 40 at 1.53 times the budget,
+    # unmeasured (a review).
+    torch.manual_seed(0)
+    model = Scored()
+    with torch.no_grad():  # the score follows the batch's first feature
+        model.embed.weight.zero_()
+        model.embed.weight[0, 0] = 1.0
+        model.embed.bias.zero_()
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(sign: int) -> dict:
+        x = torch.randn(4, 64, 8, generator=generator)
+        x[:, 0, 0] = x[:, 0, 0].abs() * sign
+        return {"x": x}
+
+    om, model, plain = _optimized(model, batch(-1), 0.7)
+    signs = torch.randint(0, 2, (30,), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    peaks, measured = _measured_steps(om, model, plain, [batch(int(s)) for s in signs])
+    over = [k for k, peak in enumerate(peaks) if peak > 1]
+    assert over and all(measured[k] for k in over) and len(over) <= 3
