@@ -63,6 +63,11 @@ def _profiled_on(values: list[Any], by_value: frozenset[int], chain: Chain) -> b
     return all(same_value(values[at], profiled[at]) for at in by_value)
 
 
+def _keyed(values: list[BlockValue], by_value: frozenset[int]) -> dict[int, BlockValue]:
+    """The blocks' ``values`` at the positions ``by_value`` that key plans, in order."""
+    return {at: values[at] for at in sorted(by_value) if at < len(values)}
+
+
 @contextmanager
 def parametrize_cache_suspended() -> Iterator[None]:
     """Profile outside the caller's ``parametrize.cached()``: the profile's backwards would
@@ -170,8 +175,7 @@ class VariantPlanning:
         planned = executor.chain.metadata.get("chain_input")
         if by_value and (planned != kind or not _profiled_on(values, by_value, executor.chain)):
             # A plan of their own for these values (read once: a GPU waits for a tensor's).
-            keyed = tuple((at, values[at]) for at in sorted(by_value) if at < len(values))
-            kind = chain_input_kind(value, keyed)
+            kind = chain_input_kind(value, tuple(_keyed(values, by_value).items()))
         # The sizes too: padding removed before the blocks sizes them by the batch's values.
         # A predicted chain's blocks never ran: its first step (measured) stands for them.
         executor.first_chain_input_shapes = executor.first_chain_input_shapes or shapes
@@ -189,7 +193,7 @@ class VariantPlanning:
     ) -> PlanExecutor | None:
         """A plan of another value to run ``key``'s step on, where its blocks' values are
         keyed for good (:mod:`offremat._stand_ins`); None else."""
-        keyed = {at: values[at] for at in by_value if at < len(values)}
+        keyed = _keyed(values, by_value)
         if not any(self.value_blames.get((key[0], at), 0) > 1 for at in keyed):
             return None
         return self.stand_ins.choose(key, value, keyed, self.variants, self._executor_for)
@@ -350,11 +354,9 @@ class VariantPlanning:
                 error.shape,
                 error.exact,
             )
-            while len(self.refused) > KEPT_VARIANTS:
-                self.refused.pop(next(iter(self.refused)))
+            trim(self.refused, KEPT_VARIANTS)
             raise
         self._learn_neutral_values(key[0], variant_chain)
         self.variants[key] = variant
-        while len(self.variants) > KEPT_VARIANTS:
-            self.variants.pop(next(iter(self.variants)))
+        trim(self.variants, KEPT_VARIANTS)
         return variant

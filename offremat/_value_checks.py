@@ -74,7 +74,7 @@ class ValueChecks:
         self.distinct: dict[Place, int] = {}  # how many values each place took
         # Per place and plan key, the least and greatest number that measured steps within
         # budget held.
-        self.spanned: dict[tuple[Place, bytes], Span | None] = {}
+        self.spanned: dict[tuple[Place, bytes], Span] = {}
         # Per plan key, the values at their places that the step measured last on it holds,
         # and its calls.
         self.pending: dict[Signature, dict[Place, tuple[bytes, Any]]] = {}
@@ -133,7 +133,7 @@ class ValueChecks:
     def _beyond(self, where: tuple[Place, bytes], value: Any) -> bool:
         """Whether ``value``, a finite number, lies outside what a place has spanned on a
         plan (``where``)."""
-        return _finite(value) and not within_span(self.spanned.get(where), value)
+        return _finite(value) and not _within(self.spanned.get(where), value)
 
     def move(self, key: Any, to: Any) -> None:
         """The step measured on ``key``'s plan runs on ``to``'s: its values go with it."""
@@ -170,7 +170,7 @@ class ValueChecks:
             self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
             if _finite(value):
-                self.spanned[(place, plan)] = widened(self.spanned.pop((place, plan), None), value)
+                self.spanned[(place, plan)] = _widened(self.spanned.pop((place, plan), None), value)
         trim(self.within, KEPT_VALUES)
         trim(self.spanned, KEPT_VALUES)
 
@@ -203,15 +203,13 @@ Span = tuple[float, float]
 """The least and the greatest of the numbers some measured steps held."""
 
 
-def within_span(span: Span | None, value: Any) -> bool:
+def _within(span: Span | None, value: Any) -> bool:
     """Whether ``value`` is a finite number within ``span`` (None: nothing spanned yet)."""
     return span is not None and _finite(value) and span[0] <= value <= span[1]
 
 
-def widened(span: Span | None, value: Any) -> Span | None:
-    """``span`` widened to take ``value`` in, where that is a finite number."""
-    if not _finite(value):
-        return span
+def _widened(span: Span | None, value: float) -> Span:
+    """``span`` widened to take in ``value``, a finite number."""
     return (value, value) if span is None else (min(span[0], value), max(span[1], value))
 
 
