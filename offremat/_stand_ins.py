@@ -94,8 +94,9 @@ class StandIns:
         if chosen is None:
             return None
         digest = value_digest(sorted(keyed.items()))
-        if self.overs.pop((place, digest), 0) is None:
-            return None  # these values passed the budget on it
+        if (place, digest) in self.overs:  # these values passed the budget on it
+            del self.overs[(place, digest)]
+            return None
         failed = self.failed.pop(place, None)
         if failed is not None and failed[0] is chosen:
             if failed[1] < PROFILES_AFTER_OVER:
