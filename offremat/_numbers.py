@@ -201,6 +201,15 @@ class NumberPlaces:
             return signature
         return erased(signature, self.neutral.get(_skeleton(signature), frozenset()))
 
+    def keyed_floats(self, signature: Signature) -> dict[int, float]:
+        """The floats of ``signature`` at places that key plans, by place."""
+        places = self.sizing.get(_skeleton(signature), frozenset())
+        if not places:
+            return {}
+        found: list[Any] = []
+        _numbers(signature[1], found)
+        return {p: found[p] for p in sorted(places) if p < len(found) and type(found[p]) is float}
+
     def is_neutral(self, signature: Signature, places: frozenset[int]) -> bool:
         """Whether ``places`` are all known neutral in ``signature``'s structure."""
         return places <= self.neutral.get(_skeleton(signature), frozenset())

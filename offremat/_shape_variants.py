@@ -196,7 +196,19 @@ class VariantPlanning:
         keyed = _keyed(values, by_value)
         if not any(self.value_blames.get((key[0], at), 0) > 1 for at in keyed):
             return None
-        return self.stand_ins.choose(key, value, keyed, self.variants, self._executor_for)
+        kind = (chain_input_kind(value), chain_input_shapes(value))
+        candidates = [
+            variant
+            for (signature, _), variant in self.variants.items()
+            if signature == key[0]
+            and (
+                variant.chain.metadata.get("chain_input"),
+                variant.chain.metadata.get("chain_input_shapes"),
+            )
+            == kind
+        ]
+        place = (key[0], kind)
+        return self.stand_ins.choose(key, place, keyed, candidates, self._executor_for)
 
     def _executor_for(self, signature: Signature, chain: Chain) -> PlanExecutor:
         """An executor of a plan for ``chain``, one of ``signature``'s variants (see

@@ -134,7 +134,9 @@ class ShapePlans(VariantPlanning):
         self.variants: dict[VariantKey, PlanExecutor] = {}
         self.sizing_values: dict[Signature, frozenset[int]] = {}
         self.value_blames: dict[tuple[Signature, int], int] = {}
+        # Plans standing in for new values of the blocks' and of the call's keyed values.
         self.stand_ins = StandIns(KEPT_VARIANTS)
+        self.call_stand_ins = StandIns(KEPT_VARIANTS)
         self.call_measured: tuple[PlanExecutor, bool] | None = None
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
@@ -196,6 +198,7 @@ class ShapePlans(VariantPlanning):
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         self.call_measured = None
+        self.call_stand_ins.settle(self.numbers.checks)
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
@@ -234,13 +237,20 @@ class ShapePlans(VariantPlanning):
             del self.executors[signature]
             self.numbers.checks.not_settled(signature)
             executor = None
+        stood_in = False
+        if executor is None:
+            executor = self.call_stand_ins.for_call(
+                signature, self.numbers, self.executors, self.unprofiled, self._executor_for
+            )
+            stood_in = executor is not None
         if executor is not None:
             self.cache.hits += 1
-            self.executors[signature] = self.executors.pop(signature)  # the latest used
-            if signature in self.provisional:
-                executor = self._improve(signature, executor.chain)
-            if not executor.verify_next:  # the step measured last on it ended, within budget
-                self.numbers.within_budget(signature)
+            if not stood_in:
+                self.executors[signature] = self.executors.pop(signature)  # the latest used
+                if signature in self.provisional:
+                    executor = self._improve(signature, executor.chain)
+                if not executor.verify_next:  # the step measured last on it ended, within budget
+                    self.numbers.within_budget(signature)
             if self.numbers.verifies(called, signature):
                 # for_chain_input moves it where the step runs on a variant.
                 self.call_measured = (executor, executor.verify_next)
@@ -315,6 +325,7 @@ class ShapePlans(VariantPlanning):
             kept = ({}, {}, set(), {}, set())
         self.executors, self.profiled, self.provisional, self.variants, self.unprofiled = kept
         self.refused, self.stand_ins = {}, StandIns(KEPT_VARIANTS)
+        self.call_stand_ins = StandIns(KEPT_VARIANTS)
         self.module_state, self.modes = state
 
     def check_output(self, batch: Any, output: Any) -> None:

@@ -23,17 +23,11 @@ profile of these values sees (a mask's values), and that plan stands in again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from offremat._numbers import same_sizes
-from offremat._signatures import (
-    Signature,
-    VariantKey,
-    chain_input_kind,
-    chain_input_shapes,
-    describe,
-)
+from offremat._numbers import NumberPlaces, erased, same_sizes
+from offremat._signatures import Signature, describe
 from offremat._value_checks import (
     KEPT_STRUCTURES,
     KEPT_VALUES,
@@ -50,7 +44,8 @@ from solvers.registry import keep_all_peak
 logger = logging.getLogger(__name__)
 
 StandInPlace = tuple[Signature, Any]
-"""A call key and a kind of blocks' inputs: the plans profiled there are the stand-in's."""
+"""Where plans stand in: a call key and a kind of blocks' inputs, or a call key with its
+keyed numbers by type."""
 
 
 PROFILES_AFTER_OVER = 4
@@ -63,34 +58,32 @@ class StandIns:
 
     def __init__(self, kept: int) -> None:
         self.kept = kept  # how many plans' records are remembered
-        # Per call key and blocks' input kind: the plans whose chains the stand-in bounds,
-        # and the stand-in.
+        # Per place: the plans whose chains the stand-in bounds, and the stand-in.
         self.envelopes: dict[StandInPlace, tuple[list[PlanExecutor], PlanExecutor]] = {}
         # Per stand-in plan, the keyed values measured within budget on it, by digest.
         self.within: dict[PlanExecutor, dict[bytes, None]] = {}
-        # Per call key and kind, the stand-in that passed its budget, and the profiles since.
+        # Per place, the stand-in that passed its budget, and the profiles since.
         self.failed: dict[StandInPlace, tuple[PlanExecutor, int]] = {}
         # The keyed values, by place and digest, of steps over their budget on a stand-in:
         # profiled where they come back (a task's id).
         self.overs: dict[tuple[StandInPlace, bytes], None] = {}
         # The step run last on a stand-in: its key, place, plan and keyed values' digest, and
         # whether it was measured for them.
-        self.standing: tuple[VariantKey, StandInPlace, PlanExecutor, bytes, bool] | None = None
+        self.standing: tuple[Any, StandInPlace, PlanExecutor, bytes, bool] | None = None
 
     def choose(
         self,
-        key: VariantKey,
-        value: Any,
+        key: Any,
+        place: StandInPlace,
         keyed: dict[int, Any],
-        variants: dict[VariantKey, PlanExecutor],
+        candidates: Iterable[PlanExecutor],
         plan_for: Callable[[Signature, Chain], PlanExecutor],
     ) -> PlanExecutor | None:
-        """The plan to stand in for ``key`` (the blocks' input ``value``, its values keyed
-        for good ``keyed`` by position), among the profiled ``variants``; None where none can
-        or the value is to be profiled. ``plan_for`` plans a chain of the call's, an
-        envelope."""
-        place = (key[0], (chain_input_kind(value), chain_input_shapes(value)))
-        chosen = self._envelope_plan(place, variants, plan_for)
+        """The plan to stand in for the plan key ``key`` (its values keyed for good ``keyed``,
+        by position) at ``place``, whose profiled plans are among the ``candidates``; None
+        where none can or the values are to be profiled. ``plan_for`` plans a chain of the
+        call's, an envelope."""
+        chosen = self._envelope_plan(place, candidates, plan_for)
         if chosen is None:
             return None
         digest = value_digest(sorted(keyed.items()))
@@ -109,32 +102,51 @@ class StandIns:
                 "something no profile of these values sees (a mask's values?); lower the "
                 "budget by the margin said, for input %s",
                 PROFILES_AFTER_OVER,
-                describe(key[0]),
+                describe(place[0]),
             )
         measured = digest not in self.within.get(chosen, {})
         chosen.verify_next |= measured
         self.standing = (key, place, chosen, digest, measured)
         return chosen
 
+    def for_call(
+        self,
+        signature: Signature,
+        numbers: NumberPlaces,
+        executors: dict[Signature, PlanExecutor],
+        unprofiled: set[Signature],
+        plan_for: Callable[[Signature, Chain], PlanExecutor],
+    ) -> PlanExecutor | None:
+        """:meth:`choose` for a call key whose floats key plans (``numbers``): a float the
+        call passes that picks a branch, new at every step, was a profile at every step (60
+        in 60). The plans of the other values, in ``executors``, are its candidates, but for
+        the ``unprofiled``."""
+        keyed = numbers.keyed_floats(signature)
+        if not keyed:
+            return None
+        places = frozenset(keyed)
+        place = erased(signature, places)
+        candidates = [
+            executor
+            for known, executor in executors.items()
+            if known not in unprofiled and erased(known, places) == place
+        ]
+        return self.choose(signature, (place, "call"), keyed, candidates, plan_for)
+
     def _envelope_plan(
         self,
         place: StandInPlace,
-        variants: dict[VariantKey, PlanExecutor],
+        candidates: Iterable[PlanExecutor],
         plan_for: Callable[[Signature, Chain], PlanExecutor],
     ) -> PlanExecutor | None:
-        """The plan for the envelope of the profiled chains of the call key and blocks' input
-        kind ``place`` (the one whose chain is it, if any); None where there are none."""
-        signature, kind = place
+        """The plan for the envelope of the profiled chains among ``candidates``, the plans
+        at ``place`` (the one whose chain is it, if any); None where there are none."""
+        signature = place[0]
+        # A stand-in's envelope was profiled on no one value.
         profiled = {
-            id(variant): variant
-            for (known, _), variant in variants.items()
-            if known == signature
-            and "chain_input_values" in variant.chain.metadata
-            and (
-                variant.chain.metadata.get("chain_input"),
-                variant.chain.metadata.get("chain_input_shapes"),
-            )
-            == kind
+            id(candidate): candidate
+            for candidate in candidates
+            if "chain_input_values" in candidate.chain.metadata
         }
         if not profiled:
             return None

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tests.test_value_thresholds import WIDTH, SignPicked
+from tests.test_block_values import X
+from tests.test_value_thresholds import WIDTH, Annealed, SignPicked
 from tests.test_variant_values import _measured_steps, _optimized
 
 
@@ -164,3 +165,16 @@ def test_a_forward_without_its_backward_checks_no_value() -> None:
     later = [_batch(centre, generator) for centre in centres[40:]]
     peaks, measured = _measured_steps(om, model, plain, later)
     assert len(_every_over_measured(peaks, measured)) <= 3
+
+
+def test_a_float_the_call_passes_that_picks_a_branch_stands_in_on_the_envelope() -> None:
+    # A temperature new at every step, past the blocks' threshold or not: profiles of two
+    # values disagree, so its values key plans, and each step was a profile (60 in 60).
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": 0.5}, 0.7)
+    generator = torch.Generator().manual_seed(1)
+    temperatures = (torch.rand(40, generator=generator) * 2).tolist()
+    calls = [{"x": X, "temperature": t} for t in temperatures]
+    peaks, measured = _measured_steps(om, model, plain, calls)
+    _every_over_measured(peaks, measured)
+    assert om.cache_info()["misses"] <= 4
