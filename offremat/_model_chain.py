@@ -31,6 +31,7 @@ from offremat._block_skips import skips_refused
 from offremat._blocks import NotAChainError, model_and_chain_outputs, untouched
 from offremat._discover import BlockRun, call_model, find_block_run
 from offremat._outside import Outside, measure_outside, run_stages
+from offremat._pinned_grads import backward_gradient_bytes
 from offremat._run import RunInterception, refuse_hooks, run_blocks
 from offremat._side_patterns import chain_input
 from offremat._signatures import block_values, chain_input_kind, chain_input_shapes
@@ -141,7 +142,7 @@ def profile_blocks_on(
             + value_bytes,
             setup_transient_bytes=max(first.fwd_tmp_bytes, first.nograd_fwd_tmp_bytes),
             end_peak_bytes=last.bwd_tmp_bytes,
-            held_bytes=chain.held_bytes - chain.metadata.get("shared_gradient_bytes", 0),
+            held_bytes=chain.held_bytes - backward_gradient_bytes(chain),
             setup_backward_bytes=first.bwd_tmp_bytes,
         )
     with skips_refused([block for _, block in blocks]):
@@ -181,7 +182,7 @@ def _with_outside(
     folded_chain = dataclasses.replace(
         chain,
         input_bytes=outside.resident_bytes + chain.metadata["kept_by_modules_bytes"],
-        held_bytes=outside.held_bytes + chain.metadata["shared_gradient_bytes"],
+        held_bytes=outside.held_bytes + backward_gradient_bytes(chain),
         stages=tuple(folded),
         metadata=metadata,
     )

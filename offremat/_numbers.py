@@ -123,6 +123,7 @@ _METADATA_BYTES = (
     "chain_input_shapes",
     "kept_by_modules_bytes",
     "shared_gradient_bytes",
+    "pinned_gradient_bytes",
 )
 
 

@@ -9,16 +9,29 @@ the next ``zero_grad``: a review measured 1.12 times the budget at every step fr
 profiler lets each gradient go as soon as it lands (:mod:`offremat._stage_profile`), so it
 records here what the storage each one viewed held beyond the gradients in it; the chain
 counts those bytes as held from the backward's start (:mod:`offremat.profiler`), which they
-are at most. Slices of one storage that are all parameters' gradients (a weight made by
-``torch.cat`` of three) pin nothing more.
+are at most, and says how many (:func:`backward_gradient_bytes`). Slices of one storage
+that are all parameters' gradients (a weight made by ``torch.cat`` of three) pin nothing
+more.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
 from offremat._storage_table import StorageTable
 from offremat._tensors import storage_allocated_bytes
+from solvers.chain import Chain
+
+
+def backward_gradient_bytes(chain: Chain) -> int:
+    """What ``chain``'s held bytes count of gradients its backward makes: the running sums of
+    parameters several stages use (``shared_gradient_bytes``: parameter-sized) and the
+    storages parameters' gradients pin (``pinned_gradient_bytes``: sized by the batch, so a
+    chain predicted for another size drops it, and counts it twice at most)."""
+    metadata = chain.metadata
+    return metadata.get("shared_gradient_bytes", 0) + metadata.get("pinned_gradient_bytes", 0)
 
 
 class _Storage:
@@ -59,11 +72,28 @@ class PinnedGradients:
             self._latest[id(parameter)] = record
         parameter.grad = None
 
-    @property
-    def pinned_bytes(self) -> int:
-        """The bytes of the gradients' storages that are not parameters' gradients."""
-        records = {id(record): record for record in self._latest.values()}.values()
-        return sum(
-            record.beyond(sum(n for key, n in record.parts.items() if self._latest[key] is record))
-            for record in records
-        )
+    def pinned(self) -> dict[int, int]:
+        """By parameter id, the bytes of its gradient's storage that are not parameters'
+        gradients (a storage several parameters' gradients view counts for the first)."""
+        found: dict[int, int] = {}
+        for record in {id(record): record for record in self._latest.values()}.values():
+            parts = {key: n for key, n in record.parts.items() if self._latest[key] is record}
+            beyond = record.beyond(sum(parts.values()))
+            if beyond:
+                found[next(iter(parts))] = beyond
+        return found
+
+
+def held_pinned_bytes(per_stage: Sequence[dict[int, int]], shared: Collection[int]) -> int:
+    """What the gradients of each stage's parameters pin (``per_stage``, by parameter id),
+    held to the end of the backward at most; of a parameter several stages use (``shared``)
+    the most any one pinned: its running sum (offremat._shared_grads) is one gradient at a
+    time, the last stage's part added to the earlier ones out of place."""
+    total, most = 0, {}
+    for pinned in per_stage:
+        for key, size in pinned.items():
+            if key in shared:
+                most[key] = max(most.get(key, 0), size)
+            else:
+                total += size
+    return total + sum(most.values())

@@ -31,17 +31,24 @@ def predicted_chain(profiled: Mapping[Signature, Chain], signature: Signature) -
         same = [(n, chain) for p, n, chain in points if p == positions]
         predicted = predict_chain(same, size)
         if predicted is not None:
-            metadata = _predicted_input(predicted.metadata, same)
+            metadata = _predicted_input(predicted.metadata, same, size)
             return dataclasses.replace(predicted, metadata=metadata)
     return None
 
 
-def _predicted_input(metadata: dict[str, Any], same: Sequence[tuple[int, Chain]]) -> dict[str, Any]:
-    """A predicted chain's metadata: the kind of chain input its sources were profiled on
-    where they agree (else one no input has), not its bytes, which are another size's
-    (offremat._model_chain then takes the costs around the blocks from the chain's figures,
-    as upper bounds)."""
+def _predicted_input(
+    metadata: dict[str, Any], same: Sequence[tuple[int, Chain]], size: int
+) -> dict[str, Any]:
+    """A predicted chain's metadata (at ``size``, from the chains ``same``): the kind of chain
+    input its sources were profiled on where they agree (else one no input has), not its
+    bytes, which are another size's (offremat._model_chain then takes the costs around the
+    blocks from the chain's figures, as upper bounds). Of the gradient storages parameters'
+    gradients pin, which grow with the batch and are predicted within the held bytes, what
+    the smallest source pinned, where it is not larger: taken from the held bytes, no more."""
     metadata = {k: v for k, v in metadata.items() if k not in CHAIN_INPUT_KEYS}
+    smallest = min(same, key=lambda point: point[0])
+    pinned = smallest[1].metadata.get("pinned_gradient_bytes", 0)
+    metadata["pinned_gradient_bytes"] = pinned if smallest[0] <= size else 0
     kinds = {chain.metadata.get("chain_input") for _, chain in same}
     if kinds != {None}:
         # Sources of several kinds predict no kind's bytes: every input gets its own plan.

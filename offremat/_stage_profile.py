@@ -13,7 +13,7 @@ import statistics
 import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -73,8 +73,9 @@ class Measured:
     # gradients B(i) gives them (see _measure).
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
-    # What the storages that parameters' gradients view hold beyond them (offremat._pinned_grads).
-    pinned_grad_bytes: int = 0
+    # By parameter id, what the storage its gradient views holds beyond parameters' gradients
+    # (offremat._pinned_grads).
+    pinned_grads: dict[int, int] = field(default_factory=dict)
 
 
 class StageProfile:
@@ -274,7 +275,7 @@ class StageProfile:
                 handle.remove()
             for parameter in made:
                 parameter.grad = None
-        return dataclasses.replace(sizes, pinned_grad_bytes=pinned.pinned_bytes), handed
+        return dataclasses.replace(sizes, pinned_grads=pinned.pinned()), handed
 
     def _measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool

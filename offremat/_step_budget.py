@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
 from offremat._tensors import allocated_bytes
 from offremat.measure import StepMemory
@@ -55,8 +56,9 @@ def unseen_around_bytes(
         return 0
     kept = chain.metadata.get("kept_by_modules_bytes", 0)
     before = chain.input_bytes - kept - memory.input_bytes
-    shared = chain.metadata.get("shared_gradient_bytes", 0)
-    after = chain.held_bytes - shared if forward_only or memory.device.type == "cpu" else 0
+    after = 0
+    if forward_only or memory.device.type == "cpu":
+        after = chain.held_bytes - backward_gradient_bytes(chain)
     return max(before, 0) + max(after, 0)
 
 

@@ -35,6 +35,7 @@ from offremat._blocks import (
 )
 from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
+from offremat._pinned_grads import held_pinned_bytes
 from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import parameter_users, shared_gradient_bytes
 from offremat._stage import AutocastState
@@ -106,8 +107,10 @@ def profile_model(
     # are held to the end of the backward at most, and each earlier user's B adds to one.
     # So are the storages a parameter's gradient, a slice of a larger one, keeps alive from
     # its stage's backward (offremat._pinned_grads).
-    shared, added = shared_gradient_bytes([list(stage_module(g).parameters()) for g in grouped])
-    shared += sum(m.pinned_grad_bytes for m in measured)
+    parameters = [list(stage_module(g).parameters()) for g in grouped]
+    shared, added = shared_gradient_bytes(parameters)
+    several = {key for key, (_, used) in parameter_users(parameters).items() if len(used) > 1}
+    pinned = held_pinned_bytes([m.pinned_grads for m in measured], several)
     chain_stages = tuple(
         Stage(
             name=stage_name,
@@ -168,6 +171,7 @@ def profile_model(
         "device": str(device),
         "kept_by_modules_bytes": kept,
         "shared_gradient_bytes": shared,
+        "pinned_gradient_bytes": pinned,
         # Of kept_by_modules_bytes: the leaves stages' graphs hold.
         "graph_leaf_bytes": sum(leaves.values()),
         # The gradients autograd gives them, per stage (see cover_plain_autograd).
@@ -200,7 +204,7 @@ def profile_model(
         # The caller's output and the gradient it seeds stay alive to the end of the backward,
         # and so, at most, do the summed gradients of parameters several stages use and the
         # storages parameters' gradients pin.
-        held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes + shared,
+        held_bytes=chain_stages[-1].out_bytes + chain_stages[-1].grad_bytes + shared + pinned,
         stages=chain_stages,
         link=link,
         metadata=metadata,
