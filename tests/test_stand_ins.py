@@ -178,3 +178,46 @@ def test_a_float_the_call_passes_that_picks_a_branch_stands_in_on_the_envelope()
     peaks, measured = _measured_steps(om, model, plain, calls)
     _every_over_measured(peaks, measured)
     assert om.cache_info()["misses"] <= 4
+
+
+class _Planned:
+    """A plan's executor as StandIns reads it: its chain."""
+
+    def __init__(self, chain) -> None:
+        self.chain = chain
+        self.verify_next = False
+
+
+def test_where_the_envelope_fits_no_plan_the_chain_that_holds_most_stands_in() -> None:
+    # Two values' chains that each fit, whose envelope no plan fits: the larger stands in,
+    # its steps measured on new values.
+    import dataclasses
+    import random
+
+    from offremat._stand_ins import StandIns
+    from solvers.budget import InfeasibleBudgetError
+    from solvers.registry import keep_all_peak
+    from tests.test_dp import random_chain
+
+    chain = random_chain(random.Random(0), 4)
+    chain = dataclasses.replace(chain, metadata={"chain_input_values": [0.5]})
+
+    def widened(at: int, saved: int):
+        stages = list(chain.stages)
+        stages[at] = dataclasses.replace(stages[at], saved_bytes=saved)
+        return dataclasses.replace(chain, stages=tuple(stages))
+
+    first, second = widened(1, 90), widened(2, 99)  # each holds the most somewhere
+    larger = max(first, second, key=keep_all_peak)
+    planned = []
+
+    def refuse(signature, chain):
+        planned.append(chain)
+        raise InfeasibleBudgetError(1, 2, "dp")
+
+    stand_ins = StandIns(kept=8)
+    candidates = [_Planned(first), _Planned(second)]
+    chosen = stand_ins.choose("key", ("call", "kind"), {0: 0.7}, candidates, refuse)
+    assert [c.stages[1].saved_bytes for c in planned] == [90]  # the envelope was planned
+    assert [c.stages[2].saved_bytes for c in planned] == [99]
+    assert chosen is not None and chosen.chain is larger and chosen.verify_next
