@@ -191,10 +191,14 @@ class StandIns:
             trim(self.failed, KEPT_STRUCTURES)
             self.overs[(place, digest)] = None
             trim(self.overs, KEPT_VALUES)
-        elif measured and not plan.verify_next and not plan.over_budget:
-            # The measured step ended (a forward without its backward leaves it pending).
-            within = self.within.pop(plan, {})
-            within[digest] = None
-            trim(within, KEPT_VALUES)
-            self.within[plan] = within
-            trim(self.within, self.kept)
+        elif not plan.verify_next and not plan.over_budget:
+            # Its measurement, if any, ended within budget (a forward without its backward
+            # leaves it pending): so did the other values it checked, as on a plan of their own
+            # (a temperature cycling through four values had three measured at every step).
+            checks.within_budget(key)
+            if measured:
+                within = self.within.pop(plan, {})
+                within[digest] = None
+                trim(within, KEPT_VALUES)
+                self.within[plan] = within
+                trim(self.within, self.kept)

@@ -221,3 +221,14 @@ def test_where_the_envelope_fits_no_plan_the_chain_that_holds_most_stands_in() -
     assert [c.stages[1].saved_bytes for c in planned] == [90]  # the envelope was planned
     assert [c.stages[2].saved_bytes for c in planned] == [99]
     assert chosen is not None and chosen.chain is larger and chosen.verify_next
+
+
+def test_floats_the_call_cycles_through_are_measured_once_each() -> None:
+    # The temperature reaches the blocks too, whose check of it never settled on the plan
+    # standing in: three of four cycling values were measured at every step (a review).
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": 0.5}, 0.7)
+    calls = [{"x": X, "temperature": t} for t in (1.515, 0.559, 0.806, 1.469) * 4]
+    peaks, measured = _measured_steps(om, model, plain, calls)
+    _every_over_measured(peaks, measured)
+    assert not any(measured[8:])
