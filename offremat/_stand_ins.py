@@ -1,23 +1,28 @@
-"""Plans that stand in for blocks' values keyed for good, which are new at every step.
+"""Plans that stand in for values keyed for good, which are new at every step.
 
 A value of the blocks' inputs that measured steps blamed twice keys plans by value for good
-(:mod:`offremat._shape_variants`); where it is new at every step (a float the model computes
-that picks a branch), each step was a profile (a review: 76 in 80 steps). Instead, a new value
-runs on a plan made for the envelope of the chains profiled for the same call and blocks'
-input kind (:func:`solvers.envelope.envelope`: at every stage the most any of them holds), or
-on the plan of the chain that holds the most where that chain is the envelope: a value that
-picks which blocks add a branch holds as much on either side, in other blocks, and the plan
-of one side ran the other at 1.2 times the budget, then profiled every later step (a review).
+(:mod:`offremat._shape_variants`), and so does a float the call passes whose profiles
+disagreed (:mod:`offremat._numbers`, :meth:`StandIns.for_call`); where such a value is new at
+every step (a float that picks a branch), each step was a profile (reviews: 76 in 80 steps,
+60 in 60). Instead, a new value runs on a plan made for the envelope of the chains profiled
+for the other values at that place (:func:`solvers.envelope.envelope`: at every stage the most
+any of them holds), or on the plan of the chain that holds the most where that chain is the
+envelope: a value that picks which blocks add a branch holds as much on either side, in other
+blocks, and the plan of one side ran the other at 1.2 times the budget, then profiled every
+later step (a review). A keep-all plan stands in for none: it runs as plain autograd, whose
+backward no measurement sees (a hot value on a cold value's keep-all plan ran half its steps
+at 1.05 times the budget, unmeasured, in a review).
 
 Every step on keyed values that no step measured within budget on that plan is measured:
 memory need not grow with a value (a band of values between two others adding the most), and
 a step measured only past the range of values measured within budget, or one in 32, ran 39
 steps in 120 at 1.05 times the budget, unmeasured (a review). Measuring costs nothing on a GPU
 (the allocator's statistics) and slows a step on CPU (steps 1.4 times slower, in a review). A
-measured step over the budget is said at its end; the next new values are profiled, and the
-envelope takes their chains in, until it holds more than the plan that passed the budget, or
-:data:`PROFILES_AFTER_OVER` profiles have found nothing more: the over came from something no
-profile of these values sees (a mask's values), and that plan stands in again.
+measured step over the budget is said at its end; its values are profiled where they come
+back (a task's id), and the next new values are profiled, the envelope taking their chains
+in, until it holds more than the plan that passed the budget, or :data:`PROFILES_AFTER_OVER`
+profiles have found nothing more: the over came from something no profile of these values
+sees (a mask's values), and that plan stands in again.
 """
 
 from __future__ import annotations
