@@ -105,8 +105,8 @@ class StandIns:
                 trim(self.failed, KEPT_STRUCTURES)
                 return None
             logger.warning(
-                "a plan standing in for new values of the blocks passed its budget, and %d "
-                "profiles of the values after it held no more: what the blocks save follows "
+                "a plan standing in for new values that key plans passed its budget, and %d "
+                "profiles of the values after it held no more: what the model saves follows "
                 "something no profile of these values sees (a mask's values?); lower the "
                 "budget by the margin said, for input %s",
                 PROFILES_AFTER_OVER,
@@ -176,7 +176,7 @@ class StandIns:
             else:
                 logger.info(
                     "a plan for the most each stage held on %d profiled values stands in for "
-                    "new values of the blocks, for input %s",
+                    "new values that key plans, for input %s",
                     len(sources),
                     describe(signature),
                 )
