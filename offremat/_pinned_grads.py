@@ -28,8 +28,9 @@ from solvers.chain import Chain
 def backward_gradient_bytes(chain: Chain) -> int:
     """What ``chain``'s held bytes count of gradients its backward makes: the running sums of
     parameters several stages use (``shared_gradient_bytes``: parameter-sized) and the
-    storages parameters' gradients pin (``pinned_gradient_bytes``: sized by the batch, so a
-    chain predicted for another size drops it, and counts it twice at most)."""
+    storages parameters' gradients pin (``pinned_gradient_bytes``: sized by the batch; a chain
+    predicted for another size says a lower bound, :mod:`offremat._shape_prediction`, so what
+    is taken away from its held bytes is never too much)."""
     metadata = chain.metadata
     return metadata.get("shared_gradient_bytes", 0) + metadata.get("pinned_gradient_bytes", 0)
 

@@ -42,9 +42,10 @@ def _predicted_input(
     """A predicted chain's metadata (at ``size``, from the chains ``same``): the kind of chain
     input its sources were profiled on where they agree (else one no input has), not its
     bytes, which are another size's (offremat._model_chain then takes the costs around the
-    blocks from the chain's figures, as upper bounds). Of the gradient storages parameters'
-    gradients pin, which grow with the batch and are predicted within the held bytes, what
-    the smallest source pinned, where it is not larger: taken from the held bytes, no more."""
+    blocks from the chain's figures, as upper bounds). The bytes parameters' gradients pin
+    grow with the batch, and the held bytes predicted count them: said as what the smallest
+    source pinned where ``size`` is not below it, else 0, a lower bound, since the code
+    around the blocks takes them from the held bytes."""
     metadata = {k: v for k, v in metadata.items() if k not in CHAIN_INPUT_KEYS}
     smallest = min(same, key=lambda point: point[0])
     pinned = smallest[1].metadata.get("pinned_gradient_bytes", 0)
