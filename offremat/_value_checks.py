@@ -133,7 +133,8 @@ class ValueChecks:
     def _beyond(self, where: tuple[Place, bytes], value: Any) -> bool:
         """Whether ``value``, a finite number, lies outside what a place has spanned on a
         plan (``where``)."""
-        return _finite(value) and not _within(self.spanned.get(where), value)
+        span = self.spanned.get(where)
+        return _finite(value) and (span is None or not span[0] <= value <= span[1])
 
     def move(self, key: Any, to: Any) -> None:
         """The step measured on ``key``'s plan runs on ``to``'s: its values go with it."""
@@ -170,7 +171,8 @@ class ValueChecks:
             self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
             if _finite(value):
-                self.spanned[(place, plan)] = _widened(self.spanned.pop((place, plan), None), value)
+                low, high = self.spanned.pop((place, plan), (value, value))
+                self.spanned[(place, plan)] = (min(low, value), max(high, value))
         trim(self.within, KEPT_VALUES)
         trim(self.spanned, KEPT_VALUES)
 
@@ -201,16 +203,6 @@ class ValueChecks:
 
 Span = tuple[float, float]
 """The least and the greatest of the numbers some measured steps held."""
-
-
-def _within(span: Span | None, value: Any) -> bool:
-    """Whether ``value`` is a finite number within ``span`` (None: nothing spanned yet)."""
-    return span is not None and _finite(value) and span[0] <= value <= span[1]
-
-
-def _widened(span: Span | None, value: float) -> Span:
-    """``span`` widened to take in ``value``, a finite number."""
-    return (value, value) if span is None else (min(span[0], value), max(span[1], value))
 
 
 def _finite(value: Any) -> bool:
