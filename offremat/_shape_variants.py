@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
-from offremat._numbers import NumberPlaces, same_sizes
+from offremat._numbers import NumberPlaces, erased, same_sizes
 from offremat._signatures import (
     BlockValue,
     Signature,
@@ -191,24 +191,39 @@ class VariantPlanning:
     def _stand_in(
         self, key: VariantKey, value: Any, values: list[BlockValue], by_value: frozenset[int]
     ) -> PlanExecutor | None:
-        """A plan of another value to run ``key``'s step on, where its blocks' values are
-        keyed for good (:mod:`offremat._stand_ins`); None else."""
+        """A plan of other values to run ``key``'s step on, where its blocks' values or the
+        call's floats are keyed for good (:mod:`offremat._stand_ins`); None else.
+
+        A float the call passes stands in on the variants of its other values with blocks'
+        inputs of the same kind: with a padded batch, a temperature new at every step was a
+        profile of the blocks at every step (38 in 40, a review)."""
+        signature, kind = key
         keyed = _keyed(values, by_value)
-        if not any(self.value_blames.get((key[0], at), 0) > 1 for at in keyed):
+        floats = self.numbers.keyed_floats(signature)
+        for_good = any(self.value_blames.get((signature, at), 0) > 1 for at in keyed)
+        if not for_good and not floats:
             return None
-        kind = (chain_input_kind(value), chain_input_shapes(value))
+        call = erased(signature, frozenset(floats))
+        if for_good:
+            # The blocks' values key by value: any of them, on inputs of this kind and sizes.
+            kind = (chain_input_kind(value), chain_input_shapes(value))
         candidates = [
             variant
-            for (signature, _), variant in self.variants.items()
-            if signature == key[0]
+            for (known, known_kind), variant in self.variants.items()
+            if erased(known, frozenset(floats)) == call
             and (
-                variant.chain.metadata.get("chain_input"),
-                variant.chain.metadata.get("chain_input_shapes"),
+                (
+                    variant.chain.metadata.get("chain_input"),
+                    variant.chain.metadata.get("chain_input_shapes"),
+                )
+                if for_good
+                else known_kind
             )
             == kind
         ]
-        place = (key[0], kind)
-        return self.stand_ins.choose(key, place, keyed, candidates, self._executor_for)
+        both = {("blocks", at): found for at, found in keyed.items()}
+        both.update((("call", at), number) for at, number in floats.items())
+        return self.stand_ins.choose(key, (call, kind), both, candidates, self._executor_for)
 
     def _executor_for(self, signature: Signature, chain: Chain) -> PlanExecutor:
         """An executor of a plan for ``chain``, one of ``signature``'s variants (see

@@ -80,12 +80,12 @@ class StandIns:
         self,
         key: Any,
         place: StandInPlace,
-        keyed: dict[int, Any],
+        keyed: dict[Any, Any],
         candidates: Iterable[PlanExecutor],
         plan_for: Callable[[Signature, Chain], PlanExecutor],
     ) -> PlanExecutor | None:
         """The plan to stand in for the plan key ``key`` (its values keyed for good ``keyed``,
-        by position) at ``place``, whose profiled plans are among the ``candidates``; None
+        by place) at ``place``, whose profiled plans are among the ``candidates``; None
         where none can or the values are to be profiled. ``plan_for`` plans a chain of the
         call's, an envelope."""
         chosen = self._envelope_plan(place, candidates, plan_for)
