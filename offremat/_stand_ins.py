@@ -9,9 +9,13 @@ for the other values at that place (:func:`solvers.envelope.envelope`: at every 
 any of them holds), or on the plan of the chain that holds the most where that chain is the
 envelope: a value that picks which blocks add a branch holds as much on either side, in other
 blocks, and the plan of one side ran the other at 1.2 times the budget, then profiled every
-later step (a review). A keep-all plan stands in for none: it runs as plain autograd, whose
-backward no measurement sees (a hot value on a cold value's keep-all plan ran half its steps
-at 1.05 times the budget, unmeasured, in a review).
+later step (a review). A stand-in is an executor of its own (:meth:`PlanExecutor.standing_in`),
+never the plan of a value's key: a stand-in step measured within budget cleared the over that
+its own key's step had left, whose later steps then ran over the budget, unmeasured (a
+review). Its measured steps run through the executor even where it keeps everything: plain
+autograd's backward no measurement sees (a hot value on a cold value's keep-all plan ran half
+its steps at 1.05 times the budget, unmeasured, in a review), and profiling each value
+instead made a short batch, whose chains all fit keep-all, 40 times slower (a review).
 
 Every step on keyed values that no step measured within budget on that plan is measured:
 memory need not grow with a value (a band of values between two others adding the most), and
@@ -89,10 +93,7 @@ class StandIns:
         where none can or the values are to be profiled. ``plan_for`` plans a chain of the
         call's, an envelope."""
         chosen = self._envelope_plan(place, candidates, plan_for)
-        if chosen is None or chosen.plain:
-            # A keep-all plan runs as plain autograd, whose backward no measurement sees: a
-            # hot value on a cold value's keep-all plan ran 51 steps in 101 at 1.05 times the
-            # budget, unmeasured (a review). Such values are profiled each.
+        if chosen is None:
             return None
         digest = value_digest(sorted(keyed.items()))
         if (place, digest) in self.overs:  # these values passed the budget on it
@@ -148,7 +149,8 @@ class StandIns:
         plan_for: Callable[[Signature, Chain], PlanExecutor],
     ) -> PlanExecutor | None:
         """The plan for the envelope of the profiled chains among ``candidates``, the plans
-        at ``place`` (the one whose chain is it, if any); None where there are none."""
+        at ``place`` (an executor of its own of the one whose chain is it, if any); None where
+        there are none."""
         signature = place[0]
         # A stand-in's envelope was profiled on no one value.
         profiled = {
@@ -164,13 +166,14 @@ class StandIns:
             return known[1]
         sources = sorted(profiled.values(), key=lambda v: -keep_all_peak(v.chain))
         bound = envelope([variant.chain for variant in sources])
-        chosen = sources[0]
+        chosen = None
         if known is not None and same_sizes(bound, known[1].chain):
             chosen = known[1]  # the new profile holds no more
-        elif not same_sizes(bound, chosen.chain):
+        elif not same_sizes(bound, sources[0].chain):
             del bound.metadata["chain_input_values"]  # profiled on no one value
             try:
                 chosen = plan_for(signature, bound)
+                chosen.stands_in = True
             except InfeasibleBudgetError:
                 pass  # the sides together do not fit: the largest stands in, measured
             else:
@@ -180,6 +183,8 @@ class StandIns:
                     len(sources),
                     describe(signature),
                 )
+        if chosen is None:
+            chosen = sources[0].standing_in()
         self.envelopes[place] = (sources, chosen)
         trim(self.envelopes, KEPT_STRUCTURES)
         return chosen

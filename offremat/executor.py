@@ -158,6 +158,9 @@ class PlanExecutor:
         # Measure the next step (a chain not profiled at this shape), and what it found.
         self.verify_next = False
         self.verify_again = False  # the next step's check is the second (offremat._step_budget)
+        # Standing in for other values (offremat._stand_ins): a measured step runs through the
+        # executor though the plan keeps everything, so that its backward is measured too.
+        self.stands_in = False
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False
@@ -173,6 +176,17 @@ class PlanExecutor:
         """Figures of the last step, once it completes: None from when a step starts until
         it completes, and after a step that failed (on CUDA, reading them waits for its end)."""
         return None if self._last is None else self._last.resolve()
+
+    def standing_in(self) -> PlanExecutor:
+        """An executor of this plan and chain with step state of its own, to stand in for
+        other values: their steps' verdicts must not touch this plan's own key's (a review:
+        a stand-in step measured within budget cleared the over its own key's step had left,
+        and that key's later steps ran over the budget, unmeasured)."""
+        twin = PlanExecutor(
+            self.stages, self.plan, self.chain, self.measure_memory, self.in_flight, self.resources
+        )
+        twin.stands_in = True
+        return twin
 
     def clear_stats(self) -> None:
         """Forget the last step's figures: a step starts, which may fail."""
@@ -207,7 +221,9 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        measuring = self.measure_memory or (self.verify_next and not self.plain)
+        measuring = self.measure_memory or (
+            self.verify_next and not (self.plain and not self.stands_in)
+        )
         if self.plain and not self.measure_memory and in_functorch_transform():
             # Plain autograd's schedule needs no bookkeeping, which wrapped tensors refuse.
             return run_plainly(self.stages, value, device, self._finished)
