@@ -69,8 +69,8 @@ class HostArena:
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory, apart from the arena."""
-        # Host memory, not the device's: on CPU, where both are the same RAM, it is allocated
-        # outside any dispatch mode so that the step's measurement leaves it out (design.md).
+        # Host memory, not the device's, which the budget counts: on CPU, where both are the
+        # same RAM, it is allocated outside any dispatch mode, so the measurement leaves it out.
         with _disable_current_modes():
             return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
 

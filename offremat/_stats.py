@@ -16,8 +16,8 @@ from solvers.plan import Plan
 class StepStats:
     """What the executor measured during one training step.
 
-    - ``measured_peak_bytes``: the step's activation peak measured independently, as design.md
-      defines it (:class:`offremat.measure.StepMemory`, the step's input included); None
+    - ``measured_peak_bytes``: the step's activation peak measured independently, as the budget
+      counts it (:class:`offremat.measure.StepMemory`, the step's input included); None
       unless the executor measures (``measure_memory=True``, or the first step of a plan
       whose chain was read from a plan cache or predicted, see :mod:`offremat.executor`).
       On CUDA the allocator counts everything from the forward's start to the backward's

@@ -1,14 +1,13 @@
 """The budget check of a measured step: the first step of a plan whose chain was not profiled
 at its shape, and every step with ``measure_memory=True`` (see :mod:`offremat.executor`).
 
-The budget leaves out the parameters' gradients (design.md), but a step whose parameters'
-.grad is None allocates them, and the measurement sees them. On CPU the tracker stops counting
-each one once accumulated (:class:`offremat.measure.StepMemory`, ``gradients_of``), so one
-step decides. The CUDA allocator cannot tell them apart: a step over its budget by no more
-than their bytes leaves the check to the next, which may find them made (the caller keeps them
-between steps); found over by as little again, its shape is profiled, so that a training loop
-that drops its gradients every step is not measured forever.
-"""
+The budget leaves out the parameters' gradients (:mod:`offremat.measure`), but a step whose
+parameters' .grad is None allocates them, and the measurement sees them. On CPU the tracker
+stops counting each one once accumulated (:class:`offremat.measure.StepMemory`,
+``gradients_of``), so one step decides. The CUDA allocator cannot tell them apart: a step over
+its budget by no more than their bytes leaves the check to the next, which may find them made
+(the caller keeps them between steps); found over by as little again, its shape is profiled, so
+that a training loop that drops its gradients every step is not measured forever."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Measure a training step's activation memory independently of the executor.
 
-design.md defines what "within the budget" means: the device bytes that the step itself
-allocates, seen by something that sees every allocation, never the executor's own count.
+"Within the budget" means: the device bytes that the step itself allocates and holds at
+once (its activations, temporaries and input; not the parameters, their gradients or the
+optimizer's state), seen by something that sees every allocation, never the executor's own
+count.
 
 - CUDA: the caching allocator's statistics. ``max_memory_allocated()`` after
   ``reset_peak_memory_stats()``, minus what was allocated when the step began. Resetting the
@@ -143,7 +145,7 @@ def _key(leaf: torch.Tensor | torch.UntypedStorage) -> int:
 
 
 class StepMemory:
-    """The activation peak of the code run inside it, on ``device``, as design.md defines it.
+    """The activation peak of the code run inside it, on ``device``, as the budget counts it.
 
     ``with StepMemory(device, inputs=batch) as memory: ...`` then ``memory.peak_bytes`` is the
     most bytes that the code inside allocated and held at once, plus the bytes that ``inputs``
@@ -153,7 +155,7 @@ class StepMemory:
     inside and of the ``existing`` ones named (the CUDA allocator sees every free), so a code
     that frees older tensors before it allocates can have a peak below its allocations.
 
-    The budget leaves out parameters' gradients (design.md). On CPU, the gradients that the
+    The budget leaves out parameters' gradients (module notes). On CPU, the gradients that the
     code accumulates into the parameters ``gradients_of`` stop counting, from that moment, in
     ``peak_less_gradients_bytes`` (they count in ``peak_bytes``): so one step whose .grad were
     None can be checked against the budget exactly. The CUDA allocator cannot tell them apart.

@@ -1,9 +1,9 @@
 """In-repo models for the demo, the sweeps and the tests, each an ``nn.Sequential`` of blocks.
 
-The profiler makes one stage per child, so every child here is one block. Following design.md
-("the last stage ends in the loss"), each model takes ``(inputs, targets)`` as one tuple: every
-stage but the last passes ``targets`` through untouched beside its hidden state, and the last
-stage returns the scalar mean cross-entropy. A training step is therefore::
+The profiler makes one stage per child, so every child here is one block. As the chain format
+has it (the last stage ends in the loss), each model takes ``(inputs, targets)`` as one tuple:
+every stage but the last passes ``targets`` through untouched beside its hidden state, and the
+last stage returns the scalar mean cross-entropy. A training step is therefore::
 
     loss = model((tokens, targets))
     loss.backward()
