@@ -107,7 +107,7 @@ def measure(name: str, chain: Chain, points: list[SweepPoint], steps: int, path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt-small", "resnet-small"])
     parser.add_argument("--points", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

@@ -102,7 +102,7 @@ def budgets() -> dict[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per process")
     parser.add_argument("--out", default="experiments/results/compose_cpu", help="path stem")

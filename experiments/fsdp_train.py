@@ -87,7 +87,7 @@ def reference_grads(name: str, device: torch.device, world: int) -> dict[str, to
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--solver", default="dp")
     parser.add_argument("--budget", type=float, default=0.5, help="fraction of keep-all")

@@ -1,4 +1,4 @@
-"""Issue 17, parts 1 and 2, on a CUDA GPU: gradients and peaks of every plan against plain
+"""The CUDA executor checked on a GPU: gradients and peaks of every plan against plain
 autograd and the allocator, a stage that only doubles its input, a memory snapshot of an
 offload-all step, the copies' overlap with compute on a profiler timeline, and the link probe
 against plain 1 GiB copies.
@@ -32,7 +32,7 @@ CHECK_TIMEOUT_S = 300
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu"))
     parser.add_argument("--only", nargs="+", choices=CHECKS, default=list(CHECKS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -367,7 +367,7 @@ def link(out: Path) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     """The report as Markdown: provenance first, then each check's findings."""
     lines = [
-        "# GPU check (issue 17, parts 1 and 2)",
+        "# GPU check",
         "",
         f"- date: {report['date']}",
         f"- device: {report['device']}, torch {report['torch']}, CUDA {report['cuda']}",

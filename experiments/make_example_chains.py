@@ -127,7 +127,7 @@ def gpt2_small() -> Chain:
 
 
 def llama_7b(fused_swiglu: bool = False) -> Chain:
-    """Llama-7B-shaped (issue 3's target): 32 blocks, h=4096, seq 4096, batch 1, bf16, flash.
+    """Llama-7B-shaped (the largest example): 32 blocks, h=4096, seq 4096, batch 1, bf16, flash.
 
     Eager PyTorch keeps four f-wide tensors per SwiGLU (gate, up, silu(gate), their product);
     a fused SwiGLU kernel keeps only gate and up, which ``fused_swiglu`` models.

@@ -212,7 +212,7 @@ def fault_section(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--part", choices=("own-cost", "faults"), help=argparse.SUPPRESS)

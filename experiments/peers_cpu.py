@@ -352,7 +352,7 @@ def plan_model(name: str, workdir: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="timing rounds (at least 7)")
     parser.add_argument(
         "--rss-rounds", type=int, default=3, help="fresh processes per configuration for RSS"

@@ -185,7 +185,7 @@ def _two_and_five(value: float, _: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gpt-small", "resnet-small"])
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.3, 0.5, 0.7])
     parser.add_argument("--steps", type=int, default=6)

@@ -83,7 +83,7 @@ def attempt(name: str, sizes: tuple[int, ...], unseen: int, rounds: int) -> floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--attempts", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)

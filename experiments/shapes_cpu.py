@@ -88,7 +88,7 @@ def best_segments(model: torch.nn.Module, batch: Any, budget: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
