@@ -385,5 +385,6 @@ class VariantPlanning:
             raise
         self._learn_neutral_values(key[0], variant_chain)
         self.variants[key] = variant
+        self.numbers.checks.replaced(key)
         trim(self.variants, KEPT_VARIANTS)
         return variant

@@ -394,6 +394,7 @@ class ShapePlans(VariantPlanning):
         )
         self.executors[signature] = executor
         trim(self.executors, KEPT_SIGNATURES)
+        self.numbers.checks.replaced(signature)
         self.provisional &= self.executors.keys() | self.profiled.keys()
         self.unprofiled &= self.executors.keys() | self.profiled.keys()
         # A keep-all plan runs as plain autograd (offremat._plain), its forward measured.

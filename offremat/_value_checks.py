@@ -63,10 +63,11 @@ class ValueChecks:
     """The values of the numbers that plans' keys leave out, as checked by measured steps."""
 
     def __init__(self) -> None:
-        self.checked: dict[bytes, None] = {}  # calls measured within budget
-        # Values at their place measured within budget, by plan key: a value checked on a
-        # plan profiled on it says nothing of another plan (a loop count checked on a padded
-        # batch's plan ran at 1.61 times the budget on the unpadded one's, unmeasured).
+        # Calls, and values at their place, measured within budget, by plan key: a value
+        # checked on a plan profiled on it says nothing of another plan (a loop count checked
+        # on a padded batch's plan ran at 1.61 times the budget on the unpadded one's,
+        # unmeasured), nor of the plan that replaces it under its key (:meth:`replaced`).
+        self.checked: dict[tuple[bytes, bytes], None] = {}
         self.within: dict[tuple[bytes, bytes], None] = {}
         self.unmeasured: dict[bytes, None] = {}  # values at their place seen, not measured
         self.new_calls: dict[Any, int] = {}  # per structure
@@ -103,7 +104,7 @@ class ValueChecks:
         trim(self.distinct, KEPT_VALUES)
         digest, plan = value_digest(signature), value_digest(key)
         chosen = False
-        if digest not in self.checked:
+        if (plan, digest) not in self.checked:
             back = any(
                 d in self.unmeasured and (plan, d) not in self.within for d, _ in places.values()
             )
@@ -125,7 +126,7 @@ class ValueChecks:
             trim(self.pending_calls, KEPT_STRUCTURES)
             return True
         self._unsettled(key)  # a measurement that never ended
-        if digest not in self.checked:
+        if (plan, digest) not in self.checked:
             self.unmeasured.update(dict.fromkeys(d for d, _ in places.values()))
             trim(self.unmeasured, KEPT_VALUES)
         return False
@@ -164,9 +165,9 @@ class ValueChecks:
 
     def within_budget(self, key: Signature) -> None:
         """The step measured on ``key``'s plan ended within its budget: its values are checked."""
-        self.checked.update(dict.fromkeys(self.pending_calls.pop(key, ())))
-        trim(self.checked, KEPT_VALUES)
         plan = value_digest(key)
+        self.checked.update(dict.fromkeys((plan, d) for d in self.pending_calls.pop(key, ())))
+        trim(self.checked, KEPT_VALUES)
         for place, (digest, value) in self.pending.pop(key, {}).items():
             self.within[(plan, digest)] = None
             self.unmeasured.pop(digest, None)
@@ -175,6 +176,21 @@ class ValueChecks:
                 self.spanned[(place, plan)] = (min(low, value), max(high, value))
         trim(self.within, KEPT_VALUES)
         trim(self.spanned, KEPT_VALUES)
+
+    def replaced(self, key: Any) -> None:
+        """``key`` has a new plan (profiled on other values, or improved): nothing measured
+        on the one before is checked on it. A call and a count checked on a key's first plan
+        ran at 1.05 times the budget, unmeasured, on the plan of a later profile (a review)."""
+        plan = value_digest(key)
+        self._unsettled(key)
+        for call in [call for call in self.checked if call[0] == plan]:
+            del self.checked[call]
+        for within in [within for within in self.within if within[0] == plan]:
+            del self.within[within]
+            self.unmeasured[within[1]] = None  # measured where it comes back
+        trim(self.unmeasured, KEPT_VALUES)
+        for where in [where for where in self.spanned if where[1] == plan]:
+            del self.spanned[where]
 
     def measured(self, key: Signature) -> frozenset[Place]:
         """The places whose values the step measured last on ``key``'s plan checks, until it

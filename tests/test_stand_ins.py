@@ -274,6 +274,27 @@ def test_a_stand_in_step_leaves_the_verdict_of_its_plans_own_key() -> None:
     assert _every_over_measured(peaks, measured)
 
 
+def test_what_was_checked_on_a_keys_plan_is_not_taken_for_the_plan_replacing_it() -> None:
+    # The first plan, profiled on a count of 3, checked (1.208, n=1) and n=3; a later profile
+    # on (1.208, n=1) replaced it under the same key, and (1.208, n=3) ran on the new plan at
+    # 1.05 times the budget, unmeasured (a review, from a fuzzer's trace).
+    torch.manual_seed(3)
+    generator = torch.Generator().manual_seed(3)
+
+    def batch(many: bool) -> torch.Tensor:
+        x = torch.randn(4, 64, 8, generator=generator)
+        x[0, 0, 0] = abs(float(x[0, 0, 0])) * (1 if many else -1)
+        return x
+
+    om, model, plain = _optimized(CountedAnnealed(), {"x": batch(False), "temperature": 0.5}, 0.7)
+    cold = (0.872, 0.74, 0.476, 0.422, 0.3, 0.35, 0.2, 0.25)
+    steps = [(0.131, True), (1.208, False), (0.464, True), (1.647, True), (1.208, False)]
+    steps += [(t, False) for t in cold] + [(1.208, True)] * 2
+    calls = [{"x": batch(many), "temperature": t} for t, many in steps]
+    peaks, measured = _measured_steps(om, model, plain, calls)
+    _every_over_measured(peaks, measured)
+
+
 class _Planned:
     """A plan's executor as StandIns reads it: its chain, not keep-all."""
 
