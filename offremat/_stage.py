@@ -133,9 +133,10 @@ def check_unmodified(stage: str, inputs: Sequence[torch.Tensor], versions: Seque
             raise RuntimeError(
                 f"stage {stage!r} modifies its input in place (for example an inplace=True "
                 f"activation first in the stage); offremat reads a stage's input again to "
-                f"recompute it, and the first stage's input is the caller's batch. Make that "
-                f"operation out of place; in a later stage, grouping it with the block before "
-                f"it (stages=...) also does"
+                f"recompute it, and the first stage's input is the chain's own input (the "
+                f"caller's batch, or what the code before the blocks made). Make that "
+                f"operation out of place (inplace=False); in a later stage of an "
+                f"nn.Sequential, grouping it with the block before it (stages=...) also does"
             )
 
 

@@ -72,6 +72,7 @@ from offremat._tensors import (
 )
 from offremat.measure import StepMemory
 from solvers.baselines import keep_all
+from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.host import COMPUTE
 from solvers.plan import (
@@ -87,6 +88,10 @@ from solvers.semantics import refills, undisturbed_forwards
 from solvers.simulator import simulate
 
 logger = logging.getLogger(__name__)
+
+FORWARD_SLACK = 0.01
+"""How much more than its plan's chain predicts a keep-all plan's measured forward may hold
+before the step is taken as over its budget (:meth:`PlanExecutor._run_plainly_verified`)."""
 
 
 class PlanExecutor:
@@ -158,9 +163,6 @@ class PlanExecutor:
         # Measure the next step (a chain not profiled at this shape), and what it found.
         self.verify_next = False
         self.verify_again = False  # the next step's check is the second (offremat._step_budget)
-        # Standing in for other values (offremat._stand_ins): a measured step runs through the
-        # executor though the plan keeps everything, so that its backward is measured too.
-        self.stands_in = False
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False
@@ -182,11 +184,9 @@ class PlanExecutor:
         other values: their steps' verdicts must not touch this plan's own key's (a review:
         a stand-in step measured within budget cleared the over its own key's step had left,
         and that key's later steps ran over the budget, unmeasured)."""
-        twin = PlanExecutor(
+        return PlanExecutor(
             self.stages, self.plan, self.chain, self.measure_memory, self.in_flight, self.resources
         )
-        twin.stands_in = True
-        return twin
 
     def clear_stats(self) -> None:
         """Forget the last step's figures: a step starts, which may fail."""
@@ -221,9 +221,7 @@ class PlanExecutor:
             for stage in self.stages:
                 value = stage(value)
             return value
-        measuring = self.measure_memory or (
-            self.verify_next and not (self.plain and not self.stands_in)
-        )
+        measuring = self.measure_memory or (self.verify_next and not self.plain)
         if self.plain and not self.measure_memory and in_functorch_transform():
             # Plain autograd's schedule needs no bookkeeping, which wrapped tensors refuse.
             return run_plainly(self.stages, value, device, self._finished)
@@ -260,18 +258,43 @@ class PlanExecutor:
     def _run_plainly_verified(
         self, value: Any, tensors: Sequence[torch.Tensor], device: torch.device
     ) -> Any:
-        """The first step of a keep-all plan whose chain was not profiled at this shape (read
-        from cache_dir, predicted), run as plain autograd with its forward measured: plain
-        autograd holds every activation at its end, so a forward over the budget marks the
-        plan for a profile of its shape, as the executor's first-step check does."""
+        """A measured step of a keep-all plan (a chain not profiled at this shape, values the
+        plan was not profiled on, a plan standing in for them), run as plain autograd with its
+        forward measured: plain autograd holds every activation at its end, so a forward over
+        the budget marks the plan over it. Its backward no measurement sees (autograd's engine
+        keeps no dispatch mode a hook enters past the node that entered it, and running the
+        step through the executor would refuse what plain autograd allows, an auxiliary loss
+        kept on a module): so a forward that holds more than the plan's chain predicts is
+        taken as over too, its chain not this step's (a count new to a keep-all plan ran its
+        backward at 1.2 times the budget, unmeasured, in a review)."""
         self.verify_next = False
         with StepMemory(device, tensors) as memory:
             value = run_plainly(self.stages, value, device, self._finished)
         budget = self.plan.budget_bytes
         around = unseen_around_bytes(self, memory, forward_only=True)
-        if budget is not None and memory.peak_bytes + around > budget:
+        over = budget is not None and memory.peak_bytes + around > budget
+        predicted = self._forward_peak_bytes()
+        unlike = memory.peak_bytes > predicted * (1 + FORWARD_SLACK)
+        if over or unlike:
             self.over_budget = True
+            logger.warning(
+                "this step, run as plain autograd (a keep-all plan), measured %s in its forward "
+                "where its plan's chain predicts %s (budget %s): it may pass the budget in its "
+                "backward, which no measurement sees. It ran on what that chain was not "
+                "profiled on: the next step on it is planned anew",
+                format_bytes(memory.peak_bytes),
+                format_bytes(predicted),
+                format_bytes(budget or 0),
+            )
         return value
+
+    def _forward_peak_bytes(self) -> int:
+        """The most the plan's forward holds, as simulated (before its first backward)."""
+        first = next(n for n, op in enumerate(self.plan.ops) if op.kind == BACKWARD)
+        start = next(span.start_s for span in self.simulation.timeline if span.op_index == first)
+        return max(
+            (level for time, level in self.simulation.memory_curve if time < start), default=0
+        )
 
     def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
         """The step's device: the stages' parameters', else the first input tensor's.

@@ -114,7 +114,9 @@ class OptimizedModule(nn.Module):
         return executor
 
     def cache_info(self) -> dict[str, Any]:
-        """Plans by input shape: ``hits``, ``misses``, ``plans`` and ``planning_s``."""
+        """Plans by input shape, as ``functools.lru_cache`` counts: ``hits``, ``misses``,
+        ``plans``, ``from_disk``, ``predicted``, ``improved``, ``variants`` and ``planning_s``
+        (:meth:`offremat._shapes.ShapePlans.info` says what each counts)."""
         return self._plans.info()
 
     def release_host_memory(self) -> None:
