@@ -202,14 +202,16 @@ class NumberPlaces:
             return signature
         return erased(signature, self.neutral.get(_skeleton(signature), frozenset()))
 
-    def keyed_floats(self, signature: Signature) -> dict[int, float]:
-        """The floats of ``signature`` at places that key plans, by place."""
+    def keyed_floats(self, signature: Signature) -> dict[int, Any]:
+        """The floats of ``signature`` at places that key plans, by place: Python's, and
+        NumPy's scalars (a schedule computed with NumPy was a profile at every step, 40 in
+        40, in a review)."""
         places = self.sizing.get(_skeleton(signature), frozenset())
         if not places:
             return {}
         found: list[Any] = []
         _numbers(signature[1], found)
-        return {p: found[p] for p in sorted(places) if p < len(found) and type(found[p]) is float}
+        return {p: found[p] for p in sorted(places) if p < len(found) and _is_float(found[p])}
 
     def is_neutral(self, signature: Signature, places: frozenset[int]) -> bool:
         """Whether ``places`` are all known neutral in ``signature``'s structure."""
@@ -370,3 +372,7 @@ def _kept_signatures() -> int:
     from offremat._shapes import KEPT_SIGNATURES  # the module that keeps them imports this one
 
     return KEPT_SIGNATURES
+
+
+def _is_float(number: Any) -> bool:
+    return type(number) is float or (type(number) is Value and number.type_name.startswith("float"))

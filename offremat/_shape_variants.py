@@ -136,6 +136,8 @@ class VariantPlanning:
             self.variants[key] = self.variants.pop(key)  # the latest used
             if not variant.verify_next:  # the step measured last on it ended, within budget
                 self.numbers.checks.within_budget(key)
+            elif not variant.verify_again:  # it never ended: its backward did not run
+                self.numbers.checks.not_settled(key)
         else:
             variant = self._stand_in(key, value, values, by_value)
             if variant is None:

@@ -198,6 +198,7 @@ class ShapePlans(VariantPlanning):
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         self.call_measured = None
+        self.numbers.checks.next_step()
         self.call_stand_ins.settle(self.numbers.checks)
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
@@ -251,6 +252,8 @@ class ShapePlans(VariantPlanning):
                     executor = self._improve(signature, executor.chain)
                 if not executor.verify_next:  # the step measured last on it ended, within budget
                     self.numbers.within_budget(signature)
+                elif not executor.verify_again:  # it never ended: its backward did not run
+                    self.numbers.checks.not_settled(signature)
             if self.numbers.verifies(called, signature):
                 # for_chain_input moves it where the step runs on a variant.
                 self.call_measured = (executor, executor.verify_next)

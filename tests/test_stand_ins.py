@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
@@ -311,6 +312,39 @@ def test_a_new_count_on_a_keep_all_plan_is_said_and_planned(caplog) -> None:
         assert "run as plain autograd (a keep-all plan)" in caplog.text
         peaks += _measured_steps(om, model, plain, calls[2:])[0]
     assert peaks[1] > 1 and max(peaks[0], peaks[2]) <= 1
+
+
+@pytest.mark.parametrize("temperature", [1.7, 1.5], ids=["stand-in", "own-plan"])
+def test_values_of_a_forward_without_its_backward_are_not_taken_as_checked(
+    temperature: float,
+) -> None:
+    # A count of 3 in a forward whose backward never ran was pending when the next measured
+    # step, on a count of 1, ended within budget: taken as checked, every later step on it
+    # ran at 1.05 times the budget, unmeasured (a review).
+    torch.manual_seed(0)
+    few, many = X.clone(), X.clone()
+    few[0, 0, 0], many[0, 0, 0] = -1.0, 1.0
+    om, model, plain = _optimized(CountedAnnealed(), {"x": few, "temperature": 0.5}, 0.7)
+    _measured_steps(om, model, plain, [{"x": few, "temperature": t} for t in (1.5, 0.7, 1.2)])
+    om(x=many, temperature=temperature)  # its output dropped
+    calls = [{"x": few, "temperature": temperature}] + [{"x": many, "temperature": temperature}] * 3
+    peaks, measured = _measured_steps(om, model, plain, calls)
+    assert _every_over_measured(peaks, measured)
+
+
+def test_a_numpy_float_the_call_passes_stands_in_too() -> None:
+    # A temperature from a schedule computed with NumPy (numpy.float64) was a profile at every
+    # step, 40 in 40 (a review).
+    import numpy
+
+    torch.manual_seed(0)
+    om, model, plain = _optimized(Annealed(), {"x": X, "temperature": numpy.float64(0.5)}, 0.7)
+    generator = torch.Generator().manual_seed(1)
+    temperatures = (torch.rand(30, generator=generator) * 2).tolist()
+    calls = [{"x": X, "temperature": numpy.float64(t)} for t in temperatures]
+    peaks, measured = _measured_steps(om, model, plain, calls)
+    _every_over_measured(peaks, measured)
+    assert om.cache_info()["misses"] <= 4
 
 
 class _Planned:
