@@ -251,6 +251,18 @@ def _levels(changes: list[tuple[float, int, int, int]], start: int = 0) -> list[
     return curve
 
 
+def compute_time_s(plan: Plan, chain: Chain) -> float:
+    """The sum of ``plan``'s compute durations, as :func:`simulate` times them: its makespan
+    is at least this (one compute stream runs one op at a time), and equal where no op waits
+    for memory or a copy, as in a plan that copies nothing and has no budget."""
+    refilled = refills(plan.ops)
+    return sum(
+        max(duration_s(op, chain, n in refilled), SHORTEST_SECONDS)
+        for n, op in enumerate(plan.ops)
+        if op.is_compute
+    )
+
+
 def score(plan: Plan, chain: Chain, budget: int | None) -> Plan:
     """The plan with its budget, predicted time and predicted peak filled in by :func:`simulate`."""
     result = simulate(plan, chain, budget)

@@ -212,3 +212,23 @@ def test_an_f_all_right_before_its_backward_after_a_checkpoint_is_a_refill() -> 
     assert refills(ops) == {4, 6}
     assert simulate(ops, quick, None).makespan_s == 3 * 1.0 + 2 * 0.25 + 3 * 2.0
     assert refills([*ops[:6], forward_all(1), free(ACTIVATION, 1), backward(1)]) == {4}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compute_time_is_the_time_of_a_copy_free_plan_and_bounds_every_plan(seed: int) -> None:
+    # dp_family skips simulating a baseline whose compute time alone is no faster than the
+    # DP's plan: that must be the simulated time of a plan without copies, and a lower bound
+    # of any plan's.
+    import random
+
+    from solvers.baselines import checkpoint_sequential_plan, offload_all
+    from solvers.simulator import compute_time_s
+    from tests.test_dp import random_chain
+
+    chain = random_chain(random.Random(seed), 6)
+    for segments in range(1, chain.length + 1):
+        plan = checkpoint_sequential_plan(chain, segments)
+        assert compute_time_s(plan, chain) == simulate(plan, chain, None).makespan_s
+    linked = Chain(chain.name, chain.input_bytes, chain.stages, link=Link(1e8, 1e8))
+    plan = offload_all(linked)
+    assert compute_time_s(plan, linked) <= simulate(plan, linked, None).makespan_s
