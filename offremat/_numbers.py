@@ -146,14 +146,14 @@ def _sizes(chain: Chain) -> tuple[Any, ...]:
 
 
 def number_names(batch: Any) -> list[str]:
-    """Where each number of ``batch`` is, in order (``num_items_in_batch``, ``argument 1``,
-    ``input[1]``): for messages."""
+    """Where each number of ``batch`` is, in order (``num_items_in_batch``, ``at position 2``
+    for the second positional argument, ``input[1]``): for messages."""
     structure = flatten(batch)[1]
     names: list[str] = []
     if type(batch).__name__ == "Call":  # positional arguments, then keyword arguments
         args, kwargs = structure.children
         for index, child in enumerate(args.children):
-            _names(child, f"argument {index}", names)
+            _names(child, f"at position {index + 1}", names)
         for key, child in zip(kwargs.value[1], kwargs.children, strict=True):
             _names(child, str(key), names)
     else:

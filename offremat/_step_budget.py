@@ -126,7 +126,8 @@ def report_over_budget(
         if replanned
         else "The model's activation sizes depend on more than the input's shapes (the "
         "values of a padding mask, a routing decision) or differ from the sizes predicted "
-        "for this shape: lower the budget given to offremat.optimize by that margin",
+        "for this shape: lower the budget given to offremat.optimize by that margin, or "
+        "optimize on the batch that holds the most (the most tokens routed, no padding)",
     )
 
 

@@ -969,3 +969,15 @@ def test_autograd_grad_with_respect_to_the_parameters_is_said_at_the_next_step(c
     assert all(g is None for g in grads)
     loss = om(x).sum()
     assert "torch.autograd.grad" in caplog.text and "loss.backward()" in caplog.text
+
+
+def test_a_given_plan_that_offloads_asks_for_the_bandwidth(tmp_path) -> None:
+    # Without it the profiled chain has no link, and the simulator's "add a 'link'" named a
+    # field of the chain format, which the Python API does not write (the trial).
+    model, (x, _) = mlp(), batch()
+    first = offremat.optimize(model, x, budget=0.9, solver="offload-all", bandwidth="10GB/s")
+    first.plan.save(tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="pass optimize the bandwidth it was solved with"):
+        offremat.optimize(mlp(), x, plan=tmp_path / "plan.json")
+    again = offremat.optimize(mlp(), x, plan=tmp_path / "plan.json", bandwidth="10GB/s")
+    assert again.plan.ops == first.plan.ops
