@@ -100,7 +100,11 @@ def chain_break(previous: RecordedCall, record: RecordedCall) -> str | None:
                 f"{record.path} takes {previous.path}'s output, but not as its hidden state: "
                 f"{rule}, so call the blocks with the state there"
             )
-        return f"{record.path} does not take {previous.path}'s output as its hidden state ({rule})"
+        return (
+            f"{record.path} does not take {previous.path}'s output as its hidden state ({rule}); "
+            "where the model changes that output between the two calls (a pooling, an "
+            "interpolation, a projection), move that code into the blocks' forward"
+        )
     return None
 
 

@@ -657,6 +657,28 @@ def test_a_state_handed_under_another_keyword_is_named_with_the_rule() -> None:
     assert "first positional argument or its hidden_states= keyword" in str(refusal.value)
 
 
+class _PooledBetween(torch.nn.Module):
+    """Blocks with a pooling between their calls, as a U-Net's encoder has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.nn.functional.max_pool1d(block(x), 1)
+        return x.pow(2).mean()
+
+
+def test_code_between_the_blocks_calls_is_named_with_what_to_do() -> None:
+    # The refusal said only that the next block does not take the last one's output (the
+    # trial, on a U-Net): what changes it in between belongs in the blocks.
+    with pytest.raises(offremat.NotAChainError) as refusal:
+        offremat.optimize(_PooledBetween(), torch.randn(8, 16), budget=1.0, blocks="blocks")
+    assert "blocks.1 does not take blocks.0's output" in str(refusal.value)
+    assert "move that code into the blocks' forward" in str(refusal.value)
+
+
 class LayerDropNet(torch.nn.Module):
     """Skips each of its blocks at random in training, as LayerDrop does."""
 
