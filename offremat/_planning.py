@@ -22,7 +22,7 @@ from offremat._plan_cache import PlanCache
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat.profiler import parse_bandwidth
-from solvers.budget import format_bytes, parse_budget
+from solvers.budget import InfeasibleBudgetError, format_bytes, parse_budget
 from solvers.chain import Chain
 from solvers.plan import OFFLOAD, PREFETCH, Plan
 from solvers.registry import check_request, keep_all_peak, solve
@@ -216,6 +216,36 @@ def _given_chain(chain: Chain, stages: int | None, bandwidth: Any) -> Chain:
     return chain
 
 
+AROUND_SHARE = 0.25
+"""The share of the least feasible budget that the code around a model's chain must hold for
+a refusal to say so."""
+
+
+def _say_what_is_around(chain: Chain, least_bytes: int | None) -> None:
+    """Where no plan fits a model's chain and the code around it holds much of the least
+    budget, say what: a U-Net planned on its decoder alone was refused at 82% of keep-all,
+    the encoder, outside the chain, unsaid (the trial)."""
+    if "outside" not in chain.metadata or not least_bytes:
+        return
+    around = chain.input_bytes + chain.held_bytes
+    if around < AROUND_SHARE * least_bytes:
+        return
+    logger.warning(
+        "no plan fits: of the least budget, %s, the code around the chain (%s to %s, %d "
+        "stages) holds %s, which no plan recomputes or offloads: the batch and what the code "
+        "before the blocks keeps for its backward (%s), and what the code after them holds "
+        "(%s). If other modules of the model repeat too (an encoder beside a decoder), name "
+        "them with blocks=, or make the code around the blocks part of them",
+        format_bytes(least_bytes),
+        chain.stage_names[0],
+        chain.stage_names[-1],
+        chain.length,
+        format_bytes(around),
+        format_bytes(chain.input_bytes),
+        format_bytes(chain.held_bytes),
+    )
+
+
 def _plan(
     chain: Chain,
     budget: int | float | str | None,
@@ -232,7 +262,13 @@ def _plan(
                 "pass budget= (bytes, a size such as '6GiB', or a fraction of the keep-all "
                 "peak such as 0.5), or a plan="
             )
-        plan = solve(chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options)
+        try:
+            plan = solve(
+                chain, parse_budget(budget, keep_all_peak(chain)), solver, **solver_options
+            )
+        except InfeasibleBudgetError as error:
+            _say_what_is_around(chain, error.min_budget_bytes)
+            raise
     else:
         # Nothing is solved for this input, but a new input shape is solved with them.
         check_request(solver, solver_options)

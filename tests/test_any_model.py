@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import pickle
 
 import pytest
@@ -677,6 +678,35 @@ def test_code_between_the_blocks_calls_is_named_with_what_to_do() -> None:
         offremat.optimize(_PooledBetween(), torch.randn(8, 16), budget=1.0, blocks="blocks")
     assert "blocks.1 does not take blocks.0's output" in str(refusal.value)
     assert "move that code into the blocks' forward" in str(refusal.value)
+
+
+class _WideStem(torch.nn.Module):
+    """A wide stem, outside the chain, before three narrow blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+        self.down = torch.nn.Linear(256, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
+
+    def forward(self, x):
+        h = self.down(torch.tanh(self.stem(x)))
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def test_a_refusal_says_what_the_code_around_the_chain_holds(caplog) -> None:
+    # A U-Net planned on its decoder alone was refused at 82% of keep-all, the encoder
+    # outside the chain unsaid (the trial).
+    with (
+        caplog.at_level(logging.WARNING, logger="offremat"),
+        pytest.raises(offremat.InfeasibleBudgetError),
+    ):
+        offremat.optimize(_WideStem(), torch.randn(64, 256), budget=0.3, blocks="blocks")
+    assert "the code around the chain (blocks.0 to blocks.2, 3 stages) holds" in caplog.text
 
 
 class LayerDropNet(torch.nn.Module):
