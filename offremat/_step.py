@@ -32,6 +32,7 @@ from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
+    report_held_over_budget,
     report_over_budget,
 )
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
@@ -241,6 +242,8 @@ class _Step(Compute):
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
+        else:
+            report_held_over_budget(self.executor, self.peak)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused

@@ -131,6 +131,27 @@ def report_over_budget(
     )
 
 
+def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
+    """Warn, once per plan, where the tensors that the plan itself held in an unmeasured step
+    passed its budget: they were alive, so the step passed it too (by at least that). Blocks
+    that route tokens by their values held 2.3 times the budget in the tensors the plan kept,
+    7.3 times in all, unsaid at every step (a new user's trial)."""
+    budget = executor.plan.budget_bytes
+    if budget is None or held_bytes <= budget or "held" in executor.reported_over_budget:
+        return
+    executor.reported_over_budget.add("held")
+    logger.warning(
+        "this step held %s in the tensors its plan keeps alone, over its budget of %s (its "
+        "plan predicted a peak of %s): the model's activation sizes depend on more than the "
+        "input's shapes (tokens routed by their values, a padding mask's values). Optimize on "
+        "the batch that holds the most, or lower the budget; measure_memory=True measures "
+        "every step",
+        format_bytes(held_bytes),
+        format_bytes(budget),
+        format_bytes(executor.plan.predicted_peak_bytes or 0),
+    )
+
+
 def warn_unsure(executor: PlanExecutor, shape: str) -> None:
     """Say once that a plan (for input ``shape``) was kept although two steps measured over
     its budget by no more than the gradients they made, which CUDA cannot tell apart."""
