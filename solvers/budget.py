@@ -36,17 +36,14 @@ class InfeasibleBudgetError(ValueError):
         self.shape = shape
         self.exact = exact
         where = "" if shape is None else f" for input {shape}"
-        named = f"{format_bytes(min_budget_bytes, round_up=True)} ({min_budget_bytes} B)"
+        named = _both(min_budget_bytes, round_up=True)
         advice = (
             f"the least feasible budget is {named}: raise the budget to at least that"
             if exact
             else f"it has a plan at {named}, and its greedy choices are not monotone in the "
             "budget (a smaller one may have a plan too, a larger one not): use that budget"
         )
-        super().__init__(
-            f"no {solver} plan fits in {format_bytes(budget_bytes)} ({budget_bytes} B){where}; "
-            + advice
-        )
+        super().__init__(f"no {solver} plan fits in {_both(budget_bytes)}{where}; " + advice)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from its fields, which args (the message alone) does not hold.
@@ -195,6 +192,12 @@ def byte_unit(count: float) -> tuple[int, str]:
         if abs(count) >= scale:
             return scale, unit
     return 1, "B"
+
+
+def _both(count: int, round_up: bool = False) -> str:
+    """A size in binary units and in bytes (``2.00 KiB (2048 B)``), once where they agree."""
+    shown = format_bytes(count, round_up)
+    return shown if shown == f"{count} B" else f"{shown} ({count} B)"
 
 
 def format_bytes(count: float, round_up: bool = False) -> str:
