@@ -205,14 +205,15 @@ class VariantPlanning:
         for_good = any(self.value_blames.get((signature, at), 0) > 1 for at in keyed)
         if not for_good and not floats:
             return None
-        call = erased(signature, frozenset(floats))
+        places = frozenset(floats)
+        call = erased(signature, places)
         if for_good:
             # The blocks' values key by value: any of them, on inputs of this kind and sizes.
             kind = (chain_input_kind(value), chain_input_shapes(value))
         candidates = [
             variant
             for (known, known_kind), variant in self.variants.items()
-            if erased(known, frozenset(floats)) == call
+            if erased(known, places) == call
             and (
                 (
                     variant.chain.metadata.get("chain_input"),
