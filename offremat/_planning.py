@@ -24,7 +24,7 @@ from offremat._signatures import input_signature
 from offremat.profiler import parse_bandwidth
 from solvers.budget import InfeasibleBudgetError, format_bytes, parse_budget
 from solvers.chain import Chain
-from solvers.plan import OFFLOAD, PREFETCH, Plan
+from solvers.plan import Plan, copies
 from solvers.registry import check_request, keep_all_peak, solve
 from solvers.simulator import score
 
@@ -272,7 +272,7 @@ def _plan(
     else:
         # Nothing is solved for this input, but a new input shape is solved with them.
         check_request(solver, solver_options)
-        if chain.link is None and any(op.kind in (OFFLOAD, PREFETCH) for op in plan.ops):
+        if chain.link is None and copies(plan.ops):
             raise ValueError(
                 "the given plan offloads, and the chain has no link to time its copies: pass "
                 "optimize the bandwidth it was solved with (bandwidth='12GB/s', say), or a "

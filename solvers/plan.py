@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,12 @@ class PlanError(ValueError):
 # The entries of ``Plan.info`` that are times of the plan's schedule (a solver's objective,
 # its proven bound, the DP's table value), as opposed to settings (``time_limit_s``).
 PLAN_TIME_INFO = ("objective", "best_bound", "milp_plan_time_s", "dp_time_s", "fastest_s")
+
+
+def copies(ops: Sequence[Op]) -> bool:
+    """Whether the plan's ``ops`` move a tensor between the device and the host: timing them
+    needs the chain's link."""
+    return any(op.kind in (OFFLOAD, PREFETCH) for op in ops)
 
 
 def relative_gap(objective: float, bound: float) -> float:

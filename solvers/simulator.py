@@ -27,6 +27,7 @@ from solvers.plan import (
     Op,
     Plan,
     PlanError,
+    copies,
     validate,
 )
 from solvers.semantics import (
@@ -137,7 +138,7 @@ def simulate(
     problems = validate(plan if isinstance(plan, Plan) else ops, chain)
     if problems:
         raise PlanError(problems)
-    if chain.link is None and any(op.kind in (OFFLOAD, PREFETCH) for op in ops):
+    if chain.link is None and copies(ops):
         raise ValueError("the plan copies tensors but the chain has no link; add a 'link'")
 
     def size(tensor: Tensor) -> int:
