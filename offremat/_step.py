@@ -27,11 +27,13 @@ from offremat._rng import HostRandomReader, RngState, cuda_device_indices
 from offremat._scan import ModuleScan, fixed_storages
 from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
+from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
+    report_grown_sizes,
     report_held_over_budget,
     report_over_budget,
 )
@@ -165,6 +167,8 @@ class _Step(Compute):
         # The step's node in the autograd graph, set by its forward (weak: the node holds it).
         self.node: weakref.ref[Any] | None = None
         self.peak = 0
+        # What each stage held, against its chain's sizes (offremat._stage_sizes).
+        self.sizes = StageSizes()
         self.output_structure: Structure | None = None
         self.outputs: list[torch.Tensor] | None = None
         self.marks: list[Any] = []
@@ -242,8 +246,11 @@ class _Step(Compute):
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
+                if not (self.executor.over_budget or self.executor.verify_next):
+                    self.executor.checked_sizes.merge(self.sizes)
         else:
             report_held_over_budget(self.executor, self.peak)
+            report_grown_sizes(self.executor, self.sizes)
         self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused

@@ -18,9 +18,11 @@ import torch
 
 from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
+from offremat._stage_sizes import StageSizes, grown_chain, most_grown
 from offremat._tensors import allocated_bytes
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
+from solvers.simulator import simulate
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
@@ -147,6 +149,43 @@ def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
         "the batch that holds the most, or lower the budget; measure_memory=True measures "
         "every step",
         format_bytes(held_bytes),
+        format_bytes(budget),
+        format_bytes(executor.plan.predicted_peak_bytes or 0),
+    )
+
+
+def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
+    """Warn, once per plan, where the stages of an unmeasured step held more than its chain
+    says (and than a step measured within the budget held) and the plan, simulated on those
+    sizes, passes its budget (:mod:`offremat._stage_sizes`): tokens routed by their values
+    saved several times the profiled bytes, while the tensors the plan kept stayed within
+    the budget, so :func:`report_held_over_budget` said nothing."""
+    budget = executor.plan.budget_bytes
+    if budget is None or "grown" in executor.reported_over_budget:
+        return
+    # FSDP2 saves the parameters it gathers, storages of the step's own that no profile
+    # counts as the stage's (offremat._stage_profile): sizes are not compared there.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+    if grown is None:
+        return
+    peak = simulate(executor.plan, grown).peak_bytes
+    if peak <= budget:
+        return
+    executor.reported_over_budget.add("grown")
+    name, now, profiled = most_grown(executor.chain, grown)
+    logger.warning(
+        "this step's stages saved more than its plan was made for (stage %r: %s, against %s "
+        "profiled): on the sizes this step had, the plan's peak is %s, over its budget of %s "
+        "(it predicted %s). The model's activation sizes depend on more than the input's "
+        "shapes (tokens routed by their values, a padding mask's values). Optimize on the "
+        "batch that holds the most, or lower the budget; measure_memory=True measures every "
+        "step",
+        name,
+        format_bytes(now),
+        format_bytes(profiled),
+        format_bytes(peak),
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
     )

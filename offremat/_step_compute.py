@@ -50,6 +50,7 @@ from offremat._tensors import (
     version_of,
 )
 from solvers.plan import (
+    ACTIVATION,
     F_ALL,
     SAVED,
     Op,
@@ -191,6 +192,8 @@ class Compute:
         refs = [TensorRef(t.detach(), original=t) for t in tensors]
         held = refs + (packer.refs if packer is not None else [])
         records = self.residency.hold(held, movable=not is_output)
+        outputs = [ref.record for ref in refs if ref.record is not None]
+        self.sizes.note(i, outputs, records, source.records)
         produced = PlanTensor(refs, structure, records)
         edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
         if packer is not None:
@@ -284,6 +287,9 @@ class Compute:
                 del inputs
             refs = refill.refs
         produced = PlanTensor([], None, self.residency.hold(refs))
+        output = self.on_device.get((ACTIVATION, i))
+        outputs = () if output is None else output.records
+        self.sizes.note(i, outputs, (*produced.records, *outputs), source.records)
         produced.edges, produced.packer = kept.edges, kept.packer
         produced.slot, produced.diff = kept.slot, kept.diff
         self.on_device[(SAVED, i)] = produced

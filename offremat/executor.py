@@ -63,6 +63,7 @@ from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import scan_modules
 from offremat._signatures import refuse_module_tracker
+from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
 from offremat._step_budget import unseen_around_bytes
@@ -167,6 +168,8 @@ class PlanExecutor:
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False
+        # The most each stage held in steps measured within the budget (offremat._stage_sizes).
+        self.checked_sizes = StageSizes()
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
