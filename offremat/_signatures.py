@@ -10,6 +10,7 @@ it.
 
 from __future__ import annotations
 
+import ast
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -247,13 +248,39 @@ def differing_size(
 def describe(signature: Signature) -> str:
     """The shapes of a signature, for messages: ``(8, 128) int64, (8, 128) int64``, and
     ``requiring grad`` after a tensor that does (a plan of its own: its gradient is computed),
-    the order of its dimensions in memory after one not contiguous (a plan of its own too)."""
-    return ", ".join(
+    the order of its dimensions in memory after one not contiguous (a plan of its own too);
+    then the numbers and strings it keeps by value (``with k=32``), which key plans too."""
+    shapes = ", ".join(
         f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
         + (" requiring grad" if requires_grad else "")
         + ("" if layout == "contiguous" else f" not contiguous ({_laid_out(layout)})")
         for shape, dtype, _, requires_grad, layout in signature[0]
     )
+    values = list(_keyed_values(signature[1]))
+    return shapes + (" with " + ", ".join(values) if values else "")
+
+
+def _keyed_values(key: Any, name: str = "") -> Iterator[str]:
+    """``name=value`` for each number or string a structure key keeps by value."""
+    if isinstance(key, Value):
+        yield f"{name}={key.text!r}" if name else repr(key.text)
+        return
+    if type(key) in (int, float):
+        yield f"{name}={key!r}" if name else repr(key)
+        return
+    if not (isinstance(key, tuple) and len(key) == 3 and key[0] in ("dict", "sequence")):
+        return
+    kind, container, children = key
+    names = [""] * len(children)
+    if kind == "dict":
+        try:
+            keys = ast.literal_eval(container)
+        except (ValueError, SyntaxError):
+            keys = None
+        if isinstance(keys, (list, tuple)) and len(keys) == len(children):
+            names = [str(k) for k in keys]
+    for child_name, child in zip(names, children, strict=True):
+        yield from _keyed_values(child, child_name)
 
 
 def _laid_out(layout: Any) -> str:

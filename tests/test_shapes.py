@@ -1085,3 +1085,11 @@ def test_a_new_shape_planned_while_a_forward_awaits_its_backward_leaves_its_grap
         assert torch.equal(p.grad, q.grad)
     for a, b in zip(model.buffers(), reference.buffers(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_signature_names_the_values_it_keeps() -> None:
+    from offremat._signatures import describe, input_signature
+
+    batch = {"x": torch.zeros(2, 3), "k": 3, "task": "sum", "scale": 0.5, "flag": True}
+    assert describe(input_signature(batch)) == "(2, 3) float32 with k=3, task='sum', scale=0.5"
+    assert describe(input_signature((torch.zeros(2), 7))) == "(2,) float32 with 7"
