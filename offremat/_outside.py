@@ -35,6 +35,8 @@ class Outside:
     end_peak_bytes: int
     held_bytes: int
     setup_backward_bytes: int
+    # The model's output tensors on the example (0 in a chain cached before they were kept).
+    output_bytes: int = 0
 
 
 def run_stages(stages: Sequence[nn.Module], value: Any) -> Any:
@@ -142,6 +144,7 @@ def measure_outside(
             probe = _OutsideProbe(memory, last)
             with RunInterception(run, probe.started, check_state=False):
                 output = model(*cut.args, **cut.kwargs)
+            output_bytes = storage_bytes(tree_leaf_tensors(output))
             roots, seeds = _seed(output)
             torch.autograd.backward(roots, seeds)
             del roots, seeds, output
@@ -156,6 +159,7 @@ def measure_outside(
         end_peak_bytes=max(probe.end_peak_bytes - start, 0),
         held_bytes=held,
         setup_backward_bytes=max(setup_backward, 0),
+        output_bytes=output_bytes,
     )
 
 

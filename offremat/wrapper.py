@@ -55,6 +55,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
+from offremat._step_budget import report_grown_outputs
 from offremat._tensors import flatten, refuse_hidden_tensors, sparse_parts
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
@@ -218,6 +219,7 @@ class OptimizedModule(nn.Module):
                 "optimize it with a batch of the kind it trains on"
             )
         self._plans.check_output(call, output)  # a number learnt to size nothing may size it
+        report_grown_outputs(executor, output)
         return output
 
     def _refuse_plain_autograd_only(self, batch: Any) -> None:
