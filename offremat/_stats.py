@@ -23,7 +23,10 @@ class StepStats:
       On CUDA the allocator counts everything from the forward's start to the backward's
       end, the caller's loss included; on CPU the tracker watches the plan's forward and
       backward halves only, since a dispatch mode left on between them would run under the
-      caller's code. Wrap the whole step in ``StepMemory`` to see the same on both.
+      caller's code. Wrap the whole step in ``StepMemory`` to see the same on both. Where
+      the chain is a model's run of blocks, its budget also counts the code around them,
+      which the CPU tracker does not see: the check adds it as profiled, and a warning of a
+      step over its budget gives both parts.
     - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
       executor itself held at once, counted the way the simulator counts; it does not see
       temporaries, what other code holds, or the saved tensors of a direct forward (their

@@ -119,9 +119,19 @@ def report_over_budget(
             format_bytes(new_grad_bytes),
         )
         return
+    held = less if memory.peak_less_gradients_bytes is not None else measured
+    # stats.measured_peak_bytes is the tracker's figure alone: the message says both parts.
+    unseen = (
+        f" ({format_bytes(held - around)} seen by the tracker, as stats.measured_peak_bytes "
+        f"says, and {format_bytes(around)} that the code around the blocks holds as "
+        "profiled, which it does not see)"
+        if around
+        else ""
+    )
     logger.warning(
-        "this step measured %s of activations, over its budget of %s (its plan predicted %s). %s",
-        format_bytes(less if memory.peak_less_gradients_bytes is not None else measured),
+        "this step measured %s of activations%s, over its budget of %s (its plan predicted %s). %s",
+        format_bytes(held),
+        unseen,
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
         "It ran on what its plan was not profiled on (numbers or strings of other values, "
