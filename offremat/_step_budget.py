@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from offremat._call_checks import in_functorch_transform
 from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
 from offremat._stage_sizes import StageSizes, grown_chain, most_grown
@@ -217,6 +218,8 @@ def report_grown_outputs(executor: PlanExecutor, output: Any) -> None:
     profiled = outside.get("output_bytes", 0)
     if "predicted_from" in executor.chain.metadata or not profiled:
         return  # the outputs of another shape's example
+    if in_functorch_transform():
+        return  # its wrapped tensors have no storage to count; plain autograd ran
     now = storage_bytes(tree_leaf_tensors(output))
     if now <= profiled:
         return
@@ -240,6 +243,41 @@ def report_grown_outputs(executor: PlanExecutor, output: Any) -> None:
         format_bytes(peak),
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),
+    )
+
+
+# The share of the budget from which the outputs a caller's loss reads are worth a word.
+CALLER_LOSS_SHARE = 0.1
+
+
+def report_loss_left_to_caller(executor: PlanExecutor, output: Any) -> None:
+    """Warn, once per plan, where a step returns no loss but tensors that carry a gradient and
+    take a tenth of its budget or more: the caller computes the loss from them, outside the
+    budget, and a loss over logits holds a few times their size. A Llama's logits with the
+    cross-entropy taken outside the model ran at 1.33 times the budget, unsaid, where the
+    model given its labels ran within it (a new user's trial)."""
+    budget = executor.plan.budget_bytes
+    if budget is None or "loss outside" in executor.reported_over_budget:
+        return
+    if in_functorch_transform():
+        return  # its wrapped tensors have no storage to count; plain autograd ran
+    carried = [t for t in tree_leaf_tensors(output) if t.requires_grad]
+    if not carried or any(t.dim() == 0 for t in carried):
+        return  # a loss among them: the model computes its own
+    size = storage_bytes(carried)
+    if size < CALLER_LOSS_SHARE * budget:
+        return
+    executor.reported_over_budget.add("loss outside")
+    largest = max(carried, key=lambda t: t.numel() * t.element_size())
+    logger.warning(
+        "this step returned no loss but %s of tensors that carry a gradient (the largest of "
+        "shape %s): the code that computes the loss from them runs outside the budget of %s, "
+        "and over logits it holds a few times their size (a cross-entropy keeps their "
+        "log-softmax, then makes their gradient). Let the model compute its loss (a Hugging "
+        "Face model: pass labels=), or lower the budget by that much",
+        format_bytes(size),
+        tuple(largest.shape),
+        format_bytes(budget),
     )
 
 

@@ -55,7 +55,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
-from offremat._step_budget import report_grown_outputs
+from offremat._step_budget import report_grown_outputs, report_loss_left_to_caller
 from offremat._tensors import flatten, refuse_hidden_tensors, sparse_parts
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
@@ -199,28 +199,37 @@ class OptimizedModule(nn.Module):
             if tensors:
                 check_device(list(self._model), tensors[0].device)
             self._refuse_plain_autograd_only(args[0])
-            return self._plans.executor(args[0])(args[0])
+            executor = self._plans.executor(args[0])
+            output = executor(args[0])
+            report_loss_left_to_caller(executor, output)
+            return output
         refuse_recorded_outputs(self._model, self._recorded_flags, kwargs)
         refuse_kv_cache(args, kwargs)
         refuse_replaced_blocks(self._model, self._places)
         call = Call(args, kwargs)
         self._refuse_plain_autograd_only(call)
+        executor, output = self._run_blocks(call)
+        self._plans.check_output(call, output)  # a number learnt to size nothing may size it
+        report_grown_outputs(executor, output)
+        report_loss_left_to_caller(executor, output)
+        return output
+
+    def _run_blocks(self, call: Call) -> tuple[PlanExecutor, Any]:
+        """The model's output for ``call``, its blocks run by their plan, and that plan's."""
         executor = self._plans.executor(call)
         chain_run = functools.partial(_run_chain, self._plans, call, executor)
         with (
             RunInterception(self._run, chain_run) as interception,
             further_blocks_refused(self._model, self._run, interception),
         ):
-            output = self._model(*args, **kwargs)
+            output = self._model(*call.args, **call.kwargs)
         if not interception.ran:
             raise NotAChainError(
                 f"{type(self._model).__name__} did not call its blocks "
                 f"({self._run.calls[0].path} ..) in this training step, so no plan ran: "
                 "optimize it with a batch of the kind it trains on"
             )
-        self._plans.check_output(call, output)  # a number learnt to size nothing may size it
-        report_grown_outputs(executor, output)
-        return output
+        return executor, output
 
     def _refuse_plain_autograd_only(self, batch: Any) -> None:
         """Refuse a step that only plain autograd's schedule runs, unless its plan is that."""

@@ -859,3 +859,29 @@ def test_a_measured_step_over_its_budget_says_what_the_tracker_saw(caplog) -> No
         om(many).backward()
     seen = format_bytes(om.stats.measured_peak_bytes)
     assert f"({seen} seen by the tracker, as stats.measured_peak_bytes says, and " in caplog.text
+
+
+def test_a_step_returning_logits_and_no_loss_says_the_loss_is_outside_the_budget(caplog) -> None:
+    # A Llama's logits with the cross-entropy taken outside the model ran at 1.33 times the
+    # budget, unsaid (a new user's trial); the budget covers what the model's call holds.
+    import logging
+
+    import offremat
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Linear(64, 2048))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(256, 64)
+    target = torch.randint(0, 2048, (256,))
+    om = offremat.optimize(model, x, budget=0.9)
+    with (
+        caplog.at_level(logging.WARNING, logger="offremat"),
+        StepMemory("cpu", (x, target)) as memory,
+    ):
+        nn.functional.cross_entropy(om(x), target, label_smoothing=0.1).backward()
+    assert memory.peak_bytes > om.plan.budget_bytes
+    assert "this step returned no loss but 2.00 MiB of tensors that carry a gradient" in (
+        caplog.text
+    )
