@@ -46,7 +46,7 @@ from offremat._call_checks import (
     refuse_recorded_outputs,
     transforms_in_blocks_refused,
 )
-from offremat._discover import BlockRun, Call
+from offremat._discover import BlockRun, Call, as_call
 from offremat._forward_signature import ModelSignatureForward
 from offremat._further_blocks import further_blocks_refused
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
@@ -208,7 +208,10 @@ class OptimizedModule(nn.Module):
         refuse_replaced_blocks(self._model, self._places)
         call = Call(args, kwargs)
         self._refuse_plain_autograd_only(call)
-        executor, output = self._run_blocks(call)
+        try:
+            executor, output = self._run_blocks(call)
+        except NotAChainError as error:
+            raise _with_other_numbers(error, call, self.__dict__.get("_example_call")) from None
         self._plans.check_output(call, output)  # a number learnt to size nothing may size it
         report_grown_outputs(executor, output)
         report_loss_left_to_caller(executor, output)
@@ -343,6 +346,7 @@ def optimize(
             )
         )
     object.__setattr__(optimized, "_autocast", planned)
+    object.__setattr__(optimized, "_example_call", as_call(example_batch))
     object.__setattr__(optimized, "_forced_autocast", autocast is not None)
     return optimized
 
@@ -424,3 +428,34 @@ def _refuse_wrappers(model: nn.Module | Sequence[nn.Module]) -> None:
 def _run_chain(plans: ShapePlans, call: Call, executor: PlanExecutor, value: Any) -> Any:
     """Run the blocks on ``value`` with the plan for its kind (ShapePlans.for_chain_input)."""
     return plans.for_chain_input(call, executor, value)(value)
+
+
+def _numbers(call: Call) -> dict[str, Any]:
+    """The numbers and strings among a call's arguments, by keyword or by position from 1."""
+    named = {f"argument {k}": v for k, v in enumerate(call.args, 1)}
+    named.update(call.kwargs)
+    return {k: v for k, v in named.items() if type(v) in (int, float) or isinstance(v, str)}
+
+
+def _with_other_numbers(error: NotAChainError, call: Call, example: Call | None) -> Exception:
+    """``error``, naming the call's numbers that differ from the example's: one that sets how
+    many blocks run (a loop count, a depth) makes another chain, which a new user took for a
+    broken model (the message named no argument)."""
+    if example is None:
+        return error
+    given, first = _numbers(call), _numbers(example)
+    other = [
+        f"{k}={v!r} (the example's: {first[k]!r})"
+        if k in first
+        else f"{k}={v!r} (not in the example)"
+        for k, v in given.items()
+        if k not in first or first[k] != v
+    ]
+    other += [f"no {k} (the example's: {v!r})" for k, v in first.items() if k not in given]
+    if not other:
+        return error
+    return NotAChainError(
+        f"{error}. This call's {', '.join(other)}: where a number sets how many blocks run, "
+        "each value is a chain of its own; optimize the model once per value (an "
+        "offremat.optimize on an example with each) and call the one for the value"
+    )

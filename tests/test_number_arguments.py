@@ -662,3 +662,36 @@ def test_a_blame_says_which_numbers_key_plans_for_good(caplog) -> None:
         NumberPlaces()._sizes_after_all("call", frozenset({0, 1}), frozenset({0}), batch, "over")
     said = f"each value of {count} gets its own plan; the values of {temperature} key plans"
     assert said in caplog.text
+
+
+class _Repeated(nn.Module):
+    """One block applied ``n`` times: each depth is a chain of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.block = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, n: int = 4) -> torch.Tensor:
+        hidden = self.embed(x)
+        for _ in range(n):
+            hidden = self.block(hidden)
+        return self.head(hidden).square().sum()
+
+
+def test_a_depth_set_by_a_number_names_it_in_its_refusal() -> None:
+    # A loop count passed to forward was refused as "no fixed chain", naming no argument, and
+    # a new user took it for a broken model (a trial).
+    from offremat._blocks import NotAChainError
+
+    torch.manual_seed(0)
+    om = offremat.optimize(_Repeated(), {"x": X}, budget=0.7)
+    with pytest.raises(NotAChainError, match=r"n=6 \(not in the example\).*once per value"):
+        om(x=X, n=6)
+    om = offremat.optimize(_Repeated(), {"x": X, "n": 4}, budget=0.7)
+    with pytest.raises(NotAChainError, match=r"n=2 \(the example's: 4\)"):
+        om(x=X, n=2)
+    om(x=X, n=4).backward()  # the example's depth still trains
