@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,11 @@ def other_sides(previous: RecordedCall, record: RecordedCall) -> str | None:
     )
 
 
+# The models told of their key-value cache, by first block: each new shape's profile finds
+# it again, and a new user read the same warning five times in one run (a trial).
+_CACHE_SAID: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
     """The chain's first input ``(hidden, sides)`` on ``run_model()``'s call: the first
     block's hidden state, and each pattern's side arguments ``(args, kwargs)``.
@@ -92,7 +98,10 @@ def chain_input(run: BlockRun, run_model: Callable[[], Any]) -> Any:
     """
     firsts = [next(c for c in run.calls if c.pattern == p) for p in range(run.patterns)]
     captured = capture_calls(run_model, [(call.module, call.nth) for call in firsts])
-    if any(cache_in(value) for args, kwargs in captured for value in (*args, *kwargs.values())):
+    cached = (cache_in(value) for args, kwargs in captured for value in (*args, *kwargs.values()))
+    first = run.calls[0].module
+    if first not in _CACHE_SAID and any(cached):
+        _CACHE_SAID.add(first)
         logger.warning(
             "the blocks' key-value cache is not filled in training steps (as with Hugging "
             "Face's gradient checkpointing): recomputed blocks would fill it twice. Gradients "

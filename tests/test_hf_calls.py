@@ -256,3 +256,19 @@ def test_layers_of_two_kinds_optimized_on_a_sequence_shorter_than_the_window(kin
     optimized = offremat.optimize(model, {"input_ids": short, "labels": short}, budget=budget)
     for ids in (IDS, short):
         step_within_budget(optimized, model, reference, input_ids=ids, labels=ids)
+
+
+def test_the_key_value_cache_warning_is_said_once_per_model(caplog) -> None:
+    # Each new shape's profile found the cache again: a new user read the warning five times
+    # in one run (a trial).
+    import logging
+
+    torch.manual_seed(0)
+    model = zoo.llama().train()
+    model.config.use_cache = True
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        om = offremat.optimize(model, BATCH, budget=0.9)
+        for length in (32, 24, 16):
+            om(input_ids=IDS[:, :length], labels=IDS[:, :length]).loss.backward()
+    said = [r for r in caplog.records if "key-value cache is not filled" in r.getMessage()]
+    assert om.cache_info()["misses"] >= 2 and len(said) == 1
