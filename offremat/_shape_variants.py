@@ -365,10 +365,11 @@ class VariantPlanning:
         self.cache.variants += 1
         began = time.perf_counter()
         logger.warning(
-            "the blocks' inputs on this batch are not of the kind or size its shape's plan was "
-            "made for (a padding mask where the example batch had none, padding removed "
-            "before the blocks, a number or a string that decides what they save?): "
-            "planning them too, for input %s",
+            "the blocks' inputs on this batch are not of the kind or size that its shape's "
+            "plan was made for, so this step profiles and plans them too, for input %s (a "
+            "padding mask where the example batch had none, padding removed before the "
+            "blocks, or a number or a string that decides what the blocks save, makes such "
+            "inputs)",
             describe(key[0]),
         )
         with parametrize_cache_suspended():
