@@ -27,6 +27,11 @@ class StepStats:
       the chain is a model's run of blocks, its budget also counts the code around them,
       which the CPU tracker does not see: the check adds it as profiled, and a warning of a
       step over its budget gives both parts.
+    - ``budgeted_peak_bytes``: the measured peak as the budget counts it: without the
+      parameters' gradients the step made (on CUDA, less all their bytes), plus what the
+      tracker does not see of the code around a model's blocks, as profiled; and
+      ``over_budget``, whether it passed the plan's budget (None unless measured, or
+      without a budget). A warning says the first step over, these say every one.
     - ``bookkept_peak_bytes``: a diagnostic, the most bytes of the distinct storages that the
       executor itself held at once, counted the way the simulator counts; it does not see
       temporaries, what other code holds, or the saved tensors of a direct forward (their
@@ -44,6 +49,8 @@ class StepStats:
     forward_time_s: float
     backward_time_s: float
     device: str
+    budgeted_peak_bytes: int | None = None
+    over_budget: bool | None = None
 
 
 @dataclass
@@ -54,6 +61,8 @@ class StepTiming:
     bookkept_peak_bytes: int
     marks: list[Any]
     memory: StepMemory | None
+    budgeted_peak_bytes: int | None = None
+    budget_bytes: int | None = None
 
     def resolve(self) -> StepStats:
         if self.device.type == "cuda":
@@ -72,6 +81,10 @@ class StepTiming:
             forward_time_s=forward,
             backward_time_s=backward,
             device=str(self.device),
+            budgeted_peak_bytes=self.budgeted_peak_bytes,
+            over_budget=None
+            if self.budgeted_peak_bytes is None or self.budget_bytes is None
+            else self.budgeted_peak_bytes > self.budget_bytes,
         )
 
 

@@ -30,6 +30,7 @@ from offremat._stage import AutocastState
 from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_budget import (
+    budgeted_peak_bytes,
     end_verification,
     fresh_parameters,
     gradient_bytes,
@@ -251,7 +252,17 @@ class _Step(Compute):
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)
-        self.executor._last = StepTiming(self.device, self.peak, self.marks, self.memory)
+        budgeted = None
+        if self.memory is not None:
+            budgeted = budgeted_peak_bytes(self.executor, self.memory, self.new_grad_bytes)
+        self.executor._last = StepTiming(
+            self.device,
+            self.peak,
+            self.marks,
+            self.memory,
+            budgeted,
+            self.executor.plan.budget_bytes,
+        )
         wanted = self.flags[0]  # the input tensors that carry a gradient
         if self.executor.chain.frozen_stages:  # the input needs none, a_p's gradient is unused
             return [None] * len(wanted)

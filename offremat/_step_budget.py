@@ -88,6 +88,16 @@ def end_verification(executor: PlanExecutor, memory: StepMemory, new_grad_bytes:
     executor.verify_again = executor.verify_next
 
 
+def budgeted_peak_bytes(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> int:
+    """A measured step's peak as its budget counts it: the tracker's, without the parameters'
+    gradients the step made (on CUDA, where the allocator cannot tell them apart, less all
+    their bytes), plus what it does not see of the code around the chain, as profiled
+    (:func:`unseen_around_bytes`)."""
+    around = unseen_around_bytes(executor, memory)
+    less = memory.peak_less_gradients_bytes
+    return memory.peak_bytes + around - new_grad_bytes if less is None else less + around
+
+
 def report_over_budget(
     executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, replanned: bool
 ) -> None:
@@ -102,8 +112,7 @@ def report_over_budget(
     measured = memory.peak_bytes + around
     if budget is None or measured <= budget:
         return
-    less = memory.peak_less_gradients_bytes
-    less = measured - new_grad_bytes if less is None else less + around
+    less = budgeted_peak_bytes(executor, memory, new_grad_bytes)
     reason = "gradients" if less <= budget else "activations"
     # Each step over on values its plan was not profiled on is said: it replans them.
     if reason in executor.reported_over_budget and not (replanned and reason == "activations"):

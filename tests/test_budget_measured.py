@@ -855,10 +855,16 @@ def test_a_measured_step_over_its_budget_says_what_the_tracker_saw(caplog) -> No
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     om = offremat.optimize(model, few, budget=0.7, measure_memory=True)
+    om(few).backward()
+    assert om.stats.over_budget is False
     with caplog.at_level(logging.WARNING, logger="offremat"):
         om(many).backward()
     seen = format_bytes(om.stats.measured_peak_bytes)
     assert f"({seen} seen by the tracker, as stats.measured_peak_bytes says, and " in caplog.text
+    # Stats say every step over, as the budget counts it, not only the first the warning says.
+    assert om.stats.over_budget is True
+    assert om.stats.budgeted_peak_bytes > om.stats.measured_peak_bytes
+    assert f"this step measured {format_bytes(om.stats.budgeted_peak_bytes)}" in caplog.text
 
 
 def test_a_step_returning_logits_and_no_loss_says_the_loss_is_outside_the_budget(caplog) -> None:
