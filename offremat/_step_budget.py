@@ -129,18 +129,16 @@ def report_over_budget(
             format_bytes(new_grad_bytes),
         )
         return
-    held = less if memory.peak_less_gradients_bytes is not None else measured
-    # stats.measured_peak_bytes is the tracker's figure alone: the message says both parts.
+    # As stats.budgeted_peak_bytes has it; stats.measured_peak_bytes is the tracker's alone.
     unseen = (
-        f" ({format_bytes(held - around)} seen by the tracker, as stats.measured_peak_bytes "
-        f"says, and {format_bytes(around)} that the code around the blocks holds as "
-        "profiled, which it does not see)"
+        f" ({format_bytes(less - around)} seen by the tracker and {format_bytes(around)} that "
+        "the code around the blocks holds as profiled, which it does not see)"
         if around
         else ""
     )
     logger.warning(
         "this step measured %s of activations%s, over its budget of %s (its plan predicted %s). %s",
-        format_bytes(held),
+        format_bytes(less),
         unseen,
         format_bytes(budget),
         format_bytes(executor.plan.predicted_peak_bytes or 0),

@@ -859,8 +859,8 @@ def test_a_measured_step_over_its_budget_says_what_the_tracker_saw(caplog) -> No
     assert om.stats.over_budget is False
     with caplog.at_level(logging.WARNING, logger="offremat"):
         om(many).backward()
-    seen = format_bytes(om.stats.measured_peak_bytes)
-    assert f"({seen} seen by the tracker, as stats.measured_peak_bytes says, and " in caplog.text
+    seen = format_bytes(om.stats.measured_peak_bytes)  # its gradients existed: none made
+    assert f"({seen} seen by the tracker and " in caplog.text
     # Stats say every step over, as the budget counts it, not only the first the warning says.
     assert om.stats.over_budget is True
     assert om.stats.budgeted_peak_bytes > om.stats.measured_peak_bytes
