@@ -211,7 +211,7 @@ class OptimizedModule(nn.Module):
         try:
             executor, output = self._run_blocks(call)
         except NotAChainError as error:
-            raise _with_other_numbers(error, call, self.__dict__.get("_example_call")) from None
+            raise _with_other_numbers(error, call, self.__dict__.get("_example_numbers")) from None
         self._plans.check_output(call, output)  # a number learnt to size nothing may size it
         report_grown_outputs(executor, output)
         report_loss_left_to_caller(executor, output)
@@ -346,7 +346,8 @@ def optimize(
             )
         )
     object.__setattr__(optimized, "_autocast", planned)
-    object.__setattr__(optimized, "_example_call", as_call(example_batch))
+    # Its numbers only: the example's tensors are not kept alive by the module.
+    object.__setattr__(optimized, "_example_numbers", _numbers(as_call(example_batch)))
     object.__setattr__(optimized, "_forced_autocast", autocast is not None)
     return optimized
 
@@ -437,13 +438,15 @@ def _numbers(call: Call) -> dict[str, Any]:
     return {k: v for k, v in named.items() if type(v) in (int, float) or isinstance(v, str)}
 
 
-def _with_other_numbers(error: NotAChainError, call: Call, example: Call | None) -> Exception:
-    """``error``, naming the call's numbers that differ from the example's: one that sets how
-    many blocks run (a loop count, a depth) makes another chain, which a new user took for a
-    broken model (the message named no argument)."""
-    if example is None:
+def _with_other_numbers(
+    error: NotAChainError, call: Call, first: dict[str, Any] | None
+) -> Exception:
+    """``error``, naming the call's numbers that differ from the example's (``first``): one
+    that sets how many blocks run (a loop count, a depth) makes another chain, which a new
+    user took for a broken model (the message named no argument)."""
+    if first is None:
         return error
-    given, first = _numbers(call), _numbers(example)
+    given = _numbers(call)
     other = [
         f"{k}={v!r} (the example's: {first[k]!r})"
         if k in first
