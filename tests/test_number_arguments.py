@@ -695,3 +695,16 @@ def test_a_depth_set_by_a_number_names_it_in_its_refusal() -> None:
     with pytest.raises(NotAChainError, match=r"n=2 \(the example's: 4\)"):
         om(x=X, n=2)
     om(x=X, n=4).backward()  # the example's depth still trains
+
+
+def test_the_optimized_module_keeps_no_example_tensor_alive() -> None:
+    import gc
+    import weakref
+
+    x = X.clone()
+    example = weakref.ref(x)
+    om = offremat.optimize(_Repeated(), {"x": x, "n": 4}, budget=0.7)
+    del x
+    gc.collect()
+    assert example() is None
+    om(x=X, n=4).backward()
