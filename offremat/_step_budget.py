@@ -192,6 +192,7 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
         return
     peak = simulate(executor.plan, grown).peak_bytes
     if peak <= budget:
+        executor.checked_sizes.merge(sizes)  # not simulated again at every such step
         return
     executor.reported_over_budget.add("grown")
     name, now, profiled = most_grown(executor.chain, grown)
@@ -228,7 +229,7 @@ def report_grown_outputs(executor: PlanExecutor, output: Any) -> None:
     if in_functorch_transform():
         return  # its wrapped tensors have no storage to count; plain autograd ran
     now = storage_bytes(tree_leaf_tensors(output))
-    if now <= profiled:
+    if now <= max(profiled, executor.checked_output_bytes):
         return
     more = ceil(outside["end_peak_bytes"] * (now / profiled - 1))
     # The end code runs inside B(L) (offremat._model_chain), as part of its temporary.
@@ -237,6 +238,7 @@ def report_grown_outputs(executor: PlanExecutor, output: Any) -> None:
     grown = replace(executor.chain, stages=(*stages, last))
     peak = simulate(executor.plan, grown).peak_bytes
     if peak <= budget:
+        executor.checked_output_bytes = now  # not simulated again at every such step
         return
     executor.reported_over_budget.add("outputs")
     logger.warning(

@@ -168,8 +168,10 @@ class PlanExecutor:
         # The shapes of the blocks' inputs in the first step (ShapePlans.for_chain_input).
         self.first_chain_input_shapes: str | None = None
         self.over_budget = False
-        # The most each stage held in steps measured within the budget (offremat._stage_sizes).
+        # The most each stage held, and the model's outputs took, in steps measured, or
+        # simulated on their sizes, within the budget (offremat._stage_sizes).
         self.checked_sizes = StageSizes()
+        self.checked_output_bytes = 0
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -213,6 +215,11 @@ class PlanExecutor:
         state = dict(self.__dict__)
         state.update(_anchors={}, _last=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # One pickled before the sizes were checked starts with none known to fit.
+        self.__dict__.update(checked_sizes=StageSizes(), checked_output_bytes=0)
+        self.__dict__.update(state)
 
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""

@@ -891,3 +891,48 @@ def test_a_step_returning_logits_and_no_loss_says_the_loss_is_outside_the_budget
     assert "this step returned no loss but 2.00 MiB of tensors that carry a gradient" in (
         caplog.text
     )
+
+
+def test_sizes_grown_within_the_budget_are_simulated_once(monkeypatch, caplog) -> None:
+    import logging
+
+    import offremat
+    import offremat._step_budget as step_budget
+
+    torch.manual_seed(0)
+    tokens = torch.rand(8, 64, 64)
+    few, more = tokens.clone(), tokens.clone()
+    few[:, 8:, 0] *= -1
+    more[:, 24:, 0] *= -1
+    model = _RoutedNet()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    om = offremat.optimize(model, few, budget=4e6, solver="checkpoint-every-stage")
+    simulated = []
+    real = step_budget.simulate
+    monkeypatch.setattr(step_budget, "simulate", lambda *a: simulated.append(1) or real(*a))
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        for _ in range(3):
+            om(more).backward()
+    assert "saved more than its plan was made for" not in caplog.text
+    assert len(simulated) == 1
+
+
+def test_outputs_grown_within_the_budget_are_simulated_once(monkeypatch) -> None:
+    import offremat
+    import offremat._step_budget as step_budget
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 32)
+    few = torch.full((4, 64), -100)
+    few[:, :8] = 1
+    more = torch.full((4, 64), -100)
+    more[:, :12] = 1
+    om = offremat.optimize(_MaskedHeadNet(), {"x": x, "labels": few}, budget=8e6)
+    om(x=x, labels=few)[0].backward()
+    simulated = []
+    real = step_budget.simulate
+    monkeypatch.setattr(step_budget, "simulate", lambda *a: simulated.append(1) or real(*a))
+    for _ in range(3):
+        om(x=x, labels=more)[0].backward()
+    assert len(simulated) == 1
