@@ -728,6 +728,22 @@ class _RoutedNet(nn.Module):
         return x.pow(2).mean()
 
 
+def _routed(*chosen: int) -> tuple[_RoutedNet, list[torch.Tensor]]:
+    """A routed net, its gradients allocated (the budget leaves them out), and one batch of
+    8 sequences of 64 tokens per count, the first that many tokens of each chosen."""
+    torch.manual_seed(0)
+    tokens = torch.rand(8, 64, 64)
+    batches = []
+    for count in chosen:
+        batch = tokens.clone()
+        batch[:, count:, 0] *= -1
+        batches.append(batch)
+    model = _RoutedNet()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model, batches
+
+
 def test_a_step_whose_plan_held_more_than_its_budget_is_said(caplog) -> None:
     # Tokens routed by their values: optimized where few are chosen, a step where all are
     # ran at 7.3 times the budget, unsaid at every step (a new user's trial). The tensors the
@@ -759,14 +775,7 @@ def test_a_step_whose_recomputed_stages_saved_more_than_profiled_is_said(caplog)
 
     import offremat
 
-    torch.manual_seed(0)
-    tokens = torch.rand(8, 64, 64)
-    few, many = tokens.clone(), tokens.clone()
-    few[:, 8:, 0] *= -1
-    many[:, 40:, 0] *= -1
-    model = _RoutedNet()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # the budget leaves the gradients out
+    model, (few, many) = _routed(8, 40)
     om = offremat.optimize(model, few, budget=0.7)
     budget = om.plan.budget_bytes
     with caplog.at_level(logging.WARNING, logger="offremat"):
@@ -809,6 +818,13 @@ class _MaskedHeadNet(nn.Module):
         return nn.functional.cross_entropy(logits, labels[chosen]), logits
 
 
+def _labels(count: int) -> torch.Tensor:
+    """Labels for 4 sequences of 64 tokens, the first ``count`` of each labelled."""
+    labels = torch.full((4, 64), -100)
+    labels[:, :count] = 1
+    return labels
+
+
 def test_a_step_whose_outputs_outgrew_the_example_s_is_said(caplog) -> None:
     # Optimized where 8 of 64 tokens carry a label, a step where 40 do held 1.1 times the
     # budget, unsaid (a new user's trial: ModernBERT's masked-token head at 1.6 times, unsaid
@@ -819,10 +835,7 @@ def test_a_step_whose_outputs_outgrew_the_example_s_is_said(caplog) -> None:
 
     torch.manual_seed(0)
     x = torch.randn(4, 64, 32)
-    few = torch.full((4, 64), -100)
-    few[:, :8] = 1
-    many = torch.full((4, 64), -100)
-    many[:, :40] = 1
+    few, many = _labels(8), _labels(40)
     model = _MaskedHeadNet()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # the budget leaves the gradients out
@@ -847,13 +860,7 @@ def test_a_measured_step_over_its_budget_says_what_the_tracker_saw(caplog) -> No
     import offremat
     from solvers.budget import format_bytes
 
-    torch.manual_seed(0)
-    many = torch.rand(8, 64, 64)
-    few = many.clone()
-    few[:, 8:, 0] *= -1
-    model = _RoutedNet()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    model, (few, many) = _routed(8, 64)
     om = offremat.optimize(model, few, budget=0.7, measure_memory=True)
     om(few).backward()
     assert om.stats.over_budget is False
@@ -899,14 +906,7 @@ def test_sizes_grown_within_the_budget_are_simulated_once(monkeypatch, caplog) -
     import offremat
     import offremat._step_budget as step_budget
 
-    torch.manual_seed(0)
-    tokens = torch.rand(8, 64, 64)
-    few, more = tokens.clone(), tokens.clone()
-    few[:, 8:, 0] *= -1
-    more[:, 24:, 0] *= -1
-    model = _RoutedNet()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    model, (few, more) = _routed(8, 24)
     om = offremat.optimize(model, few, budget=4e6, solver="checkpoint-every-stage")
     simulated = []
     real = step_budget.simulate
@@ -924,10 +924,7 @@ def test_outputs_grown_within_the_budget_are_simulated_once(monkeypatch) -> None
 
     torch.manual_seed(0)
     x = torch.randn(4, 64, 32)
-    few = torch.full((4, 64), -100)
-    few[:, :8] = 1
-    more = torch.full((4, 64), -100)
-    more[:, :12] = 1
+    few, more = _labels(8), _labels(12)
     om = offremat.optimize(_MaskedHeadNet(), {"x": x, "labels": few}, budget=8e6)
     om(x=x, labels=few)[0].backward()
     simulated = []
