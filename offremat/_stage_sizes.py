@@ -3,10 +3,12 @@
 A model whose activation sizes depend on its input's values (tokens routed by their values,
 a boolean mask's rows) saves more at some steps than at the batch its chain was profiled on,
 at the same input shapes, so no shape key tells those steps apart. An unmeasured step cannot
-see its own peak, but it holds every stage's saved set x̄_i and output a_i as storages
-(:mod:`offremat._memory`): a stage that held more than its chain says is a stage whose
-profile no longer holds, and the plan simulated on the sizes the step had is a prediction of
-its peak where the chain's is not.
+see its own peak, but it holds as storages (:mod:`offremat._memory`) every stage's output a_i
+and the saved set x̄_i of each stage the plan recomputes or offloads: a stage that held more
+than its chain says is a stage whose profile no longer holds, and the plan simulated on the
+sizes the step had is a prediction of its peak where the chain's is not. A stage kept from
+its forward to its backward leaves x̄_i to autograd's graph (:mod:`offremat.executor`), which
+no one here sees: its growth goes unseen.
 
 The executor counts a storage's bytes (``nbytes``); the profiler counts the same storages,
 and on CUDA rounds them up to the allocator's blocks, plus what the step holds elsewhere
