@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +54,13 @@ class Value:
     """A string or an object among a call's arguments, as a signature keeps it: a string by
     value, an object by its repr (for most objects their address: a new object at every call
     is a new key) until :mod:`offremat._numbers` learns that it sizes nothing, as it does for
-    numbers (a caption, a file name, a generator made for each step)."""
+    numbers (a caption, a file name, a generator made for each step). A real number of
+    another library's type (a NumPy float from a schedule) keeps its value as ``number``, for
+    the range checks of :mod:`offremat._value_checks`."""
 
     type_name: str
     text: str
+    number: int | float | None = None
 
 
 def learnable(value: Any) -> bool:
@@ -183,6 +187,15 @@ def handed_values(batch: Any) -> frozenset[tuple[type, int | float | str]]:
     return frozenset(found)
 
 
+def _real_number(value: Any) -> int | float | None:
+    """``value`` as a Python number where it is a real number of another type (NumPy's)."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
 def _is_block_value(value: Any) -> bool:
     return type(value) in (int, float) or isinstance(value, str)
 
@@ -206,7 +219,7 @@ def _structure_key(structure: Structure, by_type: bool = False) -> Any:
             return value
         if learnable(value):
             text = value if isinstance(value, str) else repr(value)
-            return Value(type(value).__qualname__, text)
+            return Value(type(value).__qualname__, text, _real_number(value))
         return value if isinstance(value, (int, float, str)) else repr(value)
     container = structure.value if structure.kind == "sequence" else structure.value[1]
     return (
