@@ -57,7 +57,7 @@ from offremat._signatures import (
 from offremat._stand_ins import StandIns
 from offremat._step import StepsInFlight
 from offremat._step_budget import warn_unsure
-from offremat._value_checks import trim
+from offremat._value_checks import ValueChecks, trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
@@ -71,6 +71,7 @@ StatePlans = tuple[
     set[Signature],
     dict[VariantKey, "PlanExecutor"],
     set[Signature],
+    ValueChecks,
 ]
 
 KEPT_STATES = 8
@@ -300,7 +301,10 @@ class ShapePlans(VariantPlanning):
         batch norm frozen what a stage computes and saves: each state of the stages has plans
         of its own. The last few are kept, since some alternate at every step (a GAN freezes
         its discriminator for the generator's step, train() and eval() may alternate every
-        epoch); a new one is said aloud, as each of its shapes is planned again.
+        epoch); a new one is said aloud, as each of its shapes is planned again. What the
+        steps measured within budget is the plans' own, so each state keeps its checks: a
+        count checked on a frozen state's plan ran on the trainable state's plan of the same
+        key at 1.34 times the budget, unmeasured, in a review.
         """
         self.by_state[(self.module_state, self.modes)] = (
             self.executors,
@@ -308,6 +312,7 @@ class ShapePlans(VariantPlanning):
             self.provisional,
             self.variants,
             self.unprofiled,
+            self.numbers.checks,
         )
         kept = self.by_state.pop(state, None)
         while len(self.by_state) > KEPT_STATES:
@@ -325,8 +330,15 @@ class ShapePlans(VariantPlanning):
                     "for this mode (a step with gradients enabled follows a plan in eval "
                     "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
                 )
-            kept = ({}, {}, set(), {}, set())
-        self.executors, self.profiled, self.provisional, self.variants, self.unprofiled = kept
+            kept = ({}, {}, set(), {}, set(), ValueChecks())
+        (
+            self.executors,
+            self.profiled,
+            self.provisional,
+            self.variants,
+            self.unprofiled,
+            self.numbers.checks,
+        ) = kept
         self.refused, self.stand_ins = {}, StandIns(KEPT_VARIANTS)
         self.call_stand_ins = StandIns(KEPT_VARIANTS)
         self.module_state, self.modes = state
