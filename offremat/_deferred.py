@@ -101,6 +101,8 @@ class DeferringPacker(SavedTensorPacker):
         # Weak references pin the keys: a saved storage freed during the forward keeps its
         # address from a later one, which the watch would take for a change to a saved tensor.
         self.saved: dict[int, StorageWeakRef] = {}
+        # The bytes of each, which the step's stage sizes count (offremat._stage_sizes).
+        self.saved_bytes: dict[int, int] = {}
         # Known from an earlier forward of the stage: nothing to watch, refills run to the end.
         self.changed_after_saving = changes_saved
         self.expected_packs = expected_packs
@@ -146,6 +148,7 @@ class DeferringPacker(SavedTensorPacker):
         """A saved tensor the step would hold goes as a placeholder, filled by the refill."""
         if storage._cdata not in self.saved:
             self.saved[storage._cdata] = StorageWeakRef(storage)
+            self.saved_bytes[storage._cdata] = storage.nbytes()
         placeholder = Placeholder(tensor)
         self.slots.append(placeholder)
         return placeholder

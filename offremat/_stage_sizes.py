@@ -3,12 +3,21 @@
 A model whose activation sizes depend on its input's values (tokens routed by their values,
 a boolean mask's rows) saves more at some steps than at the batch its chain was profiled on,
 at the same input shapes, so no shape key tells those steps apart. An unmeasured step cannot
-see its own peak, but it holds as storages (:mod:`offremat._memory`) every stage's output a_i
-and the saved set x̄_i of each stage the plan recomputes or offloads: a stage that held more
-than its chain says is a stage whose profile no longer holds, and the plan simulated on the
-sizes the step had is a prediction of its peak where the chain's is not. A stage kept from
-its forward to its backward leaves x̄_i to autograd's graph (:mod:`offremat.executor`), which
-no one here sees: its growth goes unseen.
+see its own peak, but it sees every stage's output a_i (:mod:`offremat._memory`) and the
+saved set x̄_i that each forward packs through its hooks: the one it holds (an F_all it
+offloads or refills) and the one a recomputed stage's forward lets go
+(:class:`offremat._deferred.DeferringPacker`), counted as the profiler counts x̄_i, its
+storages with a_i's, each once. A stage that held more than its chain says is a stage whose
+profile no longer holds, and the plan simulated on the sizes the step had is a prediction of
+its peak where the chain's is not.
+
+A stage kept from its forward to its backward leaves x̄_i to autograd's graph, with no hooks
+(saved-tensor hooks switch off autograd's check of in-place changes), so no one here sees
+it: such a stage is taken to have grown as the seen stages profiled alike (the same saved
+and output bytes: the blocks of one kind) grew. A refill's own tensors are not counted: it
+makes again what the stage's forward packed, a copy of a_i among them where the stage saves
+its output, which the profile counts once (counting them put a_i's bytes of slack in every
+refilled stage, which hid growth at 1.3 to 2 times the budget, in a review).
 
 The executor counts a storage's bytes (``nbytes``); the profiler counts the same storages,
 and on CUDA rounds them up to the allocator's blocks, plus what the step holds elsewhere
@@ -18,20 +27,22 @@ what its chain says, so only a stage that holds more has grown.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from math import ceil
 
 from offremat._memory import StorageRecord
-from solvers.chain import Chain
+from solvers.chain import Chain, Stage
 
 
 @dataclass
 class StageSizes:
-    """Per stage (from 1), the most bytes its output a_i and its saved set x̄_i held in a step."""
+    """Per stage (from 1), the most bytes its output a_i and its saved set x̄_i held in a step,
+    and the stages whose x̄_i was seen (``seen``)."""
 
     out: dict[int, int] = field(default_factory=dict)
     saved: dict[int, int] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)
 
     def note(
         self,
@@ -39,51 +50,82 @@ class StageSizes:
         outputs: Iterable[StorageRecord],
         saved: Iterable[StorageRecord],
         inputs: Iterable[StorageRecord],
+        deferred: Mapping[int, int],
+        seen: bool = True,
     ) -> None:
-        """Stage i made ``outputs`` and, in all, ``saved`` (None of it in ``inputs``, a_{i-1})."""
-        given = {id(record) for record in inputs}
-        out = {id(r): r.nbytes for r in outputs if id(r) not in given}
-        held = {**out, **{id(r): r.nbytes for r in saved if id(r) not in given}}
+        """Stage i made ``outputs`` and, in all, held ``saved`` and let go ``deferred`` (bytes
+        by storage key) of its saved set, none of it in ``inputs`` (a_{i-1}); ``seen``:
+        whether that is all of x̄_i."""
+        given = {record.key for record in inputs}
+        out = {r.key: r.nbytes for r in outputs if r.key not in given}
+        held = {**deferred, **out, **{r.key: r.nbytes for r in saved}}
         self.out[i] = max(self.out.get(i, 0), sum(out.values()))
-        self.saved[i] = max(self.saved.get(i, 0), sum(held.values()))
+        self.saved[i] = max(
+            self.saved.get(i, 0), sum(size for key, size in held.items() if key not in given)
+        )
+        if seen:
+            self.seen.add(i)
 
     def merge(self, other: StageSizes) -> None:
         """Keep, per stage, the larger of this and ``other``."""
         for mine, theirs in ((self.out, other.out), (self.saved, other.saved)):
             for i, size in theirs.items():
                 mine[i] = max(mine.get(i, 0), size)
+        self.seen |= other.seen
 
 
 def grown_chain(chain: Chain, sizes: StageSizes, checked: StageSizes) -> Chain | None:
-    """``chain`` with each stage that held more than it says (and than a step measured within
-    its budget held, ``checked``) grown by as much, or None where no stage did."""
-    stages = list(chain.stages)
-    grown = False
+    """``chain`` with each stage grown to the sizes it held in a step, or None where no stage
+    held more than its chain says and than a step measured within its budget held
+    (``checked``). A stage whose x̄_i was not seen grows as the most grown seen stage
+    profiled alike."""
+    grew = False
+    held: dict[int, tuple[int, int]] = {}
     for i, stage in enumerate(chain.stages, 1):
-        out = sizes.out.get(i, 0) - max(stage.out_bytes, checked.out.get(i, 0))
-        saved = sizes.saved.get(i, 0) - max(stage.saved_bytes, checked.saved.get(i, 0))
-        if out <= 0 and saved <= 0:
-            continue
-        grown = True
-        more_out = max(out, 0)
-        out_bytes = stage.out_bytes + more_out
-        # δ_i grows with a_i, as much as the part of a_i that carries a gradient.
-        grad_bytes = stage.grad_bytes or 0
-        if stage.out_bytes:
-            grad_bytes = -(-grad_bytes * out_bytes // stage.out_bytes)
-        saved_bytes = stage.saved_bytes + max(saved, more_out)
-        # A stage that saves more works on more: its temporaries grow as much.
-        scale = saved_bytes / max(stage.saved_bytes, 1)
-        stages[i - 1] = replace(
-            stage,
-            out_bytes=out_bytes,
-            saved_bytes=saved_bytes,
-            grad_bytes=grad_bytes,
-            fwd_tmp_bytes=ceil(stage.fwd_tmp_bytes * scale),
-            bwd_tmp_bytes=ceil(stage.bwd_tmp_bytes * scale),
-            nograd_fwd_tmp_bytes=ceil((stage.nograd_fwd_tmp_bytes or 0) * scale),
-        )
-    return replace(chain, stages=tuple(stages)) if grown else None
+        out, saved = sizes.out.get(i, 0), sizes.saved.get(i, 0)
+        if i not in sizes.seen:
+            saved = 0
+        grew |= out > max(stage.out_bytes, checked.out.get(i, 0))
+        grew |= saved > max(stage.saved_bytes, checked.saved.get(i, 0))
+        out_bytes = max(stage.out_bytes, out)
+        # x̄_i holds a_i: it grows with a_i at least.
+        held[i] = out_bytes, max(stage.saved_bytes + out_bytes - stage.out_bytes, saved)
+    if not grew:
+        return None
+    ratios: dict[tuple[int, int], float] = {}
+    for i in sizes.seen & held.keys():
+        stage = chain.stages[i - 1]
+        alike = stage.saved_bytes, stage.out_bytes
+        ratios[alike] = max(ratios.get(alike, 1.0), held[i][1] / max(stage.saved_bytes, 1))
+    stages = []
+    for i, stage in enumerate(chain.stages, 1):
+        out_bytes, saved_bytes = held[i]
+        if i not in sizes.seen:
+            ratio = ratios.get((stage.saved_bytes, stage.out_bytes), 1.0)
+            saved_bytes = max(saved_bytes, ceil(stage.saved_bytes * ratio))
+        stages.append(_grown(stage, out_bytes, saved_bytes))
+    return replace(chain, stages=tuple(stages))
+
+
+def _grown(stage: Stage, out_bytes: int, saved_bytes: int) -> Stage:
+    """``stage`` holding ``out_bytes`` and ``saved_bytes``."""
+    if (out_bytes, saved_bytes) == (stage.out_bytes, stage.saved_bytes):
+        return stage
+    # δ_i grows with a_i, as much as the part of a_i that carries a gradient.
+    grad_bytes = stage.grad_bytes or 0
+    if stage.out_bytes:
+        grad_bytes = -(-grad_bytes * out_bytes // stage.out_bytes)
+    # A stage that saves more works on more: its temporaries grow as much.
+    scale = saved_bytes / max(stage.saved_bytes, 1)
+    return replace(
+        stage,
+        out_bytes=out_bytes,
+        saved_bytes=saved_bytes,
+        grad_bytes=grad_bytes,
+        fwd_tmp_bytes=ceil(stage.fwd_tmp_bytes * scale),
+        bwd_tmp_bytes=ceil(stage.bwd_tmp_bytes * scale),
+        nograd_fwd_tmp_bytes=ceil((stage.nograd_fwd_tmp_bytes or 0) * scale),
+    )
 
 
 def most_grown(chain: Chain, grown: Chain) -> tuple[str, int, int]:

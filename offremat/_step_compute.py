@@ -50,7 +50,6 @@ from offremat._tensors import (
     version_of,
 )
 from solvers.plan import (
-    ACTIVATION,
     F_ALL,
     SAVED,
     Op,
@@ -193,7 +192,15 @@ class Compute:
         held = refs + (packer.refs if packer is not None else [])
         records = self.residency.hold(held, movable=not is_output)
         outputs = [ref.record for ref in refs if ref.record is not None]
-        self.sizes.note(i, outputs, records, source.records)
+        # A direct F_all leaves its saved set to autograd's graph, where no one sees it.
+        self.sizes.note(
+            i,
+            outputs,
+            records,
+            source.records,
+            packer.saved_bytes if isinstance(packer, DeferringPacker) else {},
+            seen=not (grad and op.kind == F_ALL and packer is None),
+        )
         produced = PlanTensor(refs, structure, records)
         edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
         if packer is not None:
@@ -287,9 +294,6 @@ class Compute:
                 del inputs
             refs = refill.refs
         produced = PlanTensor([], None, self.residency.hold(refs))
-        output = self.on_device.get((ACTIVATION, i))
-        outputs = () if output is None else output.records
-        self.sizes.note(i, outputs, (*produced.records, *outputs), source.records)
         produced.edges, produced.packer = kept.edges, kept.packer
         produced.slot, produced.diff = kept.slot, kept.diff
         self.on_device[(SAVED, i)] = produced
