@@ -74,9 +74,7 @@ class HandedOn(torch.Tensor):
                 "on no block's output but its last, so that block's is not known: read the "
                 "shapes before the blocks or after the last, or train with plain autograd"
             )
-        # Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
-        # operators such as +, and the message would be lost.
-        raise RuntimeError(
+        raise HandedOnError(
             f"the model used {path}'s output for more than calling the next block "
             f"({name}); the chain runs to {last}, and inside it "
             f"only {last}'s output exists: name a run of blocks whose outputs only feed each "
@@ -89,11 +87,18 @@ class HandedOn(torch.Tensor):
         )
 
 
-class UnknownShapeError(RuntimeError):
+class HandedOnError(RuntimeError):
+    """A use of a block's output inside the chain, where only the chain's last exists.
+
+    Not a TypeError (NotAChainError is one): torch turns those into NotImplemented for
+    operators such as +, and the message would be lost."""
+
+
+class UnknownShapeError(HandedOnError):
     """A block output's shape asked where only the chain's last is known."""
 
 
-class DeferredOutputError(RuntimeError):
+class DeferredOutputError(HandedOnError):
     """A use of a block's output before the chain, run at the last block's call, made it."""
 
 

@@ -14,6 +14,7 @@ as it is (in eval mode too a step with gradients follows a plan).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -49,6 +50,7 @@ from offremat._call_checks import (
 from offremat._discover import BlockRun, Call, as_call
 from offremat._forward_signature import ModelSignatureForward
 from offremat._further_blocks import further_blocks_refused
+from offremat._handed_on import HandedOnError
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import Request, in_training_mode
 from offremat._run import RunInterception
@@ -210,8 +212,9 @@ class OptimizedModule(nn.Module):
         self._refuse_plain_autograd_only(call)
         try:
             executor, output = self._run_blocks(call)
-        except NotAChainError as error:
-            raise _with_other_numbers(error, call, self.__dict__.get("_example_numbers")) from None
+        except (NotAChainError, HandedOnError) as error:
+            first = self.__dict__.get("_example_numbers")
+            raise _with_other_numbers(error, _numbers(self._model, call), first) from None
         self._plans.check_output(call, output)  # a number learnt to size nothing may size it
         report_grown_outputs(executor, output)
         report_loss_left_to_caller(executor, output)
@@ -347,7 +350,8 @@ def optimize(
         )
     object.__setattr__(optimized, "_autocast", planned)
     # Its numbers only: the example's tensors are not kept alive by the module.
-    object.__setattr__(optimized, "_example_numbers", _numbers(as_call(example_batch)))
+    numbers = _numbers(optimized._model, as_call(example_batch))
+    object.__setattr__(optimized, "_example_numbers", numbers)
     object.__setattr__(optimized, "_forced_autocast", autocast is not None)
     return optimized
 
@@ -431,22 +435,28 @@ def _run_chain(plans: ShapePlans, call: Call, executor: PlanExecutor, value: Any
     return plans.for_chain_input(call, executor, value)(value)
 
 
-def _numbers(call: Call) -> dict[str, Any]:
-    """The numbers and strings among a call's arguments, by keyword or by position from 1."""
-    named = {f"argument {k}": v for k, v in enumerate(call.args, 1)}
-    named.update(call.kwargs)
+def _numbers(model: nn.Module, call: Call) -> dict[str, Any]:
+    """The numbers and strings among a call's arguments, defaults included, by the name of
+    the parameter of the model's ``forward`` they bind to (one passed by position was named
+    "argument 2" where the example named it, a review), else by keyword or by position."""
+    try:
+        bound = inspect.signature(model.forward).bind(*call.args, **call.kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+    except (AttributeError, TypeError, ValueError):  # a list of blocks; a call it refuses
+        named = {f"argument {k}": v for k, v in enumerate(call.args, 1)}
+        named.update(call.kwargs)
     return {k: v for k, v in named.items() if type(v) in (int, float) or isinstance(v, str)}
 
 
 def _with_other_numbers(
-    error: NotAChainError, call: Call, first: dict[str, Any] | None
+    error: Exception, given: dict[str, Any], first: dict[str, Any] | None
 ) -> Exception:
-    """``error``, naming the call's numbers that differ from the example's (``first``): one
-    that sets how many blocks run (a loop count, a depth) makes another chain, which a new
-    user took for a broken model (the message named no argument)."""
+    """``error``, naming the call's numbers (``given``) that differ from the example's
+    (``first``): one that sets how many blocks run (a loop count, a depth) makes another
+    chain, which a new user took for a broken model (the message named no argument)."""
     if first is None:
         return error
-    given = _numbers(call)
     other = [
         f"{k}={v!r} (the example's: {first[k]!r})"
         if k in first
@@ -457,7 +467,7 @@ def _with_other_numbers(
     other += [f"no {k} (the example's: {v!r})" for k, v in first.items() if k not in given]
     if not other:
         return error
-    return NotAChainError(
+    return type(error)(
         f"{error}. This call's {', '.join(other)}: where a number sets how many blocks run, "
         "each value is a chain of its own; optimize the model once per value (an "
         "offremat.optimize on an example with each) and call the one for the value"

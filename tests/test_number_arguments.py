@@ -689,12 +689,43 @@ def test_a_depth_set_by_a_number_names_it_in_its_refusal() -> None:
 
     torch.manual_seed(0)
     om = offremat.optimize(_Repeated(), {"x": X}, budget=0.7)
-    with pytest.raises(NotAChainError, match=r"n=6 \(not in the example\).*once per value"):
+    with pytest.raises(NotAChainError, match=r"n=6 \(the example's: 4\).*once per value"):
         om(x=X, n=6)
     om = offremat.optimize(_Repeated(), {"x": X, "n": 4}, budget=0.7)
     with pytest.raises(NotAChainError, match=r"n=2 \(the example's: 4\)"):
         om(x=X, n=2)
     om(x=X, n=4).backward()  # the example's depth still trains
+    with pytest.raises(NotAChainError, match=r"This call's n=2 \(the example's: 4\)"):
+        om(X, 2)  # by position, named as forward names it
+
+
+class _Sliced(nn.Module):
+    """Runs the first ``n`` of its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
+            for _ in range(6)
+        )
+
+    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks[:n]:
+            hidden = block(hidden)
+        return hidden.square().sum()
+
+
+def test_fewer_blocks_set_by_a_number_name_it_in_the_refusal() -> None:
+    # A loop over a slice of the blocks, called with fewer, was refused as a use of a block's
+    # output inside the chain, naming no number (a review).
+    from offremat._handed_on import HandedOnError
+
+    torch.manual_seed(0)
+    om = offremat.optimize(_Sliced(), {"x": X, "n": 6}, budget=0.7)
+    with pytest.raises(HandedOnError, match=r"n=3 \(the example's: 6\).*once per value"):
+        om(X, 3)
 
 
 def test_the_optimized_module_keeps_no_example_tensor_alive() -> None:
