@@ -276,7 +276,8 @@ def describe(signature: Signature) -> str:
 def _keyed_values(key: Any, name: str = "") -> Iterator[str]:
     """``name=value`` for each number or string a structure key keeps by value."""
     if isinstance(key, Value):
-        yield f"{name}={key.text!r}" if name else repr(key.text)
+        shown = _shortened(repr(key.text) if key.type_name == "str" else key.text)
+        yield f"{name}={shown}" if name else shown
         return
     if type(key) in (int, float):
         yield f"{name}={key!r}" if name else repr(key)
@@ -294,6 +295,11 @@ def _keyed_values(key: Any, name: str = "") -> Iterator[str]:
             names = [str(k) for k in keys]
     for child_name, child in zip(names, children, strict=True):
         yield from _keyed_values(child, child_name)
+
+
+def _shortened(text: str, most: int = 40) -> str:
+    """``text``, cut to ``most`` characters: a caption of 300 was quoted whole (a review)."""
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _laid_out(layout: Any) -> str:

@@ -1093,3 +1093,7 @@ def test_a_signature_names_the_values_it_keeps() -> None:
     batch = {"x": torch.zeros(2, 3), "k": 3, "task": "sum", "scale": 0.5, "flag": True}
     assert describe(input_signature(batch)) == "(2, 3) float32 with k=3, task='sum', scale=0.5"
     assert describe(input_signature((torch.zeros(2), 7))) == "(2,) float32 with 7"
+    # An object as its repr, unquoted; a long string cut (a review).
+    caption = "a caption " * 30
+    described = describe(input_signature({"x": torch.zeros(2), "c": caption, "e": ...}))
+    assert described == "(2,) float32 with c='a caption a caption a caption a capt..., e=Ellipsis"
