@@ -21,6 +21,7 @@ from torch.nn.utils import parametrize
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces, erased, same_sizes
+from offremat._outgrown import replanned
 from offremat._signatures import (
     BlockValue,
     Signature,
@@ -134,6 +135,8 @@ class VariantPlanning:
             raise InfeasibleBudgetError(*self.refused[key])
         if variant is not None:
             self.variants[key] = self.variants.pop(key)  # the latest used
+            if variant.outgrown is not None:
+                variant = replanned(self, signature, key, variant, self.variants)
             if not variant.verify_next:  # the step measured last on it ended, within budget
                 self.numbers.checks.within_budget(key)
             elif not variant.verify_again:  # it never ended: its backward did not run

@@ -39,6 +39,7 @@ from torch import nn
 from offremat._host import DeviceResources
 from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
+from offremat._outgrown import replanned
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import (
@@ -251,6 +252,8 @@ class ShapePlans(VariantPlanning):
                 self.executors[signature] = self.executors.pop(signature)  # the latest used
                 if signature in self.provisional:
                     executor = self._improve(signature, executor.chain)
+                if executor.outgrown is not None:
+                    executor = replanned(self, signature, signature, executor, self.executors)
                 if not executor.verify_next:  # the step measured last on it ended, within budget
                     self.numbers.within_budget(signature)
                 elif not executor.verify_again:  # it never ended: its backward did not run

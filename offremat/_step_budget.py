@@ -174,6 +174,35 @@ def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
     )
 
 
+def note_outgrown(
+    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
+) -> None:
+    """A measured step over its budget (said by :func:`report_over_budget`) whose stages held
+    more than its chain says leaves the chain grown to its sizes, which the next step plans
+    (:mod:`offremat._outgrown`)."""
+    budget = executor.plan.budget_bytes
+    if budget is None or budgeted_peak_bytes(executor, memory, new_grad_bytes) <= budget:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return  # see report_grown_sizes
+    executor.outgrown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+
+
+def note_within_budget(
+    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
+) -> None:
+    """A measured step ended within its budget: its sizes fit, and how far the plan's chain,
+    grown to them, simulates over its measured peak bounds how far it may at later steps'
+    (on a routed model the chain passed the real peak by 14%, which alone made a step at
+    0.88 of the budget look over it, in a review)."""
+    executor.checked_sizes.merge(sizes)
+    chain = grown_chain(executor.chain, sizes, StageSizes()) or executor.chain
+    simulated = simulate(executor.plan, chain).peak_bytes
+    over = max(simulated - budgeted_peak_bytes(executor, memory, new_grad_bytes), 0)
+    if executor.overestimate is None or over < executor.overestimate:
+        executor.overestimate = over
+
+
 def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     """Warn, once per plan, where the stages of an unmeasured step held more than its chain
     says (and than a step measured within the budget held) and the plan, simulated on those
@@ -190,18 +219,20 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
     if grown is None:
         return
-    peak = simulate(executor.plan, grown).peak_bytes
+    peak = simulate(executor.plan, grown).peak_bytes - (executor.overestimate or 0)
     if peak <= budget:
         executor.checked_sizes.merge(sizes)  # not simulated again at every such step
         return
+    executor.outgrown = grown
     executor.reported_over_budget.add("grown")
     name, now, profiled = most_grown(executor.chain, grown)
     logger.warning(
         "this step's stages saved more than its plan was made for (stage %r: %s, against %s "
-        "profiled): on the sizes this step had, the plan's peak is %s, over its budget of %s "
-        "(it predicted %s). The model's activation sizes depend on more than the input's "
-        "shapes (tokens routed by their values, a padding mask's values). Optimize on the "
-        "batch that holds the most, or lower the budget; measure_memory=True measures every "
+        "profiled): on the sizes this step had, the plan's chain predicts a peak of %s, over "
+        "its budget of %s (%s as profiled). The model's activation sizes depend on more than "
+        "the input's shapes (tokens routed by their values, a padding mask's values): the "
+        "next step runs on a plan made for those sizes, measured. Optimize on the batch that "
+        "holds the most to plan for it from the start; measure_memory=True measures every "
         "step",
         name,
         format_bytes(now),

@@ -171,6 +171,12 @@ class PlanExecutor:
         # simulated on their sizes, within the budget (offremat._stage_sizes).
         self.checked_sizes = StageSizes()
         self.checked_output_bytes = 0
+        # The chain grown to the sizes a step held, over the budget on this plan: the next
+        # step plans it again (offremat._outgrown).
+        self.outgrown: Chain | None = None
+        # The least that the chain's simulation, on the sizes a step measured within budget
+        # held, passed its measured peak: None before such a step.
+        self.overestimate: int | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -217,7 +223,9 @@ class PlanExecutor:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # One pickled before the sizes were checked starts with none known to fit.
-        self.__dict__.update(checked_sizes=StageSizes(), checked_output_bytes=0)
+        self.__dict__.update(
+            checked_sizes=StageSizes(), checked_output_bytes=0, outgrown=None, overestimate=None
+        )
         self.__dict__.update(state)
 
     def __call__(self, value: Any) -> Any:

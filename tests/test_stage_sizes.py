@@ -72,15 +72,15 @@ def test_a_stage_grows_to_what_it_held_past_what_was_checked() -> None:
     assert grown is not None and grown.stages[1].saved_bytes == 700
 
 
-def test_an_unseen_stage_grows_as_a_seen_stage_profiled_alike() -> None:
+def test_an_unseen_stage_grows_as_a_seen_stage_of_its_output_size() -> None:
     # A stage kept to its backward leaves its saved set to autograd's graph: blocks of one
-    # kind grow alike.
-    blocks = [Stage(f"block{k}", 1e-3, 2e-3, 100, 400) for k in range(2)]
-    chain = Chain("blocks", 100, [*blocks, Stage("head", 1e-3, 2e-3, 100, 300)])
-    sizes = StageSizes(out={1: 100, 2: 100, 3: 100}, saved={1: 100, 2: 1000, 3: 300}, seen={2, 3})
+    # kind, outputs of one size, grow alike (a head of another output size does not).
+    blocks = [Stage(f"block{k}", 1e-3, 2e-3, 100, 400 + k) for k in range(2)]
+    chain = Chain("blocks", 100, [*blocks, Stage("head", 1e-3, 2e-3, 50, 300)])
+    sizes = StageSizes(out={1: 100, 2: 100, 3: 50}, saved={1: 100, 2: 1002, 3: 50}, seen={2})
     grown = grown_chain(chain, sizes, StageSizes())
     assert grown is not None
-    assert [s.saved_bytes for s in grown.stages] == [1000, 1000, 300]
+    assert [s.saved_bytes for s in grown.stages] == [1000, 1002, 300]
 
 
 @pytest.mark.parametrize("solver", ["chen", "checkpoint-every-stage"])
@@ -103,3 +103,28 @@ def test_a_refilled_stage_that_saved_more_is_said(solver: str, caplog) -> None:
             om(many).backward()
     assert memory.peak_bytes > om.plan.budget_bytes
     assert "this step's stages saved more than its plan was made for" in caplog.text
+
+
+def test_a_step_that_outgrew_its_plan_gets_a_plan_for_its_sizes(caplog) -> None:
+    # Said once and left as it was, a routed model's plan ran every later step that held as
+    # much over its budget (a review). Each step over the budget is said, and the next ones
+    # on those sizes run on a plan made for them.
+    import logging
+
+    import offremat
+    from offremat.measure import StepMemory
+    from tests.test_budget_measured import _routed
+
+    model, (few, many) = _routed(8, 12)
+    om = offremat.optimize(model, few, budget=0.8)
+    peaks, said = [], []
+    caplog.set_level(logging.WARNING, logger="offremat")
+    for batch in (few, many, many, many, many):
+        caplog.clear()
+        with StepMemory("cpu", batch) as memory:
+            om(batch).backward()
+        peaks.append(memory.peak_bytes / om.plan.budget_bytes)
+        said.append(caplog.text)
+    assert all(said[k] for k, peak in enumerate(peaks) if peak > 1)
+    assert max(peaks[0], *peaks[-2:]) <= 1
+    assert "a plan made for those sizes" in said[1] or peaks[1] <= 1

@@ -1,0 +1,63 @@
+"""A plan made again for the sizes a step's stages held, where they outgrew its chain.
+
+A model whose activation sizes depend on its input's values (tokens routed by their values)
+can hold more at some steps than at the batch its chain was profiled on, at the same shapes
+(:mod:`offremat._stage_sizes`). A step that finds its stages grown past what the plan fits
+within its budget leaves the chain grown to its sizes (``PlanExecutor.outgrown``), and the
+next step on that plan's key runs on a plan made for that chain, measured: the grown chain
+is an estimate (a stage kept to its backward grows as the stages profiled alike did, its
+temporaries as its saved set). Warned once and left as it was, routed tokens at three times
+the profiled count ran at 1.6 times the budget at every later step (a review); planned again,
+they fit. The chain only grows: a later step that holds less runs on the larger plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from offremat._signatures import Signature, describe
+from offremat.executor import PlanExecutor
+from solvers.budget import InfeasibleBudgetError, format_bytes
+from solvers.chain import Chain
+
+logger = logging.getLogger(__name__)
+
+
+class _Planning(Protocol):
+    numbers: Any
+
+    def _executor_for(self, signature: Signature, chain: Chain) -> PlanExecutor: ...
+
+
+def replanned(
+    planning: _Planning,
+    signature: Signature,
+    key: Any,
+    executor: PlanExecutor,
+    plans: dict[Any, PlanExecutor],
+) -> PlanExecutor:
+    """The executor of a plan for ``executor.outgrown``, put in ``plans`` under ``key`` (of
+    the call's ``signature``), its first step measured; ``executor`` itself where no plan
+    fits that chain within the budget (said)."""
+    grown, executor.outgrown = executor.outgrown, None
+    assert grown is not None
+    try:
+        new = planning._executor_for(signature, grown)
+    except InfeasibleBudgetError as error:
+        logger.warning(
+            "on the sizes a step held, %s: steps that hold as much may pass the budget on the "
+            "plan they run, which is kept",
+            error,
+        )
+        return executor
+    new.verify_next = True
+    plans[key] = new
+    planning.numbers.checks.replaced(key)
+    logger.info(
+        "planned input %s again for the sizes a step held: %s plan, predicted peak %s",
+        describe(signature),
+        new.plan.solver,
+        format_bytes(new.plan.predicted_peak_bytes or 0),
+    )
+    return new
