@@ -46,9 +46,13 @@ def replanned(
         new = planning._executor_for(signature, grown)
     except InfeasibleBudgetError as error:
         logger.warning(
-            "on the sizes a step held, %s: steps that hold as much may pass the budget on the "
-            "plan they run, which is kept",
-            error,
+            "on the sizes a step held, no %s plan for input %s fits in its budget of %s (one "
+            "fits in %s): steps that hold as much may pass the budget on the plan they run, "
+            "which is kept. Lower the batch, or raise the budget",
+            error.solver,
+            describe(signature),
+            format_bytes(error.budget_bytes),
+            format_bytes(error.min_budget_bytes),
         )
         return executor
     new.verify_next = True

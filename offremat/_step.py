@@ -34,7 +34,6 @@ from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
-    note_outgrown,
     note_within_budget,
     report_grown_sizes,
     report_held_over_budget,
@@ -247,7 +246,6 @@ class _Step(Compute):
                 # A second check of CUDA's uncertainty alone replans nothing.
                 anew = self.verifying and not self.executor.verify_again
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
-                note_outgrown(self.executor, self.memory, self.new_grad_bytes, self.sizes)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):

@@ -175,20 +175,6 @@ def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
     )
 
 
-def note_outgrown(
-    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
-) -> None:
-    """A measured step over its budget (said by :func:`report_over_budget`) whose stages held
-    more than its chain says leaves the chain grown to its sizes, which the next step plans
-    (:mod:`offremat._outgrown`)."""
-    budget = executor.plan.budget_bytes
-    if budget is None or budgeted_peak_bytes(executor, memory, new_grad_bytes) <= budget:
-        return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return  # see report_grown_sizes
-    executor.outgrown = grown_chain(executor.chain, sizes, executor.checked_sizes)
-
-
 def note_within_budget(
     executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
 ) -> None:
