@@ -13,17 +13,12 @@ from torch import nn
 
 import offremat
 from offremat.measure import StepMemory
-from tests.test_budget_measured import _labels, _ResidualMLP
+from tests.test_budget_measured import _labels, _MaskedHeadNet, _ResidualMLP
 
 
-class _AllTokensHead(nn.Module):
+class _AllTokensHead(_MaskedHeadNet):
     """A head and a loss over every token, whatever the labels; it also returns the
     predictions on the labelled tokens (an accuracy metric), sized by the labels."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_ResidualMLP() for _ in range(4))
-        self.head = nn.Linear(32, 1024)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for block in self.blocks:
