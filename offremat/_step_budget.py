@@ -191,19 +191,25 @@ def note_within_budget(
 
 
 def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
-    """Warn, once per plan, where the stages of an unmeasured step held more than its chain
-    says (and than a step measured within the budget held) and the plan, simulated on those
-    sizes, passes its budget (:mod:`offremat._stage_sizes`): tokens routed by their values
+    """Warn where the stages of an unmeasured step held more than its chain says (and than a
+    step measured within the budget, or said, held) and the plan, simulated on those sizes,
+    passes its budget (:mod:`offremat._stage_sizes`): tokens routed by their values
     saved several times the profiled bytes, while the tensors the plan kept stayed within
     the budget, so :func:`report_held_over_budget` said nothing."""
     budget = executor.plan.budget_bytes
-    if budget is None or "grown" in executor.reported_over_budget:
+    if budget is None:
         return
     # FSDP2 saves the parameters it gathers, storages of the step's own that no profile
     # counts as the stage's (offremat._stage_profile): sizes are not compared there.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+    # Sizes said once are said again only where a step holds more still (said once per
+    # plan, a step at twice those sizes went unsaid where no plan fitted them:
+    # experiments/routed_growth.py).
+    known = StageSizes()
+    for sizes_before in (executor.checked_sizes, executor.said_sizes):
+        known.merge(sizes_before)
+    grown = grown_chain(executor.chain, sizes, known)
     if grown is None:
         return
     peak = simulate(executor.plan, grown).peak_bytes - (executor.overestimate or 0)
@@ -211,7 +217,7 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
         executor.checked_sizes.merge(sizes)  # not simulated again at every such step
         return
     executor.outgrown = grown
-    executor.reported_over_budget.add("grown")
+    executor.said_sizes.merge(sizes)
     name, now, profiled = most_grown(executor.chain, grown)
     logger.warning(
         "this step's stages saved more than its plan was made for (stage %r: %s, against %s "

@@ -171,6 +171,8 @@ class PlanExecutor:
         # simulated on their sizes, within the budget (offremat._stage_sizes).
         self.checked_sizes = StageSizes()
         self.checked_output_bytes = 0
+        # The most each stage held in steps said to pass the budget on their sizes.
+        self.said_sizes = StageSizes()
         # The chain grown to the sizes a step held, over the budget on this plan: the next
         # step plans it again (offremat._outgrown).
         self.outgrown: Chain | None = None
@@ -224,7 +226,11 @@ class PlanExecutor:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # One pickled before the sizes were checked starts with none known to fit.
         self.__dict__.update(
-            checked_sizes=StageSizes(), checked_output_bytes=0, outgrown=None, overestimate=None
+            checked_sizes=StageSizes(),
+            checked_output_bytes=0,
+            said_sizes=StageSizes(),
+            outgrown=None,
+            overestimate=None,
         )
         self.__dict__.update(state)
 

@@ -1,0 +1,156 @@
+"""Tokens routed by their values: is every step over the budget said, and do later ones fit?
+
+Six blocks each run the tokens whose first feature is positive through a wide MLP, so what a
+block saves grows with how many tokens are chosen, at the same input shapes. Each run
+optimizes on a batch where 8 of 64 tokens per sequence are chosen, then steps on batches where
+more are (``--counts``). Every step is measured from outside by
+:class:`offremat.measure.StepMemory` (the dispatch-mode tracker) and compared with the budget;
+a step is *said* where the library logged a warning during it. The table counts, per solver
+and budget, the steps over the budget, those of them unsaid, the warnings on steps within it
+(false alarms), and the last step's peak.
+
+    python experiments/routed_growth.py --out experiments/results/routed_growth.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import offremat
+from offremat.measure import StepMemory
+
+RUNS = (("dp", 0.7), ("dp", 0.9), ("chen", 0.9), ("checkpoint-every-stage", 0.9))
+
+
+class RoutedBlock(nn.Module):
+    """Runs only the tokens whose first feature is positive through a wide MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        chosen = h[..., 0] > 0
+        out = h.clone()
+        out[chosen] = h[chosen] + self.down(torch.tanh(self.up(h[chosen])))
+        return out
+
+
+class RoutedNet(nn.Module):
+    """Six routed blocks and a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RoutedBlock() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def routed_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = RoutedNet()
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)  # the budget leaves gradients out
+    return model
+
+
+def batch(chosen: int) -> torch.Tensor:
+    """8 sequences of 64 tokens, the first ``chosen`` of each routed."""
+    tokens = torch.rand(8, 64, 64, generator=torch.Generator().manual_seed(0))
+    tokens[:, chosen:, 0] *= -1
+    return tokens
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+def run(solver: str, fraction: float, counts: list[int]) -> dict[str, object]:
+    model = routed_model()
+    om = offremat.optimize(model, batch(8), budget=fraction, solver=solver)
+    said = _Said()
+    logging.getLogger("offremat").addHandler(said)
+    over = false_alarms = 0
+    unsaid: list[str] = []
+    peaks = []
+    try:
+        for count in counts:
+            said.count = 0
+            with StepMemory("cpu", batch(count)) as memory:
+                om(batch(count)).backward()
+            peak = memory.peak_bytes / om.plan.budget_bytes
+            peaks.append(peak)
+            over += peak > 1
+            if peak > 1 and not said.count:
+                unsaid.append(f"{count}: {peak:.3f}")
+            false_alarms += peak <= 1 and bool(said.count)
+    finally:
+        logging.getLogger("offremat").removeHandler(said)
+    return {
+        "solver": solver,
+        "budget": fraction,
+        "steps": len(counts),
+        "over": over,
+        "over, unsaid": len(unsaid),
+        "unsaid (chosen: peak)": ", ".join(unsaid),
+        "said, within": false_alarms,
+        "worst peak": max(peaks),
+        "last peak": peaks[-1],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", default="8,12,12,16,16,24,24,40,40,12")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("offremat").propagate = False  # counted, not printed
+    counts = [int(c) for c in args.counts.split(",")]
+    rows = [run(solver, fraction, counts) for solver, fraction in RUNS]
+    columns = list(rows[0])
+    lines = [
+        "# Routed tokens: steps over the budget said",
+        "",
+        f"Command: `python {shlex.join(sys.argv)}`  ",
+        f"Date: {datetime.date.today()}; commit "
+        + subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        + f"; torch {torch.__version__}; {platform.processor() or platform.machine()}, CPU, "
+        "1 thread  ",
+        f"Counts of chosen tokens per step: {args.counts} (the example: 8). Peaks are "
+        "StepMemory's over the whole step, divided by the budget.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
