@@ -440,9 +440,21 @@ def _numbers(model: nn.Module, call: Call) -> dict[str, Any]:
     the parameter of the model's ``forward`` they bind to (one passed by position was named
     "argument 2" where the example named it, a review), else by keyword or by position."""
     try:
-        bound = inspect.signature(model.forward).bind(*call.args, **call.kwargs)
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*call.args, **call.kwargs)
         bound.apply_defaults()
-        named = dict(bound.arguments)
+        named = {}
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            # Those gathered by **kwargs and *args by their own names and positions (a
+            # wrapper's forward(*args, **kwargs) hid them all, a review).
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                first = len(bound.args) - len(value) + 1
+                named.update({f"argument {k}": v for k, v in enumerate(value, first)})
+            else:
+                named[name] = value
     except (AttributeError, TypeError, ValueError):  # a list of blocks; a call it refuses
         named = {f"argument {k}": v for k, v in enumerate(call.args, 1)}
         named.update(call.kwargs)

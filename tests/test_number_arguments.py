@@ -699,6 +699,27 @@ def test_a_depth_set_by_a_number_names_it_in_its_refusal() -> None:
         om(X, 2)  # by position, named as forward names it
 
 
+class _Wrapped(_Repeated):
+    """_Repeated behind a forward(*args, **kwargs), as a thin wrapper has it."""
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(*args, **kwargs)
+
+
+def test_a_depth_passed_through_args_or_kwargs_is_named_in_the_refusal() -> None:
+    # Bound to forward's parameters, the numbers gathered by *args and **kwargs were one
+    # tuple and one dict, dropped: the refusal named none (a review).
+    from offremat._blocks import NotAChainError
+
+    torch.manual_seed(0)
+    om = offremat.optimize(_Wrapped(), {"x": X, "n": 4}, budget=0.7)
+    with pytest.raises(NotAChainError, match=r"This call's n=6 \(the example's: 4\)"):
+        om(x=X, n=6)
+    om = offremat.optimize(_Wrapped(), (X, 4), budget=0.7)
+    with pytest.raises(NotAChainError, match=r"This call's argument 2=6 \(the example's: 4\)"):
+        om(X, 6)
+
+
 class _Sliced(nn.Module):
     """Runs the first ``n`` of its blocks."""
 
