@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offremat._call_checks import in_functorch_transform
-from offremat._outside import gradient_output_bytes
 from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
 from offremat._stage_sizes import StageSizes, grown_chain, most_grown
@@ -252,7 +251,7 @@ def report_grown_outputs(executor: PlanExecutor, output: Any) -> None:
         return  # the outputs of another shape's example
     if in_functorch_transform():
         return  # its wrapped tensors have no storage to count; plain autograd ran
-    now = gradient_output_bytes(output)
+    now = storage_bytes(tree_leaf_tensors(output))
     if now <= max(profiled, executor.checked_output_bytes):
         return
     more = ceil(outside["end_peak_bytes"] * (now / profiled - 1))
@@ -297,13 +296,13 @@ def report_loss_left_to_caller(executor: PlanExecutor, output: Any) -> None:
     carried = [t for t in tree_leaf_tensors(output) if t.requires_grad]
     if not carried:
         return
-    largest = max(carried, key=lambda t: t.numel() * t.element_size())
-    # A loss among them, a scalar or one per example ((1,) as DataParallel gathers it, or
-    # reduction="none"), which were taken for none at 0.79 of the budget in a review: the
-    # model computes its own.
-    rows = largest.shape[0] if largest.dim() else 1
-    if any(t.numel() <= rows for t in carried):
+    # A loss among them, 0-d or of shape (1,) as DataParallel gathers it (taken for none at
+    # 0.79 of the budget, a review): the model computes its own. One per example is told
+    # from a value head's output by nothing here, and a value head's beside logits whose
+    # loss the caller took ran at 1.55 times the budget, unsaid, as a loss (a review).
+    if any(t.numel() == 1 for t in carried):
         return
+    largest = max(carried, key=lambda t: t.numel() * t.element_size())
     size = storage_bytes(carried)
     if size < CALLER_LOSS_SHARE * budget:
         return

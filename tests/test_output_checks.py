@@ -16,62 +16,73 @@ from offremat.measure import StepMemory
 from tests.test_budget_measured import _labels, _MaskedHeadNet, _ResidualMLP
 
 
-class _AllTokensHead(_MaskedHeadNet):
-    """A head and a loss over every token, whatever the labels; it also returns the
-    predictions on the labelled tokens (an accuracy metric), sized by the labels."""
+class _Predicting(_MaskedHeadNet):
+    """The masked-token head and loss, returning the predictions on those tokens beside the
+    loss, as an accuracy metric wants them: its only outputs sized by the labels carry no
+    gradient."""
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        return loss, logits.detach().argmax(-1)[labels >= 0]
+        loss, logits = super().forward(x, labels)
+        return loss, logits.detach().argmax(-1)
 
 
-def test_outputs_carrying_no_gradient_do_not_grow_the_end_code(caplog) -> None:
-    # 256 more bytes of predictions scaled the end code's peak as if its head had doubled:
-    # "over its budget" on a step at 0.81 of it (a review).
+def test_a_head_on_the_masked_tokens_that_returns_predictions_is_said(caplog) -> None:
+    # Only the outputs that carry a gradient counted: a step where 40 of 64 tokens were
+    # labelled ran at 1.19 times the budget, and 64 at 1.63, unsaid (a review).
     torch.manual_seed(0)
     x = torch.randn(4, 64, 32)
-    om = offremat.optimize(_AllTokensHead(), {"x": x, "labels": _labels(8)}, budget=0.8)
+    model = _Predicting()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    om = offremat.optimize(model, {"x": x, "labels": _labels(8)}, budget=0.8)
     with caplog.at_level(logging.WARNING, logger="offremat"):
         om(x, _labels(8))[0].backward()
         with StepMemory("cpu", (x, _labels(40))) as memory:
             om(x, _labels(40))[0].backward()
-    assert memory.peak_bytes <= om.plan.budget_bytes
-    assert "outputs took" not in caplog.text
+    assert memory.peak_bytes > om.plan.budget_bytes
+    assert "this step's outputs took" in caplog.text
 
 
-class _OwnLoss(nn.Module):
-    """Computes its loss and returns it beside its logits, as ``shape``: (1,) as
-    DataParallel gathers it, or one per example."""
+class _TwoHeads(nn.Module):
+    """Logits and a second output of one value per example (a value head's, or a loss of
+    one element as DataParallel gathers it)."""
 
-    def __init__(self, shape: str) -> None:
+    def __init__(self, second: str) -> None:
         super().__init__()
-        self.shape = shape
+        self.second = second
         self.blocks = nn.Sequential(*(_ResidualMLP() for _ in range(4)))
         self.head = nn.Linear(32, 2048)
+        self.value = nn.Linear(32, 1)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.head(self.blocks(x))
-        if self.shape == "one":
-            loss = nn.functional.cross_entropy(logits, target).reshape(1)
-        else:
-            loss = nn.functional.cross_entropy(logits, target, reduction="none")
-        return {"loss": loss, "logits": logits}
+        hidden = self.blocks(x)
+        logits = self.head(hidden)
+        if self.second == "loss":
+            return {"loss": nn.functional.cross_entropy(logits, target).reshape(1)}
+        return {"logits": logits, "value": self.value(hidden).squeeze(-1)}
 
 
-@pytest.mark.parametrize("shape", ["one", "per-example"])
-def test_a_loss_of_one_element_or_one_per_example_is_a_loss(shape: str, caplog) -> None:
-    # Taken for no loss, "the code that computes the loss runs outside the budget" was said
-    # of a step at 0.79 of it (a review).
+@pytest.mark.parametrize("second", ["loss", "value"])
+def test_a_loss_of_one_element_is_a_loss_and_a_value_head_is_not(second: str, caplog) -> None:
+    # A (1,) loss was taken for none, said at 0.79 of the budget; a value head's output of
+    # one value per example, taken for a loss, hid the caller's loss at 1.55 times the
+    # budget (reviews).
     torch.manual_seed(0)
     x, target = torch.randn(256, 32), torch.randint(0, 2048, (256,))
-    om = offremat.optimize(_OwnLoss(shape), {"x": x, "target": target}, budget=0.9)
+    model = _TwoHeads(second)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    om = offremat.optimize(model, {"x": x, "target": target}, budget=0.9)
     with (
         caplog.at_level(logging.WARNING, logger="offremat"),
         StepMemory("cpu", (x, target)) as memory,
     ):
-        om(x, target)["loss"].mean().backward()
-    assert memory.peak_bytes <= om.plan.budget_bytes
-    assert "returned no loss" not in caplog.text
+        out = om(x, target)
+        if second == "loss":
+            out["loss"].sum().backward()
+        else:
+            loss = nn.functional.cross_entropy(out["logits"], target, label_smoothing=0.1)
+            (loss + out["value"].square().mean()).backward()
+    said = "returned no loss" in caplog.text
+    assert said == (second == "value")
+    assert said or memory.peak_bytes <= om.plan.budget_bytes
