@@ -318,6 +318,8 @@ class ShapePlans(VariantPlanning):
             self.numbers.checks,
         )
         kept = self.by_state.pop(state, None)
+        if kept is not None and len(kept) == 5:  # kept by a version before the checks were
+            kept = (*kept, ValueChecks())
         while len(self.by_state) > KEPT_STATES:
             self.by_state.pop(next(iter(self.by_state)))
         if kept is None:

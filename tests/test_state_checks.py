@@ -49,3 +49,18 @@ def test_a_count_checked_in_one_state_is_not_taken_as_checked_in_another() -> No
     peaks, measured = _measured_steps(om, model, plain, [{"x": many, "temperature": 0.5}] * 4)
     assert max(frozen) <= 1
     assert (peaks[0] <= 1 or measured[0]) and max(peaks[1:]) <= 1
+
+
+def test_plans_of_a_state_kept_before_each_kept_its_checks_still_switch() -> None:
+    # A module pickled before each state kept its checks held 5 plans per state: at its
+    # next state switch, "not enough values to unpack" (a review).
+    torch.manual_seed(0)
+    om, model, plain = _optimized(CountedAnnealed(), {"x": X, "temperature": 0.5}, 0.7)
+    calls = [{"x": X, "temperature": 0.5}]
+    _measured_steps(om, model, plain, calls)
+    for frozen in (True, False, True):
+        for block in (*model.blocks, *plain.blocks):
+            block.up.requires_grad_(not frozen)
+        plans = om._plans
+        plans.by_state = {state: kept[:5] for state, kept in plans.by_state.items()}
+        _measured_steps(om, model, plain, calls)
