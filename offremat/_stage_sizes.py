@@ -130,8 +130,11 @@ def _grown(stage: Stage, out_bytes: int, saved_bytes: int) -> Stage:
     )
 
 
-def most_grown(chain: Chain, grown: Chain) -> tuple[str, int, int]:
-    """The stage whose saved set grew most: its name, its bytes then and as profiled."""
-    pairs = zip(chain.stages, grown.stages, strict=True)
-    before, after = max(pairs, key=lambda pair: pair[1].saved_bytes - pair[0].saved_bytes)
+def most_grown(chain: Chain, grown: Chain, seen: set[int]) -> tuple[str, int, int]:
+    """The stage whose saved set was seen to grow most (of those ``seen``, else of all): its
+    name, its bytes then and as profiled. A stage taken to grow as others did is named only
+    where none was seen (one named a dense block at bytes it never held, a review)."""
+    pairs = list(zip(chain.stages, grown.stages, strict=True))
+    named = [pairs[i - 1] for i in sorted(seen) if 0 < i <= len(pairs)] or pairs
+    before, after = max(named, key=lambda pair: pair[1].saved_bytes - pair[0].saved_bytes)
     return before.name, after.saved_bytes, before.saved_bytes

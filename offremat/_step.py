@@ -34,7 +34,6 @@ from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
-    note_within_budget,
     report_grown_sizes,
     report_held_over_budget,
     report_over_budget,
@@ -249,7 +248,7 @@ class _Step(Compute):
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):
-                    note_within_budget(self.executor, self.memory, self.new_grad_bytes, self.sizes)
+                    self.executor.checked_sizes.merge(self.sizes)
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)

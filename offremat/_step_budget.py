@@ -174,21 +174,6 @@ def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
     )
 
 
-def note_within_budget(
-    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
-) -> None:
-    """A measured step ended within its budget: its sizes fit, and how far the plan's chain,
-    grown to them, simulates over its measured peak bounds how far it may at later steps'
-    (on a routed model the chain passed the real peak by 14%, which alone made a step at
-    0.88 of the budget look over it, in a review)."""
-    executor.checked_sizes.merge(sizes)
-    chain = grown_chain(executor.chain, sizes, StageSizes()) or executor.chain
-    simulated = simulate(executor.plan, chain).peak_bytes
-    over = max(simulated - budgeted_peak_bytes(executor, memory, new_grad_bytes), 0)
-    if executor.overestimate is None or over < executor.overestimate:
-        executor.overestimate = over
-
-
 def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     """Warn where the stages of an unmeasured step held more than its chain says (and than a
     step measured within the budget, or said, held) and the plan, simulated on those sizes,
@@ -211,13 +196,13 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     grown = grown_chain(executor.chain, sizes, known)
     if grown is None:
         return
-    peak = simulate(executor.plan, grown).peak_bytes - (executor.overestimate or 0)
+    peak = simulate(executor.plan, grown).peak_bytes
     if peak <= budget:
         executor.checked_sizes.merge(sizes)  # not simulated again at every such step
         return
     executor.outgrown = grown
     executor.said_sizes.merge(sizes)
-    name, now, profiled = most_grown(executor.chain, grown)
+    name, now, profiled = most_grown(executor.chain, grown, sizes.seen)
     logger.warning(
         "this step's stages saved more than its plan was made for (stage %r: %s, against %s "
         "profiled): on the sizes this step had, the plan's chain predicts a peak of %s, over "

@@ -181,9 +181,6 @@ class PlanExecutor:
         # The chain grown to the sizes a step held, over the budget on this plan: the next
         # step plans it again (offremat._outgrown).
         self.outgrown: Chain | None = None
-        # The least that the chain's simulation, on the sizes a step measured within budget
-        # held, passed its measured peak: None before such a step.
-        self.overestimate: int | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -235,7 +232,6 @@ class PlanExecutor:
             checked_output_bytes=0,
             said_sizes=StageSizes(),
             outgrown=None,
-            overestimate=None,
         )
         self.__dict__.update(state)
 

@@ -59,7 +59,7 @@ def test_a_grown_stage_grows_its_gradient_and_temporaries_with_it() -> None:
     b = grown.stages[1]
     assert (b.out_bytes, b.saved_bytes, b.grad_bytes) == (150, 800, 150)
     assert (b.fwd_tmp_bytes, b.bwd_tmp_bytes) == (80, -40)  # twice the saved, twice these
-    assert most_grown(chain, grown) == ("b", 800, 400)
+    assert most_grown(chain, grown, sizes.seen) == ("b", 800, 400)
 
 
 def test_a_stage_grows_to_what_it_held_past_what_was_checked() -> None:
@@ -81,6 +81,11 @@ def test_an_unseen_stage_grows_as_a_seen_stage_of_its_output_size() -> None:
     grown = grown_chain(chain, sizes, StageSizes())
     assert grown is not None
     assert [s.saved_bytes for s in grown.stages] == [1000, 1002, 300]
+    # Named, the stage seen to grow, not a larger one taken to.
+    wide = Chain("wide", 100, [Stage("wide", 1e-3, 2e-3, 100, 800), *chain.stages[1:]])
+    grown = grown_chain(wide, sizes, StageSizes())
+    assert grown is not None and grown.stages[0].saved_bytes == 2000
+    assert most_grown(wide, grown, sizes.seen) == ("block1", 1002, 401)
 
 
 @pytest.mark.parametrize("solver", ["chen", "checkpoint-every-stage"])
