@@ -479,8 +479,16 @@ def _with_other_numbers(
     other += [f"no {k} (the example's: {v!r})" for k, v in first.items() if k not in given]
     if not other:
         return error
-    return type(error)(
-        f"{error}. This call's {', '.join(other)}: where a number sets how many blocks run, "
-        "each value is a chain of its own; optimize the model once per value (an "
-        "offremat.optimize on an example with each) and call the one for the value"
+    advice = (
+        "where a number sets how many blocks run, each value is a chain of its own; optimize "
+        "the model once per value (an offremat.optimize on an example with each) and call "
+        "the one for the value"
     )
+    if isinstance(error, HandedOnError):
+        # A number may also switch on code that reads a block's output, which no value's
+        # chain allows (optimizing once per value failed the same way, a review).
+        advice += (
+            "; where it only switches on code that reads a block's output, a plan per value "
+            "does not help: turn that reading off (see above)"
+        )
+    return type(error)(f"{error}. This call's {', '.join(other)}: {advice}")

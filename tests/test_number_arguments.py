@@ -747,6 +747,10 @@ def test_fewer_blocks_set_by_a_number_name_it_in_the_refusal() -> None:
     om = offremat.optimize(_Sliced(), {"x": X, "n": 6}, budget=0.7)
     with pytest.raises(HandedOnError, match=r"n=3 \(the example's: 6\).*once per value"):
         om(X, 3)
+    # A number may switch on a read of a block's output instead, which no plan allows (a
+    # review: the advice alone led to the same error).
+    with pytest.raises(HandedOnError, match=r"a plan per value does not help"):
+        om(X, 3)
 
 
 def test_the_optimized_module_keeps_no_example_tensor_alive() -> None:
