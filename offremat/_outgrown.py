@@ -56,6 +56,7 @@ def replanned(
         )
         return executor
     new.verify_next = True
+    new.sized_by_step = True
     plans[key] = new
     planning.numbers.checks.replaced(key)
     logger.info(

@@ -68,6 +68,12 @@ class StageSizes:
         if seen:
             self.seen.add(i)
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # Pickled before ``seen`` was kept: no stage's saved set known as seen (an old
+        # module's first grown step crashed, a review).
+        self.__dict__.update(seen=set())
+        self.__dict__.update(state)
+
     def merge(self, other: StageSizes) -> None:
         """Keep, per stage, the larger of this and ``other``."""
         for mine, theirs in ((self.out, other.out), (self.saved, other.saved)):

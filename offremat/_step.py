@@ -244,6 +244,8 @@ class _Step(Compute):
             if self.executor.measure_memory or self.verifying:  # said now: see report_over_budget
                 # A second check of CUDA's uncertainty alone replans nothing.
                 anew = self.verifying and not self.executor.verify_again
+                # A plan made for the sizes a step held is not planned anew when over.
+                anew = anew and not self.executor.sized_by_step
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)

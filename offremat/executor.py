@@ -181,6 +181,9 @@ class PlanExecutor:
         # The chain grown to the sizes a step held, over the budget on this plan: the next
         # step plans it again (offremat._outgrown).
         self.outgrown: Chain | None = None
+        # Made for the sizes a step held (offremat._outgrown), not profiled on a batch: a
+        # step over on it is no sign of values or a shape its plan was not profiled on.
+        self.sized_by_step = False
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -232,6 +235,7 @@ class PlanExecutor:
             checked_output_bytes=0,
             said_sizes=StageSizes(),
             outgrown=None,
+            sized_by_step=False,
         )
         self.__dict__.update(state)
 
