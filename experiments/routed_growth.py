@@ -7,7 +7,8 @@ more are (``--counts``). Every step is measured from outside by
 :class:`offremat.measure.StepMemory` (the dispatch-mode tracker) and compared with the budget;
 a step is *said* where the library logged a warning during it. The table counts, per solver
 and budget, the steps over the budget, those of them unsaid, the warnings on steps within it
-(false alarms), and the last step's peak.
+(false alarms), and the last step's peak; dp's plans follow measured times, so each row is
+several runs.
 
     python experiments/routed_growth.py --out experiments/results/routed_growth.md
 """
@@ -94,8 +95,9 @@ def run(solver: str, fraction: float, counts: list[int]) -> dict[str, object]:
     try:
         for count in counts:
             said.count = 0
-            with StepMemory("cpu", batch(count)) as memory:
-                om(batch(count)).backward()
+            tokens = batch(count)  # made before the measurement, which counts it once
+            with StepMemory("cpu", tokens) as memory:
+                om(tokens).backward()
             peak = memory.peak_bytes / om.plan.budget_bytes
             peaks.append(peak)
             over += peak > 1
@@ -117,15 +119,27 @@ def run(solver: str, fraction: float, counts: list[int]) -> dict[str, object]:
     }
 
 
+def _joined(values: list[object]) -> str:
+    """One value where the runs agree, else each run's, joined by " / "."""
+    shown = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="8,12,12,16,16,24,24,40,40,12")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("offremat").propagate = False  # counted, not printed
     counts = [int(c) for c in args.counts.split(",")]
-    rows = [run(solver, fraction, counts) for solver, fraction in RUNS]
+    rows = []
+    for solver, fraction in RUNS:
+        # dp's plans follow measured times, so they differ from run to run: each row is
+        # --repeats runs side by side, their figures joined by " / ".
+        runs = [run(solver, fraction, counts) for _ in range(args.repeats)]
+        rows.append({key: _joined([r[key] for r in runs]) for key in runs[0]})
     columns = list(rows[0])
     lines = [
         "# Routed tokens: steps over the budget said",
@@ -137,15 +151,17 @@ def main() -> None:
         ).stdout.strip()
         + f"; torch {torch.__version__}; {platform.processor() or platform.machine()}, CPU, "
         "1 thread  ",
-        f"Counts of chosen tokens per step: {args.counts} (the example: 8). Peaks are "
-        "StepMemory's over the whole step, divided by the budget.",
+        f"Counts of chosen tokens per step: {args.counts} (the example: 8); {args.repeats} "
+        "runs per row, each optimized anew (figures that differ between runs are given per "
+        "run, joined by ' / '). Peaks are StepMemory's over the whole step, the batch made "
+        "before it, divided by the budget; a step is said where offremat logged a warning "
+        "during it.",
         "",
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
     ]
     for row in rows:
-        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(row.values()) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
