@@ -176,8 +176,10 @@ class PlanExecutor:
         # simulated on their sizes, within the budget (offremat._stage_sizes).
         self.checked_sizes = StageSizes()
         self.checked_output_bytes = 0
-        # The most each stage held in steps said to pass the budget on their sizes.
+        # The most each stage held in steps said to pass the budget on their sizes, and the
+        # most a measured step said to pass it held (offremat._step_budget).
         self.said_sizes = StageSizes()
+        self.said_over_bytes = 0
         # The chain grown to the sizes a step held, over the budget on this plan: the next
         # step plans it again (offremat._outgrown).
         self.outgrown: Chain | None = None
@@ -234,6 +236,7 @@ class PlanExecutor:
             checked_sizes=StageSizes(),
             checked_output_bytes=0,
             said_sizes=StageSizes(),
+            said_over_bytes=0,
             outgrown=None,
             sized_by_step=False,
         )
