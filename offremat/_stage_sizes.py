@@ -115,16 +115,6 @@ def grown_chain(chain: Chain, sizes: StageSizes, checked: StageSizes) -> Chain |
     return replace(chain, stages=tuple(stages))
 
 
-def scaled_chain(chain: Chain, factor: float) -> Chain:
-    """``chain`` with every stage's saved set (and its temporaries with it) ``factor`` times
-    larger: where a plan made for the sizes a step held measured ``factor`` times its
-    prediction (:mod:`offremat._outgrown`)."""
-    stages = [
-        _grown(stage, stage.out_bytes, ceil(stage.saved_bytes * factor)) for stage in chain.stages
-    ]
-    return replace(chain, stages=tuple(stages))
-
-
 def _grown(stage: Stage, out_bytes: int, saved_bytes: int) -> Stage:
     """``stage`` holding ``out_bytes`` and ``saved_bytes``."""
     if (out_bytes, saved_bytes) == (stage.out_bytes, stage.saved_bytes):

@@ -34,7 +34,6 @@ from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
-    note_measured_over,
     report_grown_sizes,
     report_held_over_budget,
     report_over_budget,
@@ -248,7 +247,6 @@ class _Step(Compute):
                 # A plan made for the sizes a step held is not planned anew when over.
                 anew = anew and not self.executor.sized_by_step
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
-                note_measured_over(self.executor, self.memory, self.new_grad_bytes)
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):

@@ -21,7 +21,7 @@ import torch
 from offremat._call_checks import in_functorch_transform
 from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
-from offremat._stage_sizes import StageSizes, grown_chain, most_grown, scaled_chain
+from offremat._stage_sizes import StageSizes, grown_chain, most_grown
 from offremat._tensors import allocated_bytes, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
 from solvers.budget import format_bytes
@@ -157,21 +157,6 @@ def report_over_budget(
         "for this shape: lower the budget given to offremat.optimize by that margin, or "
         "optimize on the batch that holds the most (the most tokens routed, no padding)",
     )
-
-
-def note_measured_over(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
-    """A plan made for the sizes a step held that measured over its budget leaves its chain
-    scaled by what it measured over its prediction, which the next step plans
-    (:mod:`offremat._outgrown`): said and kept, such a plan ran every later step at 1.04 to
-    1.07 times the budget (a review). Plans profiled on a batch are left to the checks of
-    the values that key plans."""
-    budget = executor.plan.budget_bytes
-    predicted = executor.plan.predicted_peak_bytes
-    if not executor.sized_by_step or budget is None or not predicted:
-        return
-    measured = budgeted_peak_bytes(executor, memory, new_grad_bytes)
-    if measured > budget:
-        executor.outgrown = scaled_chain(executor.chain, measured / predicted)
 
 
 def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:

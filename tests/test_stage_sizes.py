@@ -186,12 +186,3 @@ def test_a_measured_step_over_by_more_than_any_said_is_said_again(caplog) -> Non
     om(most).backward()
     assert om.stats.budgeted_peak_bytes > said
     assert "this step measured" in caplog.text
-
-
-def test_a_chain_scaled_by_a_measured_excess_grows_each_saved_set() -> None:
-    from offremat._stage_sizes import scaled_chain
-
-    scaled = scaled_chain(_chain(), 1.5)
-    assert [s.saved_bytes for s in scaled.stages] == [450, 600]
-    assert [s.out_bytes for s in scaled.stages] == [100, 100]
-    assert [s.bwd_tmp_bytes for s in scaled.stages] == [90, -30]
