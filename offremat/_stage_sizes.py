@@ -74,6 +74,14 @@ class StageSizes:
         self.__dict__.update(seen=set())
         self.__dict__.update(state)
 
+    def scaled(self, factor: float) -> StageSizes:
+        """These sizes, each ``factor`` times larger."""
+        return StageSizes(
+            {i: ceil(size * factor) for i, size in self.out.items()},
+            {i: ceil(size * factor) for i, size in self.saved.items()},
+            set(self.seen),
+        )
+
     def merge(self, other: StageSizes) -> None:
         """Keep, per stage, the larger of this and ``other``."""
         for mine, theirs in ((self.out, other.out), (self.saved, other.saved)):

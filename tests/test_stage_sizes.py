@@ -175,14 +175,19 @@ def test_a_measured_step_over_by_more_than_any_said_is_said_again(caplog) -> Non
     import offremat
     from tests.test_budget_measured import _routed
 
-    model, (few, more, most) = _routed(8, 24, 40)
+    model, (few, more, a_little_more, most) = _routed(8, 24, 25, 40)
     om = offremat.optimize(model, few, budget=0.9, solver="chen", measure_memory=True)
     caplog.set_level(logging.WARNING, logger="offremat")
     for batch in (few, more, more):
         om(batch).backward()
     said = om.stats.budgeted_peak_bytes
     assert "this step measured" in caplog.text
+    # A few percent more is not said again at every step (a review: growth by 2.5% a step
+    # was said 17 times in 17).
     caplog.clear()
+    om(a_little_more).backward()
+    assert said < om.stats.budgeted_peak_bytes < 1.1 * said
+    assert "this step measured" not in caplog.text
     om(most).backward()
-    assert om.stats.budgeted_peak_bytes > said
+    assert om.stats.budgeted_peak_bytes > 1.1 * said
     assert "this step measured" in caplog.text
