@@ -34,6 +34,7 @@ from offremat._step_budget import (
     end_verification,
     fresh_parameters,
     gradient_bytes,
+    note_measured_growth,
     report_grown_sizes,
     report_held_over_budget,
     report_over_budget,
@@ -247,6 +248,10 @@ class _Step(Compute):
                 # A plan made for the sizes a step held is not planned anew when over.
                 anew = anew and not self.executor.sized_by_step
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
+                if not self.verifying:
+                    note_measured_growth(
+                        self.executor, self.memory, self.new_grad_bytes, self.sizes
+                    )
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):

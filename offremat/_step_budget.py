@@ -166,6 +166,22 @@ def report_over_budget(
     )
 
 
+def note_measured_growth(
+    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
+) -> None:
+    """A step measured because every step is (``measure_memory=True``), over its budget,
+    whose stages held more than its chain says, leaves the chain grown to its sizes, which
+    the next step plans (:mod:`offremat._outgrown`), as an unmeasured step's would: said and
+    kept, routed tokens ran at 1.52 times the budget at every step (a review). A step
+    measured to check values its plan was not profiled on is left to those checks."""
+    budget = executor.plan.budget_bytes
+    if budget is None or budgeted_peak_bytes(executor, memory, new_grad_bytes) <= budget:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return  # see report_grown_sizes
+    executor.outgrown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+
+
 def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
     """Warn, once per plan, where the tensors that the plan itself held in an unmeasured step
     passed its budget: they were alive, so the step passed it too (by at least that). Blocks

@@ -110,10 +110,14 @@ def test_a_refilled_stage_that_saved_more_is_said(solver: str, caplog) -> None:
     assert "this step's stages saved more than its plan was made for" in caplog.text
 
 
-def test_a_step_that_outgrew_its_plan_gets_a_plan_for_its_sizes(caplog) -> None:
+@pytest.mark.parametrize("measure_memory", [False, True], ids=["unmeasured", "measured"])
+def test_a_step_that_outgrew_its_plan_gets_a_plan_for_its_sizes(
+    measure_memory: bool, caplog
+) -> None:
     # Said once and left as it was, a routed model's plan ran every later step that held as
-    # much over its budget (a review). Each step over the budget is said, and the next ones
-    # on those sizes run on a plan made for them.
+    # much over its budget (reviews: also with measure_memory=True, at 1.52 times). Each
+    # step over the budget is said, and the next ones on those sizes run on a plan made for
+    # them.
     import logging
 
     import offremat
@@ -121,7 +125,7 @@ def test_a_step_that_outgrew_its_plan_gets_a_plan_for_its_sizes(caplog) -> None:
     from tests.test_budget_measured import _routed
 
     model, (few, many) = _routed(8, 12)
-    om = offremat.optimize(model, few, budget=0.8)
+    om = offremat.optimize(model, few, budget=0.8, measure_memory=measure_memory)
     peaks, said = [], []
     caplog.set_level(logging.WARNING, logger="offremat")
     for batch in (few, many, many, many, many):
