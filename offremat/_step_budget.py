@@ -110,9 +110,9 @@ def report_over_budget(
     the chain, as profiled: :func:`unseen_around_bytes`) exceeds the budget: by the
     parameters' gradients the step made, which the budget leaves out, or by more; once per
     plan and reason, but at every ``replanned`` step (one that checked what its plan was not
-    profiled on, which the next step on it plans anew) and every step over by more than any
-    said before. At the step's end, not when its
-    plan's key comes back (a step found over on a shape that never came back went unsaid)."""
+    profiled on, which the next step on it plans anew) and every step over by
+    :data:`SAID_AGAIN` times the most said before. At the step's end, not when its plan's key
+    comes back (a step found over on a shape that never came back went unsaid)."""
     budget = executor.plan.budget_bytes
     around = unseen_around_bytes(executor, memory)
     measured = memory.peak_bytes + around
@@ -177,9 +177,16 @@ def note_measured_growth(
     budget = executor.plan.budget_bytes
     if budget is None or budgeted_peak_bytes(executor, memory, new_grad_bytes) <= budget:
         return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return  # see report_grown_sizes
+    if _distributed():
+        return
     executor.outgrown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+
+
+def _distributed() -> bool:
+    """Whether the step runs in a process group, where stage sizes are not compared: FSDP2
+    saves the parameters it gathers, storages of the step's own that no profile counts as
+    the stage's (offremat._stage_profile)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def report_held_over_budget(executor: PlanExecutor, held_bytes: int) -> None:
@@ -212,16 +219,13 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     budget = executor.plan.budget_bytes
     if budget is None:
         return
-    # FSDP2 saves the parameters it gathers, storages of the step's own that no profile
-    # counts as the stage's (offremat._stage_profile): sizes are not compared there.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         return
     # Sizes said once are said again only where a step holds a tenth more still (said once
     # per plan, a step at twice those sizes went unsaid where no plan fitted them:
     # experiments/routed_growth.py).
-    known = StageSizes()
-    for sizes_before in (executor.checked_sizes, executor.said_sizes.scaled(SAID_AGAIN)):
-        known.merge(sizes_before)
+    known = executor.said_sizes.scaled(SAID_AGAIN)
+    known.merge(executor.checked_sizes)
     grown = grown_chain(executor.chain, sizes, known)
     if grown is None:
         return
