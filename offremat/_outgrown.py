@@ -5,8 +5,8 @@ can hold more at some steps than at the batch its chain was profiled on, at the 
 (:mod:`offremat._stage_sizes`). A step that finds its stages grown past what the plan fits
 within its budget leaves the chain grown to its sizes (``PlanExecutor.outgrown``), and the
 next step on that plan's key runs on a plan made for that chain, measured: the grown chain
-is an estimate (a stage kept to its backward grows as the seen stages of its output's size
-did, its temporaries as its saved set), and a step over on it is said and keeps it. Warned
+is an estimate (a stage's temporaries grow as its saved set), and a step over on it is said
+and keeps it. Warned
 once and left as it was, routed tokens at three times the profiled count ran at 1.6 times
 the budget at every later step (a review); planned again, they fit. The chain only grows: a
 later step that holds less runs on the larger plan.

@@ -11,8 +11,9 @@ frozen stages (no backward for what needs no gradient) are its own.
 What is kept of the executor: autocast's weight cache off (offremat._stage), and the stats'
 step times, read from marks when the forward starts and ends, when the backward reaches the
 chain's output (a pre-hook on its node) and when the backward ends (a callback queued on the
-engine). Measuring memory (``measure_memory=True``) needs the executor's halves, so a
-measured step runs through them.
+engine), and the stages' sizes, read from autograd's graph (:mod:`offremat._graph_saved`).
+Measuring memory (``measure_memory=True``) needs the executor's halves, so a measured step
+runs through them.
 What differs from a plan run by the executor is what plain autograd allows: the backward time
 runs to the end of the whole backward (code before the chain included), an out-of-memory error
 in the backward comes without the plan's advice, and ``retain_graph``, ``create_graph`` and
@@ -29,16 +30,22 @@ import torch
 from torch import nn
 
 from offremat._clock import mark
+from offremat._graph_saved import StageReading
 from offremat._stage import AutocastState
 from offremat._stats import StepTiming
 from offremat._tensors import flatten
 
 
 def run_plainly(
-    stages: Sequence[nn.Module], value: Any, device: torch.device, finished: Any
+    stages: Sequence[nn.Module],
+    value: Any,
+    device: torch.device,
+    finished: Any,
+    reading: StageReading | None = None,
 ) -> Any:
     """The stages' output on ``value``, with autograd's own graph; ``finished(timing)`` is
-    called with the step's :class:`StepTiming` once its backward has run."""
+    called with the step's :class:`StepTiming` once its backward has run, and ``reading``
+    reads the stages' sizes from the graph."""
     marks: list[Any] = [mark(device)]
     with ExitStack() as stack:
         # The caller's autocast, with its weight cache off as in every executor forward: the
@@ -46,9 +53,16 @@ def run_plainly(
         for state in AutocastState.of_step(device):
             state.enter(stack)
         for stage in stages:
+            if reading is not None:
+                reading.before(value)
             value = stage(value)
+            if reading is not None:
+                reading.after(value)
     marks.append(mark(device))
-    roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
+    tensors = flatten(value)[0]
+    if reading is not None:
+        reading.read(tensors)
+    roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
     if not roots:
         return value
 

@@ -12,14 +12,12 @@ profile no longer holds, and the plan simulated on the sizes the step had is a p
 its peak where the chain's is not.
 
 A stage kept from its forward to its backward leaves x̄_i to autograd's graph, with no hooks
-(saved-tensor hooks switch off autograd's check of in-place changes), so no one here sees
-it: such a stage is taken to have grown in proportion as the most grown seen stage whose
-output is of its size (the blocks of one kind; checkpointed blocks 1-3 of six saved 1.8
-times their profile, blocks 4-6 kept to their backward, unseen, as much, in a review). A
-refill's own tensors are not counted: it makes again what the stage's forward packed, a copy
-of a_i among them where the stage saves its output, which the profile counts once (counting
-them put a_i's bytes of slack in every refilled stage, which hid growth at 1.3 to 2 times
-the budget, in a review).
+(saved-tensor hooks switch off autograd's check of in-place changes): its x̄_i is read from
+that graph (:mod:`offremat._graph_saved`); a stage whose graph could not be read is not seen
+and is taken as profiled, grown with its a_i only. A refill's own tensors are not counted: it
+makes again what the stage's forward packed, a copy of a_i among them where the stage saves
+its output, which the profile counts once (counting them put a_i's bytes of slack in every
+refilled stage, which hid growth at 1.3 to 2 times the budget, in a review).
 
 The executor counts a storage's bytes (``nbytes``); the profiler counts the same storages,
 and on CUDA rounds them up to the allocator's blocks, plus what the step holds elsewhere
@@ -29,11 +27,10 @@ what its chain says, so only a stage that holds more has grown.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from math import ceil
 
-from offremat._memory import StorageRecord
 from solvers.chain import Chain, Stage
 
 
@@ -49,21 +46,19 @@ class StageSizes:
     def note(
         self,
         i: int,
-        outputs: Iterable[StorageRecord],
-        saved: Iterable[StorageRecord],
-        inputs: Iterable[StorageRecord],
-        deferred: Mapping[int, int],
+        outputs: Mapping[int, int],
+        saved: Mapping[int, int],
+        inputs: Collection[int],
         seen: bool = True,
     ) -> None:
-        """Stage i made ``outputs`` and, in all, held ``saved`` and let go ``deferred`` (bytes
-        by storage key) of its saved set, none of it in ``inputs`` (a_{i-1}); ``seen``:
-        whether that is all of x̄_i."""
-        given = {record.key for record in inputs}
-        out = {r.key: r.nbytes for r in outputs if r.key not in given}
-        held = {**deferred, **out, **{r.key: r.nbytes for r in saved}}
+        """Stage i made ``outputs`` and its saved set held ``saved`` (bytes by storage key),
+        none of it in ``inputs`` (a_{i-1}'s storage keys); ``seen``: whether that is all of
+        x̄_i."""
+        out = {key: size for key, size in outputs.items() if key not in inputs}
+        held = {**saved, **out}
         self.out[i] = max(self.out.get(i, 0), sum(out.values()))
         self.saved[i] = max(
-            self.saved.get(i, 0), sum(size for key, size in held.items() if key not in given)
+            self.saved.get(i, 0), sum(size for key, size in held.items() if key not in inputs)
         )
         if seen:
             self.seen.add(i)
@@ -93,8 +88,7 @@ class StageSizes:
 def grown_chain(chain: Chain, sizes: StageSizes, checked: StageSizes) -> Chain | None:
     """``chain`` with each stage grown to the sizes it held in a step, or None where no stage
     held more than its chain says and than a step measured within its budget held
-    (``checked``). A stage whose x̄_i was not seen grows as much as the most grown seen stage
-    of its output's size (blocks of one kind), in proportion."""
+    (``checked``). A stage whose x̄_i was not seen grows with its a_i only."""
     grew = False
     held: dict[int, tuple[int, int]] = {}
     for i, stage in enumerate(chain.stages, 1):
@@ -108,19 +102,8 @@ def grown_chain(chain: Chain, sizes: StageSizes, checked: StageSizes) -> Chain |
         held[i] = out_bytes, max(stage.saved_bytes + out_bytes - stage.out_bytes, saved)
     if not grew:
         return None
-    ratios: dict[int, float] = {}
-    for i in sizes.seen & held.keys():
-        stage = chain.stages[i - 1]
-        ratio = held[i][1] / max(stage.saved_bytes, 1)
-        ratios[stage.out_bytes] = max(ratios.get(stage.out_bytes, 1.0), ratio)
-    stages = []
-    for i, stage in enumerate(chain.stages, 1):
-        out_bytes, saved_bytes = held[i]
-        if i not in sizes.seen:
-            ratio = ratios.get(stage.out_bytes, 1.0)
-            saved_bytes = max(saved_bytes, ceil(stage.saved_bytes * ratio))
-        stages.append(_grown(stage, out_bytes, saved_bytes))
-    return replace(chain, stages=tuple(stages))
+    stages = tuple(_grown(stage, *held[i]) for i, stage in enumerate(chain.stages, 1))
+    return replace(chain, stages=stages)
 
 
 def _grown(stage: Stage, out_bytes: int, saved_bytes: int) -> Stage:
@@ -144,11 +127,8 @@ def _grown(stage: Stage, out_bytes: int, saved_bytes: int) -> Stage:
     )
 
 
-def most_grown(chain: Chain, grown: Chain, seen: set[int]) -> tuple[str, int, int]:
-    """The stage whose saved set was seen to grow most (of those ``seen``, else of all): its
-    name, its bytes then and as profiled. A stage taken to grow as others did is named only
-    where none was seen (one named a dense block at bytes it never held, a review)."""
-    pairs = list(zip(chain.stages, grown.stages, strict=True))
-    named = [pairs[i - 1] for i in sorted(seen) if 0 < i <= len(pairs)] or pairs
-    before, after = max(named, key=lambda pair: pair[1].saved_bytes - pair[0].saved_bytes)
+def most_grown(chain: Chain, grown: Chain) -> tuple[str, int, int]:
+    """The stage whose saved set grew most: its name, its bytes then and as profiled."""
+    pairs = zip(chain.stages, grown.stages, strict=True)
+    before, after = max(pairs, key=lambda pair: pair[1].saved_bytes - pair[0].saved_bytes)
     return before.name, after.saved_bytes, before.saved_bytes

@@ -235,7 +235,7 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
         return
     executor.outgrown = grown
     executor.said_sizes.merge(sizes)
-    name, now, profiled = most_grown(executor.chain, grown, sizes.seen)
+    name, now, profiled = most_grown(executor.chain, grown)
     logger.warning(
         "this step's stages saved more than its plan was made for (stage %r: %s, against %s "
         "profiled): on the sizes this step had, the plan's chain predicts a peak of %s, over "

@@ -27,6 +27,7 @@ from offremat._deferred import (
     StopRecomputation,
     recomputed_otherwise,
 )
+from offremat._graph_saved import graph_saved_bytes, sequence_mark
 from offremat._memory import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
 from offremat._stage import (
@@ -136,6 +137,7 @@ class Compute:
                 self.shared_buffers,
             )
         packer = slot = None
+        mark = None
         diff: list[int] = []
         with ExitStack() as stack:
             if not first:
@@ -154,8 +156,13 @@ class Compute:
             grad = op.kind == F_ALL or self.trainable[i - 1] or any(self.flags[i - 1])
             if grad:
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                if op.kind == F_ALL:
-                    packer = None if direct else SavedTensorPacker(name, inputs, self.excluded)
+                if op.kind == F_ALL and direct:
+                    # Read its graph unless this step saw x̄_i already (a recomputation), or
+                    # no budget asks what it holds.
+                    if i not in self.sizes.seen and self.executor.plan.budget_bytes is not None:
+                        mark = sequence_mark(self.anchor)
+                elif op.kind == F_ALL:
+                    packer = SavedTensorPacker(name, inputs, self.excluded)
                 else:
                     expected = self.executor.pack_counts.get(i)
                     changes = i in self.executor.changes_saved
@@ -192,14 +199,19 @@ class Compute:
         held = refs + (packer.refs if packer is not None else [])
         records = self.residency.hold(held, movable=not is_output)
         outputs = [ref.record for ref in refs if ref.record is not None]
-        # A direct F_all leaves its saved set to autograd's graph, where no one sees it.
+        # Of x̄_i, what the step does not hold itself: a recomputed stage's forward let it go,
+        # and a direct F_all leaves it to autograd's graph.
+        unheld = graph_saved_bytes(tensors, [mark], self.excluded) if mark is not None else None
+        saved = unheld[0] if unheld is not None else {}
+        if isinstance(packer, DeferringPacker):
+            saved = dict(packer.saved_bytes)
+        saved.update((record.key, record.nbytes) for record in records)
         self.sizes.note(
             i,
-            outputs,
-            records,
-            source.records,
-            packer.saved_bytes if isinstance(packer, DeferringPacker) else {},
-            seen=not (grad and op.kind == F_ALL and packer is None),
+            {record.key: record.nbytes for record in outputs},
+            saved,
+            {record.key for record in source.records},
+            seen=mark is None or unheld is not None,
         )
         produced = PlanTensor(refs, structure, records)
         edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]

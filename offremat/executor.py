@@ -59,14 +59,15 @@ from offremat._call_checks import (
     refuse_functorch_transforms,
     refuse_outer_saved_tensor_hooks,
 )
+from offremat._graph_saved import StageReading
 from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
-from offremat._scan import scan_modules
+from offremat._scan import fixed_storages, scan_modules
 from offremat._signatures import refuse_module_tracker
 from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
-from offremat._step_budget import unseen_around_bytes
+from offremat._step_budget import report_grown_sizes, unseen_around_bytes
 from offremat._tensors import (
     flatten,
     unflatten,
@@ -276,7 +277,12 @@ class PlanExecutor:
             with OutOfMemoryAdvice(self.plan):
                 if self.verify_next:
                     return self._run_plainly_verified(value, tensors, device)
-                return run_plainly(self.stages, value, device, self._finished)
+                if self.plan.budget_bytes is None:  # no budget to hold: no sizes to read
+                    return run_plainly(self.stages, value, device, self._finished)
+                reading = StageReading(self._anchor(device), fixed_storages(scans))
+                value = run_plainly(self.stages, value, device, self._finished, reading)
+                report_grown_sizes(self, reading.sizes)
+                return value
         refuse_outer_saved_tensor_hooks()
         refuse_module_tracker()
         step = _Step(self, tensors, structure, device, scans, measuring)
