@@ -1,14 +1,18 @@
 """Tokens routed by their values: is every step over the budget said, and do later ones fit?
 
-Six blocks each run the tokens whose first feature is positive through a wide MLP, so what a
-block saves grows with how many tokens are chosen, at the same input shapes. Each run
-optimizes on a batch where 8 of 64 tokens per sequence are chosen, then steps on batches where
-more are (``--counts``). Every step is measured from outside by
-:class:`offremat.measure.StepMemory` (the dispatch-mode tracker) and compared with the budget;
-a step is *said* where the library logged a warning during it. The table counts, per solver
-and budget, the steps over the budget, those of them unsaid, the warnings on steps within it
-(false alarms), and the last step's peak; dp's plans follow measured times, so each row is
-several runs.
+A routed block runs the tokens whose first feature is positive through a wide MLP, so what it
+saves grows with how many tokens are chosen, at the same input shapes; a dense block (a
+residual MLP of the same output size) saves as much whatever the values. Each model is a
+pattern of six blocks ("R" routed, "D" dense): "RRRRRR"; "DDDRRR", whose routed blocks a plan
+with checkpoints among the dense ones keeps to their backward; "RDRDRD" with wide dense
+blocks, where a step said over while within its budget is a false alarm. Each run optimizes on
+a batch where 8 of 64 tokens per sequence are chosen, then steps on batches where more are
+(``--counts``). Every step is measured from outside by :class:`offremat.measure.StepMemory`
+(the dispatch-mode tracker) and compared with the budget; a step is *said* where the library
+logged a warning during it. The table counts, per model, solver and budget, the steps over the
+budget, those of them unsaid, the warnings on steps within it (false alarms), and the last
+step's peak; dp's plans follow measured times, so each row is several runs. A budget of 1.0
+is keep-all's peak: the plan runs as plain autograd.
 
     python experiments/routed_growth.py --out experiments/results/routed_growth.md
 """
@@ -30,7 +34,17 @@ from torch import nn
 import offremat
 from offremat.measure import StepMemory
 
-RUNS = (("dp", 0.7), ("dp", 0.9), ("chen", 0.9), ("checkpoint-every-stage", 0.9))
+# (blocks, dense blocks' hidden width, solver, budget as a fraction of keep-all's peak)
+RUNS = (
+    ("RRRRRR", 0, "dp", 0.7),
+    ("RRRRRR", 0, "dp", 0.9),
+    ("RRRRRR", 0, "chen", 0.9),
+    ("RRRRRR", 0, "checkpoint-every-stage", 0.9),
+    ("RRRRRR", 0, "dp", 1.0),
+    ("DDDRRR", 128, "chen", 0.8),
+    ("DDDRRR", 128, "dp", 0.6),
+    ("RDRDRD", 512, "chen", 0.95),
+)
 
 
 class RoutedBlock(nn.Module):
@@ -47,12 +61,25 @@ class RoutedBlock(nn.Module):
         return out
 
 
-class RoutedNet(nn.Module):
-    """Six routed blocks and a loss."""
+class DenseBlock(nn.Module):
+    """A residual MLP over every token."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(RoutedBlock() for _ in range(6))
+        self.up, self.down = nn.Linear(64, width), nn.Linear(width, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class RoutedNet(nn.Module):
+    """Blocks by ``pattern`` ("R" routed, "D" dense of hidden ``width``) and a loss."""
+
+    def __init__(self, pattern: str, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            RoutedBlock() if kind == "R" else DenseBlock(width) for kind in pattern
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -60,9 +87,9 @@ class RoutedNet(nn.Module):
         return x.pow(2).mean()
 
 
-def routed_model() -> nn.Module:
+def routed_model(pattern: str, width: int) -> nn.Module:
     torch.manual_seed(0)
-    model = RoutedNet()
+    model = RoutedNet(pattern, width)
     for parameter in model.parameters():
         parameter.grad = torch.zeros_like(parameter)  # the budget leaves gradients out
     return model
@@ -84,8 +111,10 @@ class _Said(logging.Handler):
         self.count += 1
 
 
-def run(solver: str, fraction: float, counts: list[int]) -> dict[str, object]:
-    model = routed_model()
+def run(
+    pattern: str, width: int, solver: str, fraction: float, counts: list[int]
+) -> dict[str, object]:
+    model = routed_model(pattern, width)
     om = offremat.optimize(model, batch(8), budget=fraction, solver=solver)
     said = _Said()
     logging.getLogger("offremat").addHandler(said)
@@ -107,6 +136,7 @@ def run(solver: str, fraction: float, counts: list[int]) -> dict[str, object]:
     finally:
         logging.getLogger("offremat").removeHandler(said)
     return {
+        "blocks": pattern + (f" (dense width {width})" if width else ""),
         "solver": solver,
         "budget": fraction,
         "steps": len(counts),
@@ -135,10 +165,10 @@ def main() -> None:
     logging.getLogger("offremat").propagate = False  # counted, not printed
     counts = [int(c) for c in args.counts.split(",")]
     rows = []
-    for solver, fraction in RUNS:
+    for pattern, width, solver, fraction in RUNS:
         # dp's plans follow measured times, so they differ from run to run: each row is
         # --repeats runs side by side, their figures joined by " / ".
-        runs = [run(solver, fraction, counts) for _ in range(args.repeats)]
+        runs = [run(pattern, width, solver, fraction, counts) for _ in range(args.repeats)]
         rows.append({key: _joined([r[key] for r in runs]) for key in runs[0]})
     columns = list(rows[0])
     lines = [
