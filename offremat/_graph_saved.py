@@ -13,10 +13,16 @@ seen stages of its output's size did, which missed routed blocks behind dense on
 width at 1.2 to 2 times the budget, and invented growth for dense blocks beside routed ones
 (a review).
 
-Reading a saved tensor unpacks it. Where the stage changed it in place after saving it,
-autograd refuses that here, as it will in the backward: the walk gives up and the stage is
-left unseen, so that the error stays where plain autograd raises it. Reading a GPT block's
-graph (about 30 nodes) takes about 0.15 ms on one CPU core.
+Each saved tensor is read as autograd holds it (``_raw_saved_*``, a ``SavedTensor``'s
+``data``), not unpacked: unpacking checks its version, which would raise autograd's error
+for an in-place change before the backward does, and runs the unpack hooks of a
+``torch.utils.checkpoint`` inside the stage, which recompute its forward (unpacked, a block
+of six such checkpoints ran at 15.8 times the budget, a review). One node keeps what it saved
+where Python cannot read it: ``CopySlices``, an in-place change of a view (``y[:, :n].pow_(2)``)
+wraps the op's own node, whose saved tensors are not counted (such blocks, sized by their
+values, ran a keep-all plan at 2.6 times its budget unsaid, in a review). Reading a GPT
+block's graph (about 30 nodes) takes about 0.15 ms on one CPU core: 1.36 times a tiny GPT's
+keep-all step (hidden 32), within noise on hidden 128 and more (a review).
 
 A keep-all plan runs as plain autograd (:mod:`offremat._plain`), with no hooks at all: its
 stages' sizes are read the same way, from the one graph of its forward, each node going to
@@ -36,7 +42,7 @@ import torch
 from offremat._stage_sizes import StageSizes
 from offremat._tensors import flatten
 
-# Per node class, the names of its saved values (``_saved_self``, ``_saved_result``, ...).
+# Per node class, the names of its saved tensors (``_raw_saved_self``, ...).
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -54,7 +60,7 @@ def graph_saved_bytes(
     """Per stage k, bytes by storage key of what the nodes behind ``outputs`` made since
     ``marks[k]`` and before ``marks[k + 1]`` (:func:`sequence_mark`, one mark per stage, in
     order) saved, but for the storages ``excluded`` (parameters and buffers); None where a
-    saved value could not be read."""
+    saved tensor has no storage of its own to count (a sparse one)."""
     held: list[dict[int, int]] = [{} for _ in marks]
     seen: set[Any] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -71,35 +77,40 @@ def graph_saved_bytes(
             for value in _saved_values(node):
                 _count(value, stage, excluded)
             stack.extend(following for following, _ in node.next_functions)
-    except (RuntimeError, NotImplementedError):
-        return None  # changed in place since saved (refused in the backward), or storageless
+    except NotImplementedError:
+        return None  # a tensor without a storage of its own (sparse)
     return held
 
 
 def _saved_values(node: Any) -> list[Any]:
-    """What ``node`` saved for its backward."""
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        return list(node.saved_tensors)
+    """What ``node`` saved for its backward, as autograd holds it (``SavedTensor``s)."""
     names = _SAVED_NAMES.get(type(node))
     if names is None:
-        names = tuple(name for name in dir(node) if name.startswith("_saved_"))
+        names = tuple(name for name in dir(node) if name.startswith("_raw_saved_"))
         _SAVED_NAMES[type(node)] = names
     return [getattr(node, name) for name in names]
 
 
 def _count(value: Any, held: dict[int, int], excluded: Container[int]) -> None:
-    if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        # A Python number an op took (``x / 4``) is saved as a one-element tensor of its own
-        # that no saved-tensor hook sees, nor the profile counts: 8 bytes over a stage's
-        # profile said every step outgrew a keep-all plan.
-        if value.dim() == 0 and storage.nbytes() == value.element_size():
-            return
-        if storage._cdata not in excluded:
-            held[storage._cdata] = storage.nbytes()
-    elif isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list)):
         for item in value:
             _count(item, held, excluded)
+        return
+    if value is None or value.unpack_hook is not None:
+        # Packed by hooks inside the stage (torch.utils.checkpoint): no tensor of it is held,
+        # and unpacking it would run them (a checkpoint's recomputation, outside a backward).
+        return
+    tensor = value.data
+    if not isinstance(tensor, torch.Tensor):
+        return
+    storage = tensor.untyped_storage()
+    # A Python number an op took (``x / 4``) is saved as a one-element tensor of its own that
+    # no saved-tensor hook sees, nor the profile counts: 8 bytes over a stage's profile said
+    # every step outgrew a keep-all plan.
+    if tensor.dim() == 0 and storage.nbytes() == tensor.element_size():
+        return
+    if storage._cdata not in excluded:
+        held[storage._cdata] = storage.nbytes()
 
 
 @dataclass
