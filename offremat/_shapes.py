@@ -39,7 +39,7 @@ from torch import nn
 from offremat._host import DeviceResources
 from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
-from offremat._outgrown import replanned
+from offremat._outgrown import SizedStep, profiled_on_step, replanned
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import (
@@ -140,6 +140,8 @@ class ShapePlans(VariantPlanning):
         self.stand_ins = StandIns(KEPT_VARIANTS)
         self.call_stand_ins = StandIns(KEPT_VARIANTS)
         self.call_measured: tuple[PlanExecutor, bool] | None = None
+        # The call that checks a plan made for grown sizes, until the next (offremat._outgrown).
+        self.sized_step: SizedStep | None = None
         self.mode_values: dict[tuple[Signature, int], dict[str, None]] = {}
         # The fields of the error each refused kind raises (see for_chain_input).
         self.refused: dict[VariantKey, tuple[Any, ...]] = {}
@@ -205,6 +207,9 @@ class ShapePlans(VariantPlanning):
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
+        step, self.sized_step = self.sized_step, None
+        if step is not None:
+            profiled_on_step(self, step, self.executors)
         called = input_signature(batch)
         signature = self.numbers.key(called)
         executor = self.executors.get(signature)
@@ -280,8 +285,17 @@ class ShapePlans(VariantPlanning):
                 if disk is not None and signature not in self.provisional:
                     disk.store(repr(signature), chain, plan)
             executor = self._install(signature, chain, plan, began, "planned")
+        if executor.sizes_grown and executor.verify_next:
+            self.sized_step = SizedStep(signature, executor, batch)
         self.last = executor
         return executor
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "sized_step": None}  # the caller's batch is not the model's
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(sized_step=None)  # pickled by a version before it was kept
+        self.__dict__.update(state)
 
     def _like(self, chain: Chain, plan: Plan) -> None:
         """Refuse a cached entry (an edited file) whose stages or budget are not those of the

@@ -187,6 +187,9 @@ class PlanExecutor:
         # Made for the sizes a step held (offremat._outgrown), not profiled on a batch: a
         # step over on it is no sign of values or a shape its plan was not profiled on.
         self.sized_by_step = False
+        # Its chain grown from a step's sizes by estimate (temporaries grown as saved sets),
+        # not profiled: a step on it over the budget has its batch profiled (_outgrown).
+        self.sizes_grown = False
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -240,6 +243,7 @@ class PlanExecutor:
             said_over_bytes=0,
             outgrown=None,
             sized_by_step=False,
+            sizes_grown=False,
         )
         self.__dict__.update(state)
 
