@@ -19,8 +19,10 @@ for an in-place change before the backward does, and runs the unpack hooks of a
 ``torch.utils.checkpoint`` inside the stage, which recompute its forward (unpacked, a block
 of six such checkpoints ran at 15.8 times the budget, a review). One node keeps what it saved
 where Python cannot read it: ``CopySlices``, an in-place change of a view (``y[:, :n].pow_(2)``)
-wraps the op's own node, whose saved tensors are not counted (such blocks, sized by their
-values, ran a keep-all plan at 2.6 times its budget unsaid, in a review). Reading a GPT
+wraps the op's own node. A stage with one is read without it, and the executor runs its later
+forwards with saved-tensor hooks, which see it (``PlanExecutor.hooked``); a keep-all plan, run
+as plain autograd, has none (such blocks, sized by their values, ran a keep-all plan at 2.6
+times its budget unsaid, in a review). Reading a GPT
 block's graph (about 30 nodes) takes about 0.15 ms on one CPU core: 1.36 times a tiny GPT's
 keep-all step (hidden 32), within noise on hidden 128 and more (a review).
 
@@ -56,12 +58,14 @@ def sequence_mark(anchor: torch.Tensor) -> int:
 
 def graph_saved_bytes(
     outputs: Sequence[torch.Tensor], marks: Sequence[int], excluded: Container[int]
-) -> list[dict[int, int]] | None:
+) -> tuple[list[dict[int, int]], set[int]] | None:
     """Per stage k, bytes by storage key of what the nodes behind ``outputs`` made since
     ``marks[k]`` and before ``marks[k + 1]`` (:func:`sequence_mark`, one mark per stage, in
-    order) saved, but for the storages ``excluded`` (parameters and buffers); None where a
-    saved tensor has no storage of its own to count (a sparse one)."""
+    order) saved, but for the storages ``excluded`` (parameters and buffers); and the stages
+    with a node that hides what it saved (``CopySlices``). None where a saved tensor has no
+    storage of its own to count (a sparse one)."""
     held: list[dict[int, int]] = [{} for _ in marks]
+    hidden: set[int] = set()
     seen: set[Any] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     try:
@@ -73,13 +77,15 @@ def graph_saved_bytes(
             number = node._sequence_nr()
             if number < marks[0]:
                 continue  # made before the stages: their inputs' graph
-            stage = held[bisect_right(marks, number) - 1]
+            k = bisect_right(marks, number) - 1
+            if type(node).__name__ == "CopySlices":
+                hidden.add(k)
             for value in _saved_values(node):
-                _count(value, stage, excluded)
+                _count(value, held[k], excluded)
             stack.extend(following for following, _ in node.next_functions)
     except NotImplementedError:
         return None  # a tensor without a storage of its own (sparse)
-    return held
+    return held, hidden
 
 
 def _saved_values(node: Any) -> list[Any]:
@@ -135,11 +141,11 @@ class StageReading:
         """The stage just run made ``value`` (a_i)."""
         self.outputs.append({_key(t): t.untyped_storage().nbytes() for t in flatten(value)[0]})
 
-    def read(self, outputs: Sequence[torch.Tensor]) -> StageSizes:
-        """The stages' sizes, from the graph behind the last stage's ``outputs``."""
-        found = graph_saved_bytes(outputs, self.marks, self.excluded)
+    def read(self, result: Sequence[torch.Tensor]) -> StageSizes:
+        """The stages' sizes, from the graph behind the last stage's tensors ``result``."""
+        found = graph_saved_bytes(result, self.marks, self.excluded)
         for i, (made, given) in enumerate(zip(self.outputs, self.inputs, strict=True), 1):
-            saved = {**found[i - 1], **made} if found is not None else made
+            saved = {**found[0][i - 1], **made} if found is not None else made
             self.sizes.note(i, made, saved, given, seen=found is not None)
         return self.sizes
 

@@ -156,19 +156,21 @@ class Compute:
             grad = op.kind == F_ALL or self.trainable[i - 1] or any(self.flags[i - 1])
             if grad:
                 diff = [k for k, flag in enumerate(self.flags[i - 1]) if flag]
-                if op.kind == F_ALL and direct:
-                    # Read its graph unless this step saw x̄_i already (a recomputation), or
-                    # no budget asks what it holds.
-                    if i not in self.sizes.seen and self.executor.plan.budget_bytes is not None:
-                        mark = sequence_mark(self.anchor)
-                elif op.kind == F_ALL:
+                direct = direct and i not in self.executor.hooked
+                # A direct F_all's graph is read, unless this step saw x̄_i already (a
+                # recomputation) or no budget asks what it holds.
+                read = direct and i not in self.sizes.seen
+                read = read and self.executor.plan.budget_bytes is not None
+                if op.kind == F_ALL and not direct:
                     packer = SavedTensorPacker(name, inputs, self.excluded)
-                else:
+                elif op.kind != F_ALL:
                     expected = self.executor.pack_counts.get(i)
                     changes = i in self.executor.changes_saved
                     packer = DeferringPacker(name, inputs, self.excluded, expected, changes)
                 slot = GradSlot(name)
                 inputs = enter_stage(inputs, diff, slot, self.anchor)
+                if op.kind == F_ALL and read:
+                    mark = sequence_mark(self.anchor)
                 if packer is not None:
                     packer.slot = slot
                     stack.enter_context(packer.hooks())
@@ -201,17 +203,20 @@ class Compute:
         outputs = [ref.record for ref in refs if ref.record is not None]
         # Of x̄_i, what the step does not hold itself: a recomputed stage's forward let it go,
         # and a direct F_all leaves it to autograd's graph.
-        unheld = graph_saved_bytes(tensors, [mark], self.excluded) if mark is not None else None
-        saved = unheld[0] if unheld is not None else {}
+        found = graph_saved_bytes(tensors, [mark], self.excluded) if mark is not None else None
         if isinstance(packer, DeferringPacker):
             saved = dict(packer.saved_bytes)
+        else:
+            saved = found[0][0] if found is not None else {}
+        if found is not None and found[1]:
+            self.executor.hooked.add(i)  # a node hid what it saved: hooks see it from now on
         saved.update((record.key, record.nbytes) for record in records)
         self.sizes.note(
             i,
             {record.key: record.nbytes for record in outputs},
             saved,
             {record.key for record in source.records},
-            seen=mark is None or unheld is not None,
+            seen=mark is None or found is not None,
         )
         produced = PlanTensor(refs, structure, records)
         edges = [get_gradient_edge(t) if t.requires_grad else None for t in tensors]

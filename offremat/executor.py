@@ -153,6 +153,9 @@ class PlanExecutor:
         # F_all(i) whose input and saved set stay on the device as they are until B(i): their
         # graph keeps what it saves, with autograd's own checks and no saved-tensor hooks.
         self.direct = undisturbed_forwards(plan.ops)
+        # Stages whose graph hides what a node saved (offremat._graph_saved): their forwards
+        # run with saved-tensor hooks, never direct.
+        self.hooked: set[int] = set()
         # Tensors each stage's deferred forward packs (offremat._deferred), once known.
         self.pack_counts: dict[int, int] = {}
         # Stages whose deferred forward writes to a tensor it saved: refilled to the end. So
@@ -244,6 +247,7 @@ class PlanExecutor:
             outgrown=None,
             sized_by_step=False,
             sizes_grown=False,
+            hooked=set(),
         )
         self.__dict__.update(state)
 

@@ -34,7 +34,8 @@ def _read(block: nn.Module, batch) -> int:
     outputs = list(result) if isinstance(result, tuple) else [result]
     found = graph_saved_bytes(outputs, [mark], excluded)
     assert found is not None
-    (held,) = found
+    (held,), hidden = found
+    assert not hidden
     held.update({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outputs})
     return sum(size for key, size in held.items() if key not in excluded)
 
@@ -73,7 +74,7 @@ def test_a_saved_tensor_changed_in_place_is_left_to_the_backward_to_refuse() -> 
     mark = sequence_mark(anchor)
     y = (x * 2).sigmoid()  # saves its result
     y.mul_(1)
-    assert graph_saved_bytes([y], [mark], set()) == [{y.untyped_storage()._cdata: 16}]
+    assert graph_saved_bytes([y], [mark], set()) == ([{y.untyped_storage()._cdata: 16}], set())
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 
@@ -205,3 +206,45 @@ def test_no_stage_read_from_the_graph_outgrows_its_profile(name: str, solver: st
     executor(batch).backward()
     assert executor.outgrown is None
     assert not executor.said_sizes.saved
+
+
+class _SlicedInPlace(nn.Module):
+    """Squares the first n tokens' hidden features in place, n chosen by the input's values:
+    the op's saved tensors sit in a CopySlices node, which Python cannot read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n = int((h[0, :, 0] > 0).sum())
+        y = self.up(h)
+        for _ in range(3):
+            y[:, :n].pow_(2)
+        return h + self.down(torch.tanh(y))
+
+
+def test_a_stage_whose_graph_hides_what_it_saved_is_hooked(caplog) -> None:
+    # Read without what CopySlices holds, such stages ran a dp plan at 1.33 to 1.65 times
+    # its budget unsaid (a review); from the step after the one that found such a node, the
+    # stage's forwards run with saved-tensor hooks, which see it.
+    _, (few, many) = _routed(4, 20)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SlicedInPlace() for _ in range(6)], _MeanSquare())
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, few, budget=0.9, solver="dp")
+    caplog.set_level(logging.WARNING, logger="offremat")
+    found = []
+    for batch in (few, many, many):
+        caplog.clear()
+        for p in (*model.parameters(), *plain.parameters()):
+            p.grad = torch.zeros_like(p)  # the budget leaves the gradients out
+        with StepMemory("cpu", batch) as memory:
+            om(batch).backward()
+        plain(batch).backward()
+        found.append((memory.peak_bytes / om.plan.budget_bytes, bool(caplog.text)))
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    assert found[0] <= (1, False)
+    assert all(said for peak, said in found if peak > 1)
+    assert found[-1][0] <= 1
