@@ -73,6 +73,10 @@ class Measured:
     # gradients B(i) gives them (see _measure).
     leaf_bytes: int = 0
     leaf_grad_bytes: int = 0
+    # The storage keys of the leaves its graph reaches that outlive the graph and are none of
+    # its parameters (a parameter kept in a block's __dict__, a closure's): refused where
+    # several stages reach one (profiler._refuse_shared_outside_leaves).
+    outside_leaves: frozenset[int] = frozenset()
     # By parameter id, what the storage its gradient views holds beyond parameters' gradients
     # (offremat._pinned_grads).
     pinned_grads: dict[int, int] = field(default_factory=dict)
@@ -337,6 +341,7 @@ class StageProfile:
         # step (profiler.py). That recomputation makes them again, held to B(i): counted in
         # x̄_i as well. Plain autograd holds them, and from B(i) their gradients, to the end.
         gone = {key: leaf for key, leaf in leaves.items() if leaf.storage() is None}
+        outside = frozenset(leaves.keys() - gone.keys())
         leaf_bytes = sum(leaf.nbytes for leaf in gone.values())
         leaf_grad_bytes = sum(leaf.grad_bytes for leaf in gone.values())
         saved_bytes += sum(gone[key].nbytes for key in unsaved_leaves & gone.keys())
@@ -391,6 +396,7 @@ class StageProfile:
             changed_buffer_bytes=changed_buffers,
             leaf_bytes=leaf_bytes,
             leaf_grad_bytes=leaf_grad_bytes,
+            outside_leaves=outside,
         )
         if sizes_only:
             return sizes, handed

@@ -352,4 +352,32 @@ def _profile_all(
             if key not in passed_on and (storage := ref()) is not None
         )
         results.append(dataclasses.replace(measured, kept_bytes=measured.kept_bytes + held))
+    _refuse_shared_outside_leaves([name for name, _ in stages], results)
     return results
+
+
+def _refuse_shared_outside_leaves(names: Sequence[str], measured: Sequence[Measured]) -> None:
+    """Refuse stages that reach one tensor requiring grad that is no parameter of theirs.
+
+    Each B(i) is its own engine call: a tensor several stages use gets its gradient added to
+    ``.grad`` stage by stage, where plain autograd adds their sum once (equal up to rounding
+    only, from the second step of accumulation on, and its hooks run once per stage). For
+    parameters the executor sums the parts first (:mod:`offremat._shared_grads`), but it
+    knows a stage's parameters by its modules': a parameter kept in each block's
+    ``__dict__`` gave gradients that differ from plain autograd's (a review).
+    """
+    users: dict[int, list[str]] = {}
+    for name, m in zip(names, measured, strict=True):
+        for key in m.outside_leaves:
+            users.setdefault(key, []).append(name)
+    shared = [stages for stages in users.values() if len(stages) > 1]
+    if shared:
+        raise ValueError(
+            f"stages {', '.join(repr(s) for s in shared[0])} all use one tensor that requires "
+            "grad and is no parameter of their modules (kept in a module's __dict__, a "
+            "closure or a global): offremat runs each stage's backward on its own and would "
+            "add its gradient to .grad stage by stage, where plain autograd adds their sum "
+            "once. Register it as a parameter of each module that uses it (an nn.Parameter "
+            "attribute, tied as shared weights are), or leave those blocks out of the chain "
+            "(blocks=)"
+        )

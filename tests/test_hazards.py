@@ -189,6 +189,34 @@ def test_a_block_used_twice_gets_its_gradient_once(solver: str) -> None:
     _hooked_steps_match(model, reference, om, x, steps=3)
 
 
+class _ReadsUnregistered(nn.Module):
+    """Reads a weight kept in its ``__dict__``, a parameter of no module of its stage."""
+
+    def __init__(self, shared: nn.Parameter | None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.__dict__["shared"] = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.__dict__["shared"]
+        h = self.linear(x)
+        return torch.tanh(h if shared is None else h @ shared)
+
+
+def test_a_tensor_several_stages_read_that_is_no_parameter_of_theirs_is_refused() -> None:
+    # Each stage added its gradient to .grad on its own, where plain autograd adds the sum
+    # once: from the second step of accumulation they differed by rounding (a review).
+    torch.manual_seed(0)
+    shared = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+    model = nn.Sequential(*[_ReadsUnregistered(shared) for _ in range(3)], nn.Linear(WIDTH, 1))
+    x = torch.randn(ROWS, WIDTH)
+    with pytest.raises(ValueError, match=r"no parameter of their modules.*Register it"):
+        offremat.optimize(model, x, budget=0.7)
+    # One stage alone adds it once, as plain autograd does.
+    alone = [_ReadsUnregistered(shared), *[_ReadsUnregistered(None) for _ in range(2)]]
+    offremat.optimize(nn.Sequential(*alone, nn.Linear(WIDTH, 1)), x, budget=1.0)
+
+
 def test_a_hooked_parameter_also_used_outside_the_chain_is_refused() -> None:
     """A weight penalty in the loss: the rest of the graph accumulates into the parameter too,
     which would run its hooks a second time."""
