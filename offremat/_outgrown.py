@@ -19,7 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from offremat._signatures import Signature, describe
+from offremat._tensors import Structure, flatten, unflatten
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
@@ -73,53 +76,90 @@ def replanned(
     return new
 
 
-@dataclass
+@dataclass(frozen=True)
 class SizedStep:
-    """The call whose step checks a plan made for grown sizes: kept until the next call, so
-    that where that step passes its budget its batch can be profiled."""
+    """The call whose step checks a plan made for grown sizes, its batch copied to the host
+    (a caller may refill its buffers in place: profiled, that was the next step's data, a
+    review): kept until the next call in its state of the stages, so that where that step
+    passes its budget its batch can be profiled."""
 
     signature: Signature
     executor: PlanExecutor
-    batch: Any
+    state: Any  # the stages' state whose plans hold ``executor``
+    tensors: tuple[torch.Tensor, ...]  # the batch's, on the host
+    devices: tuple[torch.device, ...]
+    structure: Structure
+
+    @classmethod
+    def of(cls, signature: Signature, executor: PlanExecutor, batch: Any, state: Any) -> SizedStep:
+        """The step about to run ``batch`` on ``executor``."""
+        tensors, structure = flatten(batch)
+        copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
+        return cls(signature, executor, state, copies, tuple(t.device for t in tensors), structure)
+
+    def batch(self) -> Any:
+        """The batch as the step had it."""
+        return unflatten(
+            (t.to(device) for t, device in zip(self.tensors, self.devices, strict=True)),
+            self.structure,
+        )
 
 
 def profiled_on_step(
-    planning: _Planning, step: SizedStep, plans: dict[Any, PlanExecutor]
+    planning: _Planning,
+    signature: Signature,
+    executor: PlanExecutor,
+    batch: Any,
+    plans: dict[Any, PlanExecutor],
 ) -> PlanExecutor | None:
-    """The executor of a plan made on a profile of ``step``'s batch, put in ``plans``, its
-    first step measured, where ``step`` ran a plan made for grown sizes over its budget; None
-    where it did not, and where no plan fits that profile (said).
+    """The executor of a plan made on a profile of ``batch`` (the batch of the step that ran
+    ``executor``, a plan made for grown sizes, over its budget; else of one of its key), put
+    in ``plans``, its first step measured; None where that step was within, and where no plan
+    fits that profile or profiling raised (said).
 
     A grown chain's temporaries are grown as its saved sets: tokens routed through an MLP
     grew their backward's 4.4 times from 8 to 24 tokens where the saved set grew 2.1 times,
     and the plan re-made for the grown sizes ran at 1.07 times the budget at every step,
     where a plan on a profile of the batch fits (a review). A profile measures them.
     """
-    executor = step.executor
-    if not (executor.over_budget and plans.get(step.signature) is executor):
+    if not (executor.over_budget and plans.get(signature) is executor):
         return None
     executor.over_budget = False
     began = time.perf_counter()
     try:
-        new = planning._executor_for(step.signature, planning.profile_call(step.batch))
+        new = planning._executor_for(signature, planning.profile_call(batch))
     except InfeasibleBudgetError as error:
         logger.warning(
-            "profiled on the batch of a step that passed its budget, input %s has no %s plan "
-            "within %s (one fits in %s): steps that hold as much pass the budget on the plan "
-            "they run, which is kept. Lower the batch, or raise the budget",
-            describe(step.signature),
+            "profiled on a batch after its plan for grown sizes passed the budget, input %s "
+            "has no %s plan within %s (one fits in %s): steps that hold as much pass the "
+            "budget on the plan they run, which is kept. Lower the batch, or raise the budget",
+            describe(signature),
             error.solver,
             format_bytes(error.budget_bytes),
             format_bytes(error.min_budget_bytes),
         )
         return None
+    except Exception as error:
+        # The batch is mostly an earlier call's: what profiling it raises (out of memory on
+        # a device, a model that refuses it now) is no error of this call, which raised it
+        # in a review, the plan left unsaid from then on. This call's own errors its step
+        # raises.
+        logger.warning(
+            "profiling a batch of input %s, whose plan for grown sizes passed the budget, "
+            "raised %s: %s. The plan is kept, and steps that hold as much pass the budget "
+            "on it. Lower the batch, or raise the budget",
+            describe(signature),
+            type(error).__name__,
+            error,
+        )
+        return None
     new.verify_next = new.sized_by_step = True
-    plans[step.signature] = new
-    planning.numbers.checks.replaced(step.signature)
+    plans[signature] = new
+    planning.numbers.checks.replaced(signature)
     logger.info(
-        "planned input %s again on a profile of the batch of a step over its budget in %.2f "
-        "s: %s plan, predicted peak %s",
-        describe(step.signature),
+        "planned input %s again on a profile of a batch, its plan for grown sizes over its "
+        "budget, in %.2f s: %s plan, predicted peak %s",
+        describe(signature),
         time.perf_counter() - began,
         new.plan.solver,
         format_bytes(new.plan.predicted_peak_bytes or 0),

@@ -207,12 +207,19 @@ class ShapePlans(VariantPlanning):
         state = stage_state(self.watched)
         if state != (self.module_state, self.modes):
             self._switch(state)
-        step, self.sized_step = self.sized_step, None
-        if step is not None:
-            profiled_on_step(self, step, self.executors)
+        # A step kept in another state of the stages waits for its state to come back (the
+        # state's plans were set aside with its executor: eval() between, a review).
+        step = self.sized_step
+        if step is not None and step.state == (self.module_state, self.modes):
+            self.sized_step = None
+            profiled_on_step(self, step.signature, step.executor, step.batch(), self.executors)
         called = input_signature(batch)
         signature = self.numbers.key(called)
         executor = self.executors.get(signature)
+        if executor is not None and executor.over_budget and executor.sizes_grown:
+            # Its step's batch is gone (the module was copied or pickled since): this call's.
+            profiled = profiled_on_step(self, signature, executor, batch, self.executors)
+            executor = profiled or executor
         over = executor is not None and executor.over_budget
         if over and executor.over_within_gradients and signature not in self.unprofiled:
             # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
@@ -286,7 +293,8 @@ class ShapePlans(VariantPlanning):
                     disk.store(repr(signature), chain, plan)
             executor = self._install(signature, chain, plan, began, "planned")
         if executor.sizes_grown and executor.verify_next:
-            self.sized_step = SizedStep(signature, executor, batch)
+            state = (self.module_state, self.modes)
+            self.sized_step = SizedStep.of(signature, executor, batch, state)
         self.last = executor
         return executor
 

@@ -182,14 +182,14 @@ def test_a_keep_all_plan_sees_routed_blocks_grow(caplog) -> None:
     assert {op.kind for op in om.plan.ops} == {F_ALL, BACKWARD}  # keep-all: run plainly
     caplog.set_level(logging.WARNING, logger="offremat")
     found = []
-    for batch in (few, many, many):
+    for batch in (few, many, many, many):
         caplog.clear()
         with StepMemory("cpu", batch) as memory:
             om(batch).backward()
         found.append((memory.peak_bytes / om.plan.budget_bytes, caplog.text))
     assert found[0][0] <= 1 and not found[0][1]
     assert found[1][0] > 1 and "saved more than its plan was made for" in found[1][1]
-    assert found[2][0] <= 1
+    assert found[-1][0] <= 1  # on a plan made for those sizes
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -249,6 +249,6 @@ def test_a_stage_whose_graph_hides_what_it_saved_is_hooked(caplog) -> None:
         found.append((memory.peak_bytes / om.plan.budget_bytes, bool(caplog.text)))
         for p, q in zip(model.parameters(), plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
-    assert found[0] <= (1, False)
+    assert found[0][0] <= 1 and not found[0][1]
     assert all(said for peak, said in found if peak > 1)
     assert found[-1][0] <= 1
