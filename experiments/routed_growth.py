@@ -33,6 +33,7 @@ from torch import nn
 
 import offremat
 from offremat.measure import StepMemory
+from offremat.models import RoutedNet
 
 # (blocks, dense blocks' hidden width, solver, budget as a fraction of keep-all's peak)
 RUNS = (
@@ -45,46 +46,6 @@ RUNS = (
     ("DDDRRR", 128, "dp", 0.6),
     ("RDRDRD", 512, "chen", 0.95),
 )
-
-
-class RoutedBlock(nn.Module):
-    """Runs only the tokens whose first feature is positive through a wide MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        chosen = h[..., 0] > 0
-        out = h.clone()
-        out[chosen] = h[chosen] + self.down(torch.tanh(self.up(h[chosen])))
-        return out
-
-
-class DenseBlock(nn.Module):
-    """A residual MLP over every token."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, width), nn.Linear(width, 64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(h)))
-
-
-class RoutedNet(nn.Module):
-    """Blocks by ``pattern`` ("R" routed, "D" dense of hidden ``width``) and a loss."""
-
-    def __init__(self, pattern: str, width: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            RoutedBlock() if kind == "R" else DenseBlock(width) for kind in pattern
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
 
 
 def routed_model(pattern: str, width: int) -> nn.Module:

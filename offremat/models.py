@@ -11,6 +11,10 @@ last stage returns the scalar mean cross-entropy. A training step is therefore::
 The GPT follows the pre-LN transformer of Radford et al., "Language Models are Unsupervised
 Multitask Learners" (2019); the CNN follows the basic-block ResNet of He et al., "Deep Residual
 Learning for Image Recognition" (2016).
+
+One model is not a Sequential: :class:`RoutedNet`, whose blocks route tokens by their values
+(as a mixture of experts does), so that what it saves changes at one input shape; it takes its
+hidden states alone and returns a loss of its own (the experiments and tests of such sizes).
 """
 
 from __future__ import annotations
@@ -191,6 +195,47 @@ class ClassifierHead(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         features, targets = batch
         return F.cross_entropy(self.fc(features.mean(dim=(2, 3))), targets)
+
+
+class RoutedBlock(nn.Module):
+    """Runs only the tokens whose first feature is positive through a wide MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        chosen = h[..., 0] > 0
+        out = h.clone()
+        out[chosen] = h[chosen] + self.down(torch.tanh(self.up(h[chosen])))
+        return out
+
+
+class DenseBlock(nn.Module):
+    """A residual MLP over every token, of a routed block's output size."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, width), nn.Linear(width, 64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class RoutedNet(nn.Module):
+    """Blocks by ``pattern`` ("R" routed, "D" dense of hidden ``width``) on hidden states of
+    64 features, and the mean square of their output as the loss."""
+
+    def __init__(self, pattern: str = "RRRRRR", width: int = 0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            RoutedBlock() if kind == "R" else DenseBlock(width) for kind in pattern
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
 
 
 def build_gpt(config: GPTConfig | None = None, seed: int = 0) -> nn.Sequential:

@@ -22,6 +22,7 @@ from offremat.measure import StepMemory
 from offremat.models import (
     GPTConfig,
     ResNetConfig,
+    RoutedNet,
     build_gpt,
     build_resnet,
     gpt_batch,
@@ -703,32 +704,7 @@ def test_pinned_gradients_of_a_predicted_shape_are_not_taken_from_another_size()
     assert om.cache_info()["predicted"] == 1
 
 
-class _Routed(nn.Module):
-    """Runs only the tokens whose first feature is positive through a wide MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        chosen = h[..., 0] > 0
-        out = h.clone()
-        out[chosen] = h[chosen] + self.down(torch.tanh(self.up(h[chosen])))
-        return out
-
-
-class _RoutedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Routed() for _ in range(6))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
-
-
-def _routed(*chosen: int) -> tuple[_RoutedNet, list[torch.Tensor]]:
+def _routed(*chosen: int) -> tuple[RoutedNet, list[torch.Tensor]]:
     """A routed net, its gradients allocated (the budget leaves them out), and one batch of
     8 sequences of 64 tokens per count, the first that many tokens of each chosen."""
     torch.manual_seed(0)
@@ -738,7 +714,7 @@ def _routed(*chosen: int) -> tuple[_RoutedNet, list[torch.Tensor]]:
         batch = tokens.clone()
         batch[:, count:, 0] *= -1
         batches.append(batch)
-    model = _RoutedNet()
+    model = RoutedNet()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     return model, batches
@@ -756,7 +732,7 @@ def test_a_step_whose_plan_held_more_than_its_budget_is_said(caplog) -> None:
     many = torch.rand(8, 64, 64)
     few = many.clone()
     few[:, 4:, 0] *= -1  # 4 of 64 tokens chosen
-    om = offremat.optimize(_RoutedNet(), few, budget=0.6)
+    om = offremat.optimize(RoutedNet(), few, budget=0.6)
     budget = om.plan.budget_bytes
     with caplog.at_level(logging.WARNING, logger="offremat"):
         om(few).backward()

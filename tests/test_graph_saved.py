@@ -15,12 +15,12 @@ import offremat
 from offremat._graph_saved import graph_saved_bytes, sequence_mark
 from offremat.executor import PlanExecutor
 from offremat.measure import StepMemory
-from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.models import GPTConfig, RoutedBlock, RoutedNet, build_gpt, gpt_batch
 from offremat.profiler import profile_model, stage_modules
 from solvers.budget import InfeasibleBudgetError
 from solvers.plan import BACKWARD, F_ALL
 from solvers.registry import keep_all_peak, solve
-from tests.test_budget_measured import MODELS, _Routed, _routed
+from tests.test_budget_measured import MODELS, _routed
 
 
 def _read(block: nn.Module, batch) -> int:
@@ -61,7 +61,7 @@ def test_a_blocks_graph_holds_what_the_profiler_measured() -> None:
     tokens = torch.randn(8, 64)
     assert _read(scaled[0], [tokens]) == profile_model(scaled, tokens).stages[0].saved_bytes
 
-    routed = nn.Sequential(_Routed())
+    routed = nn.Sequential(RoutedBlock())
     for count in (8, 40):
         _, (tokens,) = _routed(count)
         assert _read(routed[0], [tokens]) == profile_model(routed, tokens).stages[0].saved_bytes
@@ -117,33 +117,11 @@ class _MeanSquare(nn.Module):
         return h.pow(2).mean()
 
 
-class _Dense(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(64, width), nn.Linear(width, 64)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(h)))
-
-
-class _Mixed(nn.Module):
-    """Dense blocks ("D") and routed ones ("R"), all of one output size."""
-
-    def __init__(self, pattern: str, width: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Routed() if c == "R" else _Dense(width) for c in pattern)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
-
-
 def _steps(pattern: str, width: int, budget: float, counts: list[int], caplog) -> list:
     """Peak ÷ budget and whether a warning was said, per step on ``counts`` chosen tokens."""
     _, batches = _routed(*counts)
     torch.manual_seed(0)
-    model = _Mixed(pattern, width)
+    model = RoutedNet(pattern, width)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     om = offremat.optimize(model, batches[0], budget=budget, solver="chen")

@@ -12,7 +12,8 @@ from torch import nn
 
 import offremat
 from offremat.measure import StepMemory
-from tests.test_budget_measured import _Routed, _routed
+from offremat.models import RoutedBlock
+from tests.test_budget_measured import _routed
 
 
 def test_a_plan_for_grown_sizes_over_its_budget_is_planned_on_a_profile(caplog) -> None:
@@ -43,7 +44,7 @@ class _Dropped(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(_Routed(), nn.Dropout(0.1)) for _ in range(6))
+        self.blocks = nn.ModuleList(nn.Sequential(RoutedBlock(), nn.Dropout(0.1)) for _ in range(6))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
