@@ -21,7 +21,7 @@ from torch.nn.utils import parametrize
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces, erased, same_sizes
-from offremat._outgrown import replanned
+from offremat._outgrown import measured_until_reached, replanned
 from offremat._signatures import (
     BlockValue,
     Signature,
@@ -141,6 +141,7 @@ class VariantPlanning:
                 self.numbers.checks.within_budget(key)
             elif not variant.verify_again:  # it never ended: its backward did not run
                 self.numbers.checks.not_settled(key)
+            measured_until_reached(variant)
         else:
             variant = self._stand_in(key, value, values, by_value)
             if variant is None:

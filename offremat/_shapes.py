@@ -39,7 +39,7 @@ from torch import nn
 from offremat._host import DeviceResources
 from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
-from offremat._outgrown import SizedStep, profiled_on_step, replanned
+from offremat._outgrown import SizedStep, measured_until_reached, profiled_on_step, replanned
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import (
@@ -270,6 +270,7 @@ class ShapePlans(VariantPlanning):
                     self.numbers.within_budget(signature)
                 elif not executor.verify_again:  # it never ended: its backward did not run
                     self.numbers.checks.not_settled(signature)
+                measured_until_reached(executor)
             if self.numbers.verifies(called, signature):
                 # for_chain_input moves it where the step runs on a variant.
                 self.call_measured = (executor, executor.verify_next)

@@ -77,12 +77,28 @@ class StageSizes:
             set(self.seen),
         )
 
+    def reaches(self, other: StageSizes) -> bool:
+        """Whether these sizes are at least ``other``'s at every stage: each output a_i, and
+        each saved set x̄_i that both saw."""
+        if any(self.out.get(i, 0) < size for i, size in other.out.items()):
+            return False
+        both = self.seen & other.seen
+        return all(self.saved.get(i, 0) >= size for i, size in other.saved.items() if i in both)
+
     def merge(self, other: StageSizes) -> None:
         """Keep, per stage, the larger of this and ``other``."""
         for mine, theirs in ((self.out, other.out), (self.saved, other.saved)):
             for i, size in theirs.items():
                 mine[i] = max(mine.get(i, 0), size)
         self.seen |= other.seen
+
+
+@dataclass(frozen=True)
+class Outgrown:
+    """A chain grown to the sizes a step held (``sizes``), past its budget on the plan."""
+
+    chain: Chain
+    sizes: StageSizes
 
 
 def grown_chain(chain: Chain, sizes: StageSizes, checked: StageSizes) -> Chain | None:

@@ -248,10 +248,14 @@ class _Step(Compute):
                 # A plan made for the sizes a step held is not planned anew when over.
                 anew = anew and not self.executor.sized_by_step
                 report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
-                if not self.verifying:
+                # A plan made for a step's sizes is checked for no values: its growth replans.
+                if not self.verifying or self.executor.sized_by_step:
                     note_measured_growth(
                         self.executor, self.memory, self.new_grad_bytes, self.sizes
                     )
+            unreached = self.executor.unreached_sizes
+            if unreached is not None and self.sizes.reaches(unreached):
+                self.executor.unreached_sizes = None  # its plan checked at its sizes
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):

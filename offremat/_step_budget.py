@@ -21,7 +21,7 @@ import torch
 from offremat._call_checks import in_functorch_transform
 from offremat._pinned_grads import backward_gradient_bytes
 from offremat._scan import ModuleScan
-from offremat._stage_sizes import StageSizes, grown_chain, most_grown
+from offremat._stage_sizes import Outgrown, StageSizes, grown_chain, most_grown
 from offremat._tensors import allocated_bytes, storage_bytes
 from offremat.measure import StepMemory, tree_leaf_tensors
 from solvers.budget import format_bytes
@@ -179,7 +179,9 @@ def note_measured_growth(
         return
     if _distributed():
         return
-    executor.outgrown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+    grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
+    executor.outgrown = None if grown is None else Outgrown(grown, sizes)
+    executor.said_sizes.merge(sizes)  # said with the step (report_over_budget)
 
 
 def _distributed() -> bool:
@@ -233,7 +235,7 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     if peak <= budget:
         executor.checked_sizes.merge(sizes)  # not simulated again at every such step
         return
-    executor.outgrown = grown
+    executor.outgrown = Outgrown(grown, sizes)
     executor.said_sizes.merge(sizes)
     name, now, profiled = most_grown(executor.chain, grown)
     logger.warning(

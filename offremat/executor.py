@@ -64,7 +64,7 @@ from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
 from offremat._scan import fixed_storages, scan_modules
 from offremat._signatures import refuse_module_tracker
-from offremat._stage_sizes import StageSizes
+from offremat._stage_sizes import Outgrown, StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
 from offremat._step_budget import report_grown_sizes, unseen_around_bytes
@@ -186,13 +186,16 @@ class PlanExecutor:
         self.said_over_bytes = 0
         # The chain grown to the sizes a step held, over the budget on this plan: the next
         # step plans it again (offremat._outgrown).
-        self.outgrown: Chain | None = None
+        self.outgrown: Outgrown | None = None
         # Made for the sizes a step held (offremat._outgrown), not profiled on a batch: a
         # step over on it is no sign of values or a shape its plan was not profiled on.
         self.sized_by_step = False
         # Its chain grown from a step's sizes by estimate (temporaries grown as saved sets),
         # not profiled: a step on it over the budget has its batch profiled (_outgrown).
         self.sizes_grown = False
+        # The sizes it was grown to, until a measured step holds them: its steps are measured
+        # till then (a step on a smaller batch, within, left the rest unsaid, a review).
+        self.unreached_sizes: StageSizes | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -247,9 +250,12 @@ class PlanExecutor:
             outgrown=None,
             sized_by_step=False,
             sizes_grown=False,
+            unreached_sizes=None,
             hooked=set(),
         )
         self.__dict__.update(state)
+        if isinstance(self.outgrown, Chain):  # pickled before the sizes were kept with it
+            self.outgrown = Outgrown(self.outgrown, StageSizes())
 
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""

@@ -38,6 +38,25 @@ def test_a_plan_for_grown_sizes_over_its_budget_is_planned_on_a_profile(caplog) 
     assert profiled or max(peaks[2:]) <= 1
 
 
+def test_a_plan_for_grown_sizes_is_measured_until_a_step_holds_them(caplog) -> None:
+    # Measured within its budget on a smaller batch, a plan made for grown sizes was trusted:
+    # later steps of the sizes it was made for, or larger, ran over it unsaid (1.07 to 2.1
+    # times the budget, a review).
+    model, batches = _routed(8, 24, 8, 24, 24, 24)
+    om = offremat.optimize(model, batches[0], budget=0.9, solver="dp")
+    caplog.set_level(logging.INFO, logger="offremat")
+    peaks, said = [], []
+    for batch in batches:
+        caplog.clear()
+        with StepMemory("cpu", batch) as memory:
+            om(batch).backward()
+        peaks.append(memory.peak_bytes / om.plan.budget_bytes)
+        said.append(any(r.levelno >= logging.WARNING for r in caplog.records))
+    assert all(said[k] for k, peak in enumerate(peaks) if peak > 1), (peaks, said)
+    assert peaks[1] > 1 and peaks[2] <= 1  # grown at the second step, within at the third
+    assert max(peaks[-2:]) <= 1  # planned for the sizes, as the steps that held them showed
+
+
 class _Dropped(nn.Module):
     """Routed blocks with dropout between them: the profile must not draw from the step's
     random numbers."""
