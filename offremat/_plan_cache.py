@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from offremat._blocks import output_capture_hooks
-from offremat._signatures import global_hooks
+from offremat._stage_state import global_hooks
 from solvers.chain import Chain
 from solvers.json_text import parse_json
 from solvers.plan import Plan, validate

@@ -47,18 +47,13 @@ from offremat._shape_variants import (
     VariantPlanning,
     parametrize_cache_suspended,
 )
-from offremat._signatures import (
-    Signature,
-    StageState,
-    VariantKey,
-    describe,
-    input_signature,
-    stage_state,
-)
+from offremat._signatures import Signature, VariantKey, describe, input_signature
+from offremat._stage_state import StageState, stage_state
 from offremat._stand_ins import StandIns
+from offremat._state_plans import StatePlans, swapped
 from offremat._step import StepsInFlight
 from offremat._step_budget import warn_unsure
-from offremat._value_checks import ValueChecks, trim
+from offremat._value_checks import trim
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
@@ -66,17 +61,7 @@ from solvers.plan import Plan
 
 logger = logging.getLogger(__name__)
 
-StatePlans = tuple[
-    dict[Signature, "PlanExecutor"],
-    dict[Signature, Chain],
-    set[Signature],
-    dict[VariantKey, "PlanExecutor"],
-    set[Signature],
-    ValueChecks,
-]
 
-KEPT_STATES = 8
-"""How many other states of the stages keep their plans (:meth:`ShapePlans.executor`)."""
 KEPT_SIGNATURES = 64
 """How many input signatures a state keeps plans and profiled chains for (the latest used):
 a number that sizes tensors and changes at every step must not grow them without end."""
@@ -332,7 +317,7 @@ class ShapePlans(VariantPlanning):
         count checked on a frozen state's plan ran on the trainable state's plan of the same
         key at 1.34 times the budget, unmeasured, in a review.
         """
-        self.by_state[(self.module_state, self.modes)] = (
+        current = StatePlans(
             self.executors,
             self.profiled,
             self.provisional,
@@ -340,33 +325,10 @@ class ShapePlans(VariantPlanning):
             self.unprofiled,
             self.numbers.checks,
         )
-        kept = self.by_state.pop(state, None)
-        if kept is not None and len(kept) == 5:  # kept by a version before the checks were
-            kept = (*kept, ValueChecks())
-        while len(self.by_state) > KEPT_STATES:
-            self.by_state.pop(next(iter(self.by_state)))
-        if kept is None:
-            if state[0] != self.module_state:
-                logger.warning(
-                    "the model's modules, parameters (a type, shape, dtype, device or "
-                    "requires_grad), hooks or settings changed: planning each shape again "
-                    "for them"
-                )
-            else:
-                logger.warning(
-                    "the model's training or eval mode changed: planning each shape again "
-                    "for this mode (a step with gradients enabled follows a plan in eval "
-                    "mode too; evaluate under torch.no_grad(), which runs the model as it is)"
-                )
-            kept = ({}, {}, set(), {}, set(), ValueChecks())
-        (
-            self.executors,
-            self.profiled,
-            self.provisional,
-            self.variants,
-            self.unprofiled,
-            self.numbers.checks,
-        ) = kept
+        kept = swapped(self.by_state, (self.module_state, self.modes), current, state)
+        self.executors, self.profiled = kept.executors, kept.profiled
+        self.provisional, self.variants = kept.provisional, kept.variants
+        self.unprofiled, self.numbers.checks = kept.unprofiled, kept.checks
         self.refused, self.stand_ins = {}, StandIns(KEPT_VARIANTS)
         self.call_stand_ins = StandIns(KEPT_VARIANTS)
         self.module_state, self.modes = state

@@ -25,7 +25,6 @@ from offremat._deferred import (
     DeferringPacker,
     Refill,
     StopRecomputation,
-    recomputed_otherwise,
 )
 from offremat._graph_saved import graph_saved_bytes, sequence_mark
 from offremat._memory import StorageRecord, TensorRef
@@ -36,12 +35,17 @@ from offremat._stage import (
     check_unmodified,
     check_versions,
     enter_stage,
-    escaped_tensor_error,
     frozen_running_stats,
+)
+from offremat._step_errors import (
+    graph_run_before,
+    reducer_found_unused,
+    reducer_saw_shared,
+    refuse_other_outputs,
+    shared_weight_graph,
 )
 from offremat._tensors import (
     Structure,
-    TensorKind,
     flatten,
     is_differentiable,
     refuse_hidden_tensors,
@@ -192,7 +196,7 @@ class Compute:
                 self.rng[i] = rng.for_replay(self.host_random)
             del rng
         elif kinds != self.output_kinds[i]:
-            _refuse_other_outputs(name, self.output_kinds[i], kinds)
+            refuse_other_outputs(name, self.output_kinds[i], kinds)
         del inputs
         is_output = i == self.length and self.outputs is None and not self.in_backward
         if is_output:
@@ -356,13 +360,13 @@ class Compute:
         except RuntimeError as error:
             if "mark a variable ready only once" in str(error):
                 if self.shared.used_by.get(i):
-                    raise _reducer_saw_shared(self.names[i - 1]) from error
-                raise _reducer_found_unused(self.names[i - 1]) from error
+                    raise reducer_saw_shared(self.names[i - 1]) from error
+                raise reducer_found_unused(self.names[i - 1]) from error
             if "a second time" not in str(error):
                 raise
             if any(not p.is_leaf for p in self.parameters[i - 1]):
-                raise _shared_weight_graph(self.names[i - 1]) from error
-            raise _graph_run_before(self.names[i - 1]) from error
+                raise shared_weight_graph(self.names[i - 1]) from error
+            raise graph_run_before(self.names[i - 1]) from error
         finally:
             saved.slot.receiving = False
         grads: list[torch.Tensor | None] = [None] * len(source.refs)
@@ -381,62 +385,8 @@ class Compute:
             self._drop(key)
 
 
-def _refuse_other_outputs(stage: str, first: list[TensorKind], now: list[TensorKind]) -> None:
-    """Refuse a recomputation whose outputs differ from the first forward's in kind."""
-    if len(first) != len(now):
-        raise RuntimeError(
-            f"stage {stage!r} returned {len(now)} tensors when recomputed where its first "
-            f"forward returned {len(first)}: it does not compute the same thing twice, so it "
-            "cannot be recomputed. Use a plan that keeps this stage"
-        )
-    k = next(k for k, (a, b) in enumerate(zip(first, now, strict=True)) if a != b)
-    raise recomputed_otherwise(stage, f"output {k + 1} of {len(first)}", first[k], now[k])
-
-
 def _leave_inference_mode(stack: ExitStack) -> None:
     """A recomputation that a backward inside ``torch.inference_mode`` runs (plain autograd
     allows that backward) records its graph, as the forward did."""
     if torch.is_inference_mode_enabled():
         stack.enter_context(torch.inference_mode(False))
-
-
-def _shared_weight_graph(stage: str) -> RuntimeError:
-    return RuntimeError(
-        f"stage {stage!r} computes with weights that are not leaves and whose graph other "
-        "stages share (torch.func.functional_call with weights from an inner gradient step, "
-        "as in MAML): each stage's backward is its own engine call, so that graph would run "
-        "once per stage. Train such a step with plain autograd (a budget at or above the "
-        "keep-all peak runs it so)"
-    )
-
-
-def _reducer_saw_shared(stage: str) -> RuntimeError:
-    """The error for DistributedDataParallel's reducer marking a parameter ready twice."""
-    return RuntimeError(
-        f"DistributedDataParallel saw a gradient of one parameter twice in one backward, at "
-        f"stage {stage!r}: a parameter that several stages use (a block used twice, weights "
-        "tied between stages) has its gradient accumulated once, but the hooks DDP puts on its "
-        "accumulation node run in each of those stages' backwards, where plain DDP runs them "
-        "once. Train such a model with plain DDP, or give each stage its own parameters"
-    )
-
-
-def _reducer_found_unused(stage: str) -> RuntimeError:
-    """The error for DistributedDataParallel with ``find_unused_parameters=True``."""
-    return RuntimeError(
-        f"DistributedDataParallel saw the gradient of a parameter of stage {stage!r} that it "
-        "had marked unused: with find_unused_parameters=True it looks for the parameters in "
-        "the forward's graph, which does not reach them (each stage's backward is an engine "
-        "call of its own), so it marks them all unused. Wrap the optimized model with "
-        "find_unused_parameters=False (Hugging Face's Trainer: "
-        "ddp_find_unused_parameters=False)"
-    )
-
-
-def _graph_run_before(stage: str) -> RuntimeError:
-    """The error for a stage's graph that autograd had run backward before the step's B(i)."""
-    return RuntimeError(
-        f"part of stage {stage!r}'s graph had run backward before the step's backward of "
-        "the stage. Either the stage reads a tensor kept from an earlier step's graph (a "
-        "cache filled with gradients on: detach it), or " + str(escaped_tensor_error(stage))
-    )

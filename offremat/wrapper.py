@@ -14,7 +14,6 @@ as it is (in eval mode too a step with gradients follows a plan).
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -23,8 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parameter import is_lazy
 
 from offremat._blocks import (
     NotAChainError,
@@ -47,10 +44,12 @@ from offremat._call_checks import (
     refuse_recorded_outputs,
     transforms_in_blocks_refused,
 )
+from offremat._call_numbers import call_numbers, with_other_numbers
 from offremat._discover import BlockRun, Call, as_call
 from offremat._forward_signature import ModelSignatureForward
 from offremat._further_blocks import further_blocks_refused
 from offremat._handed_on import HandedOnError
+from offremat._model_refusals import refuse_lazy, refuse_wrappers
 from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
 from offremat._planning import Request, in_training_mode
 from offremat._run import RunInterception
@@ -214,7 +213,7 @@ class OptimizedModule(nn.Module):
             executor, output = self._run_blocks(call)
         except (NotAChainError, HandedOnError) as error:
             first = self.__dict__.get("_example_numbers")
-            raise _with_other_numbers(error, _numbers(self._model, call), first) from None
+            raise with_other_numbers(error, call_numbers(self._model, call), first) from None
         self._plans.check_output(call, output)  # a number learnt to size nothing may size it
         report_grown_outputs(executor, output)
         report_loss_left_to_caller(executor, output)
@@ -293,8 +292,8 @@ def optimize(
     refuse_compiled_model(model)
     if stages is not None:
         check_count("stages", stages)
-    _refuse_lazy(model)
-    _refuse_wrappers(model)
+    refuse_lazy(model)
+    refuse_wrappers(model, OptimizedModule)
     tensors, structure = flatten(example_batch)
     if any(t.is_nested for t in tensors):
         sparse_parts(next(t for t in tensors if t.is_nested))  # says what to do instead
@@ -350,7 +349,7 @@ def optimize(
         )
     object.__setattr__(optimized, "_autocast", planned)
     # Its numbers only: the example's tensors are not kept alive by the module.
-    numbers = _numbers(optimized._model, as_call(example_batch))
+    numbers = call_numbers(optimized._model, as_call(example_batch))
     object.__setattr__(optimized, "_example_numbers", numbers)
     object.__setattr__(optimized, "_forced_autocast", autocast is not None)
     return optimized
@@ -389,106 +388,6 @@ def _disk(
     )
 
 
-def _refuse_lazy(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Refuse lazy modules whose parameters have no shape yet: nothing can be profiled."""
-    roots = [model] if isinstance(model, nn.Module) else list(model)
-    modules = [m for m in roots if isinstance(m, nn.Module)]  # the rest is refused later
-    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
-    if any(is_lazy(tensor) for tensor in tensors):
-        raise ValueError(
-            "the model has lazy modules whose parameters are not initialized yet (nn.LazyLinear "
-            "and the like): run it once on a batch, model(example_batch), before "
-            "offremat.optimize, so that their shapes are known"
-        )
-
-
-def _refuse_wrappers(model: nn.Module | Sequence[nn.Module]) -> None:
-    """Refuse a model that holds a model offremat already optimized (the inner one's steps
-    would run inside the outer one's recording, profile and stages) or a
-    ``DistributedDataParallel`` (its reducer takes one backward per forward, where profiling
-    runs several and a step's backward is one engine call per stage)."""
-    roots = [model] if isinstance(model, nn.Module) else list(model)
-    for root in roots:
-        if not isinstance(root, nn.Module):
-            continue
-        for path, module in root.named_modules():
-            where = f" (at {path!r})" if path else ""
-            if isinstance(module, OptimizedModule):
-                raise TypeError(
-                    f"this model is, or holds, a model offremat already optimized{where}: "
-                    "offremat.optimize the plain model (OptimizedModule.model) as one, with "
-                    "everything it holds, or keep the optimized one and do not optimize "
-                    "around it"
-                )
-            if isinstance(module, DistributedDataParallel):
-                raise TypeError(
-                    f"this model is, or holds, a DistributedDataParallel module{where}: its "
-                    "gradient reducer expects one backward per forward, which offremat's "
-                    "profiling and per-stage backwards are not. Optimize the model it wraps "
-                    "and wrap the result: DistributedDataParallel(offremat.optimize(model, "
-                    "batch, ...))"
-                )
-
-
 def _run_chain(plans: ShapePlans, call: Call, executor: PlanExecutor, value: Any) -> Any:
     """Run the blocks on ``value`` with the plan for its kind (ShapePlans.for_chain_input)."""
     return plans.for_chain_input(call, executor, value)(value)
-
-
-def _numbers(model: nn.Module, call: Call) -> dict[str, Any]:
-    """The numbers and strings among a call's arguments, defaults included, by the name of
-    the parameter of the model's ``forward`` they bind to (one passed by position was named
-    "argument 2" where the example named it, a review), else by keyword or by position."""
-    try:
-        signature = inspect.signature(model.forward)
-        bound = signature.bind(*call.args, **call.kwargs)
-        bound.apply_defaults()
-        named = {}
-        for name, value in bound.arguments.items():
-            kind = signature.parameters[name].kind
-            # Those gathered by **kwargs and *args by their own names and positions (a
-            # wrapper's forward(*args, **kwargs) hid them all, a review).
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                named.update(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                first = len(bound.args) - len(value) + 1
-                named.update({f"argument {k}": v for k, v in enumerate(value, first)})
-            else:
-                named[name] = value
-    except (AttributeError, TypeError, ValueError):  # a list of blocks; a call it refuses
-        named = {f"argument {k}": v for k, v in enumerate(call.args, 1)}
-        named.update(call.kwargs)
-    return {k: v for k, v in named.items() if type(v) in (int, float) or isinstance(v, str)}
-
-
-def _with_other_numbers(
-    error: Exception, given: dict[str, Any], first: dict[str, Any] | None
-) -> Exception:
-    """``error``, naming the call's numbers (``given``) that differ from the example's
-    (``first``): one that sets how many blocks run (a loop count, a depth) makes another
-    chain, which a new user took for a broken model (the message named no argument)."""
-    if first is None:
-        return error
-    other = [
-        f"{k}={v!r} (the example's: {first[k]!r})"
-        if k in first
-        else f"{k}={v!r} (not in the example)"
-        for k, v in given.items()
-        if k not in first or first[k] != v
-    ]
-    other += [f"no {k} (the example's: {v!r})" for k, v in first.items() if k not in given]
-    if not other:
-        return error
-    advice = (
-        "where a number sets how many blocks run, each value is a chain of its own; optimize "
-        "the model once per value (an offremat.optimize on an example with each) and call "
-        "the one for the value"
-    )
-    if isinstance(error, HandedOnError):
-        # A number may also switch on code that reads a block's output, which no value's
-        # chain allows (optimizing once per value failed the same way, a review).
-        advice += (
-            "; where it only switches on code that reads a block's output, a plan per value "
-            "does not help: turn that reading off (see above)"
-        )
-    return type(error)(f"{error}. This call's {', '.join(other)}: {advice}")

@@ -451,7 +451,7 @@ def test_a_keep_all_plan_is_plain_autograd_and_still_timed() -> None:
     executor = PlanExecutor(list(model), score(keep_all(chain), chain, None), chain)
     loss = executor(x).sum()
     # No autograd function of offremat's: the output's node is the last module's own.
-    assert type(loss.grad_fn.next_functions[0][0]).__name__ != "_PlanFunctionBackward"
+    assert type(loss.grad_fn.next_functions[0][0]).__name__ != "PlanFunctionBackward"
     loss.backward(retain_graph=True)
     loss.backward()  # plain autograd's graph, retained as asked
     stats = executor.stats

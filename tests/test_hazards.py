@@ -404,8 +404,8 @@ def test_gradients_with_respect_to_parameters_are_reported_unused_and_of_gradien
 ):
     model, _, om, x = input_gradient_setup("dp")
     parameters = list(model.parameters())
-    # Nothing of the plan's graph reaches the parameters (see _PlanFunction): torch reports
-    # them unused, never a wrong value.
+    # Nothing of the plan's graph reaches the parameters (see
+    # offremat._plan_function.PlanFunction): torch reports them unused, never a wrong value.
     with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
         torch.autograd.grad(om(x).sum(), parameters)
     unused = torch.autograd.grad(om(x).sum(), parameters, allow_unused=True)

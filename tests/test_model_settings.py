@@ -251,7 +251,7 @@ def test_a_discriminator_frozen_at_every_other_step_keeps_both_plans() -> None:
 
 
 def test_the_plans_of_the_last_eight_other_states_stay() -> None:
-    from offremat._shapes import KEPT_STATES
+    from offremat._state_plans import KEPT_STATES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
