@@ -89,15 +89,18 @@ def measured_until_reached(executor: PlanExecutor) -> None:
 
 @dataclass(frozen=True)
 class SizedStep:
-    """The call whose step checks a plan made for grown sizes, its batch copied to the host
-    (a caller may refill its buffers in place: profiled, that was the next step's data, a
-    review): kept until the next call in its state of the stages, so that where that step
-    passes its budget its batch can be profiled."""
+    """The call whose step checks a plan made for grown sizes, kept until the next call in
+    its state of the stages, so that where that step passes its budget its batch can be
+    profiled. A caller may refill its buffers in place (profiled, that was the next step's
+    data, a review): a tensor on a device is copied to the host when the step starts; one on
+    the host is kept with its version, which a refill changes (copied, it was bytes of the
+    step's own, 128 KiB at 0.997 of the budget on routed tokens, a review)."""
 
     signature: Signature
     executor: PlanExecutor
     state: Any  # the stages' state whose plans hold ``executor``
     tensors: tuple[torch.Tensor, ...]  # the batch's, on the host
+    versions: tuple[int | None, ...]  # each caller's own tensor's version; None: a copy
     devices: tuple[torch.device, ...]
     structure: Structure
 
@@ -105,11 +108,20 @@ class SizedStep:
     def of(cls, signature: Signature, executor: PlanExecutor, batch: Any, state: Any) -> SizedStep:
         """The step about to run ``batch`` on ``executor``."""
         tensors, structure = flatten(batch)
-        copies = tuple(t.detach().to("cpu", copy=True) for t in tensors)
-        return cls(signature, executor, state, copies, tuple(t.device for t in tensors), structure)
+        kept, versions = [], []
+        for tensor in tensors:
+            # An inference tensor has no version to tell a refill by.
+            own = tensor.device.type == "cpu" and not tensor.is_inference()
+            kept.append(tensor.detach() if own else tensor.detach().to("cpu", copy=True))
+            versions.append(tensor._version if own else None)
+        devices = tuple(t.device for t in tensors)
+        return cls(signature, executor, state, tuple(kept), tuple(versions), devices, structure)
 
-    def batch(self) -> Any:
-        """The batch as the step had it."""
+    def batch(self) -> Any | None:
+        """The batch as the step had it; None where the caller has changed it in place."""
+        pairs = zip(self.tensors, self.versions, strict=True)
+        if any(version not in (None, t._version) for t, version in pairs):
+            return None
         return unflatten(
             (t.to(device) for t, device in zip(self.tensors, self.devices, strict=True)),
             self.structure,

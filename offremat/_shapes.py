@@ -197,7 +197,9 @@ class ShapePlans(VariantPlanning):
         step = self.sized_step
         if step is not None and step.state == (self.module_state, self.modes):
             self.sized_step = None
-            profiled_on_step(self, step.signature, step.executor, step.batch(), self.executors)
+            kept = step.batch()  # else, changed in place since, a later batch of its key's
+            if kept is not None:
+                profiled_on_step(self, step.signature, step.executor, kept, self.executors)
         called = input_signature(batch)
         signature = self.numbers.key(called)
         executor = self.executors.get(signature)
