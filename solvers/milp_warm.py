@@ -25,7 +25,7 @@ from solvers.dp import (
     solve_dp,
     table_bytes,
 )
-from solvers.host_split import host_split_plan
+from solvers.host_split import SEVERAL_HOSTED, host_split_plans
 from solvers.milp_codec import NotInFamilyError, Schedule, decode, encode
 from solvers.milp_model import JointModel
 
@@ -65,9 +65,11 @@ FINER_WARM_SHARE = 0.05
 FINER_WARM_TABLE_BYTES = 2**30
 
 
-HOST_SPLIT_SHARE = 0.1
-"""The share of the time left for :func:`solvers.host_split.host_split_plan` (ResNet-50 at 30%
-of keep-all: 31.99 ms in 0.9 s, against rotor's 32.32 ms, which the MILP kept for 600 s)."""
+HOST_SPLIT_SHARE = 0.25
+"""The share of the time left for :func:`solvers.host_split.host_split_plans` (ResNet-50 at 30%
+of keep-all: 31.99 ms in 0.9 s, against rotor's 32.32 ms, which the MILP kept for 600 s;
+ResNet-101 at 30% and 35%: 59.06 and 57.88 ms with several hosted checkpoints in 4-7 s on one
+core, where 10% of the time left cut it short)."""
 
 EXACT_MARGIN = 1e-9
 """The exact DP's plan joins the warm starts only when faster by more than this fraction: the
@@ -116,9 +118,7 @@ def warm_start_candidates(
         # Not on a long chain either, whose group MILP needs the time (ResNet-200 at 25%:
         # 116.1 ms with it, 115.2 ms without).
         stop = time.monotonic() + HOST_SPLIT_SHARE * (deadline - time.monotonic())
-        hosted = host_split_plan(chain, budget_bytes, stop)
-        if hosted is not None:
-            found.append(hosted)
+        found += host_split_plans(chain, budget_bytes, stop)
     found.sort(key=lambda item: item[1].predicted_time_s)
     return found
 
@@ -204,8 +204,12 @@ def first_in_family(
     candidates: list[tuple[str, Plan]], length: int
 ) -> tuple[Schedule | None, str | None, float | None]:
     """The fastest candidate the MILP can express, to be its starting solution, with its time
-    (or, when none can be expressed, the fastest candidate's time)."""
-    for name, plan in candidates:
+    (or, when none can be expressed, the fastest candidate's time). A plan with several
+    hosted checkpoints starts it only where no other can: it stays a candidate, but HiGHS's
+    30 s search went further from the plan with one (ResNet-101 at 25% of keep-all: 60.73 ms
+    from one's 61.63 ms; from several's 61.17 ms, nothing faster)."""
+    starts = sorted(candidates, key=lambda item: item[0] == SEVERAL_HOSTED)
+    for name, plan in starts:
         try:
             return encode(plan.ops, length), name, plan.predicted_time_s
         except NotInFamilyError as error:

@@ -1,6 +1,6 @@
-"""The host-split warm start (solvers/host_split.py): rotor's DP with one first-pass checkpoint
-on the host. Its plans fit, are valid, are in the MILP's family, and beat rotor's where the
-freed bytes save a recomputation."""
+"""The host-split warm start (solvers/host_split.py): rotor's DP with first-pass checkpoints on
+the host. Its plans fit, are valid, are in the MILP's family, and beat rotor's where the freed
+bytes save a recomputation; several hosted checkpoints beat one on ResNet-101."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Link
 from solvers.dp import solve_dp
-from solvers.host_split import host_split_plan
+from solvers.host_split import ONE_HOSTED, SEVERAL_HOSTED, host_split_plan, host_split_plans
 from solvers.milp_codec import encode
+from solvers.milp_warm import first_in_family
 from solvers.plan import OFFLOAD, PREFETCH, validate
 from solvers.registry import keep_all_peak
 from solvers.simulator import simulate
@@ -24,13 +25,13 @@ from tests.test_milp import random_chain
 EXAMPLES = Path(__file__).resolve().parent.parent / "offremat" / "examples"
 
 
-def resnet50() -> Chain:
-    """The ResNet-50 chain of experiments/ilp_vs_dp.py: cnn.json's stem, blocks and head, on a
-    12 GB/s link."""
+def resnet50(blocks: tuple[int, ...] = (3, 4, 6, 3)) -> Chain:
+    """The ResNet-50 chain of experiments/ilp_vs_dp.py (with ``blocks`` per layer: ResNet-101's
+    (3, 4, 23, 3)): cnn.json's stem, blocks and head, on a 12 GB/s link."""
     base = Chain.load(EXAMPLES / "cnn.json")
     by_name = {stage.name: stage for stage in base.stages}
     stages = [by_name["stem"]]
-    for layer, count in enumerate((3, 4, 6, 3), start=1):
+    for layer, count in enumerate(blocks, start=1):
         stages.append(by_name[f"layer{layer}.0"])
         stages += [
             replace(by_name[f"layer{layer}.1"], name=f"layer{layer}.{n}") for n in range(1, count)
@@ -74,7 +75,7 @@ def test_random_chains_give_valid_plans_within_the_budget() -> None:
             assert validate(list(plan.ops), chain) == [], seed
             assert simulate(plan.ops, chain, budget).peak_bytes <= budget, seed
             kinds = [op.kind for op in plan.ops]
-            assert kinds.count(OFFLOAD) == kinds.count(PREFETCH) == 1, seed
+            assert kinds.count(OFFLOAD) == kinds.count(PREFETCH) >= 1, seed
             encode(plan.ops, chain.length)
             checked += 1
     assert checked > 25  # 29 when written
@@ -83,3 +84,27 @@ def test_random_chains_give_valid_plans_within_the_budget() -> None:
 def test_no_link_no_plan() -> None:
     chain = resnet50().with_link(None)
     assert host_split_plan(chain, int(0.3 * keep_all_peak(chain)), time.monotonic() + 5) is None
+
+
+def test_resnet101_at_25_percent_hosts_two_checkpoints() -> None:
+    # One hosted checkpoint (stage 4's input): 61.63 ms against rotor's 62.10 ms; stages 2 and
+    # 4's inputs both: 61.17 ms (the joint MILP's search stopped at 61.63 ms before, in 30 s).
+    chain = resnet50((3, 4, 23, 3))
+    budget = int(0.25 * keep_all_peak(chain))
+    plans = host_split_plans(chain, budget, time.monotonic() + 30)
+    assert [name for name, _ in plans] == [ONE_HOSTED, SEVERAL_HOSTED]
+    (_, one), (_, several) = plans
+    for plan, hosted in ((one, 1), (several, 2)):
+        replay = simulate(plan.ops, chain, budget)
+        assert validate(list(plan.ops), chain) == [] and replay.feasible
+        assert replay.makespan_s == pytest.approx(plan.predicted_time_s)
+        assert [op.kind for op in plan.ops].count(OFFLOAD) == hosted
+        encode(plan.ops, chain.length)
+    assert several.predicted_time_s < one.predicted_time_s * (1 - 0.005)
+    assert one.predicted_time_s < solve_dp(chain, budget).predicted_time_s * (1 - 0.005)
+    # The MILP's search starts from the plan with one hosted checkpoint, the other stays a
+    # candidate.
+    assert (
+        first_in_family(sorted(plans, key=lambda p: p[1].predicted_time_s), chain.length)[1]
+        == ONE_HOSTED
+    )
