@@ -151,7 +151,7 @@ def test_a_windowed_joint_search_first_solves_checkmates_problem(monkeypatch):
     chain = Chain("early", 3, stages, Link(1.0, 1.0))
     monkeypatch.setattr(milp_search, "_WHOLE_MODEL_BINARIES", 0)
     # A start that only recomputes: the host-split warm start offloads, and wins here.
-    monkeypatch.setattr(milp_warm, "host_split_plan", lambda *args: None)
+    monkeypatch.setattr(milp_warm, "host_split_plans", lambda *args: [])
     runs = []
     run = milp_search._HighsSession.run
 
