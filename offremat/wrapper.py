@@ -46,11 +46,12 @@ from offremat._call_checks import (
 )
 from offremat._call_numbers import call_numbers, with_other_numbers
 from offremat._discover import BlockRun, Call, as_call
+from offremat._fingerprint import library_versions, model_fingerprint
 from offremat._forward_signature import ModelSignatureForward
 from offremat._further_blocks import further_blocks_refused
 from offremat._handed_on import HandedOnError
 from offremat._model_refusals import refuse_lazy, refuse_wrappers
-from offremat._plan_cache import PlanCache, library_versions, model_fingerprint
+from offremat._plan_cache import PlanCache
 from offremat._planning import Request, in_training_mode
 from offremat._run import RunInterception
 from offremat._shapes import ShapePlans

@@ -243,7 +243,7 @@ def test_a_forward_set_on_the_instance_is_part_of_the_key() -> None:
     budget at every step."""
     import types
 
-    from offremat._plan_cache import model_fingerprint
+    from offremat._fingerprint import model_fingerprint
 
     model = _mlp()
     before = model_fingerprint(model)

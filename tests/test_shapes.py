@@ -351,7 +351,7 @@ class _PlainConfig:
 def test_a_cached_plan_is_not_read_for_a_model_with_other_settings(tmp_path) -> None:
     # A dropout's p or a count of attention heads changes what the forward saves, with the
     # same parameters: a plan cached for one must not be read for the other.
-    from offremat._plan_cache import model_fingerprint
+    from offremat._fingerprint import model_fingerprint
     from offremat.models import GPTConfig, build_gpt, gpt_batch
 
     def gpt(heads: int, dropout: float) -> torch.nn.Module:
@@ -396,7 +396,7 @@ class _Counts:
 def test_a_cached_plan_is_not_read_for_a_model_with_other_hooks(tmp_path) -> None:
     # A forward hook that keeps an activation changes what a step holds: a plan cached
     # without it must not be read with it (its first step measured 1.28 times its budget).
-    from offremat._plan_cache import model_fingerprint
+    from offremat._fingerprint import model_fingerprint
 
     def hooked(hook) -> nn.Sequential:
         model = mlp()
@@ -446,7 +446,7 @@ class EditedBlock(ReluBlock):
 
 
 def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
-    from offremat._plan_cache import model_fingerprint
+    from offremat._fingerprint import model_fingerprint
 
     edited = EditedBlock()
     EditedBlock.__qualname__ = ReluBlock.__qualname__  # as if the file had been edited
@@ -463,7 +463,7 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
     # among the forward's constants (whose order follows the seed).
     script = (
         "import torch\n"
-        "from offremat._plan_cache import model_fingerprint\n"
+        "from offremat._fingerprint import model_fingerprint\n"
         "class Gated(torch.nn.Linear):\n"
         "    def forward(self, x):\n"
         "        return x if self.mode in {'off', 'skip', 'none', 'identity'} else x * 2\n"
@@ -477,7 +477,7 @@ def test_a_cached_plan_is_not_read_after_the_forward_code_changed() -> None:
 def test_a_hugging_face_model_s_key_is_the_same_in_every_process() -> None:
     pytest.importorskip("transformers")
     script = (
-        "from offremat._plan_cache import model_fingerprint\n"
+        "from offremat._fingerprint import model_fingerprint\n"
         "from tests import model_zoo\n"
         "print(model_fingerprint(model_zoo.gpt2()))"
     )
@@ -532,8 +532,8 @@ def _slower_silu(x: torch.Tensor) -> torch.Tensor:  # saves three times what F.s
 def test_a_cached_plan_is_not_read_after_a_function_the_forward_reaches_changed(
     tmp_path, monkeypatch
 ) -> None:
-    from offremat import _plan_cache
-    from offremat._plan_cache import model_fingerprint
+    from offremat import _fingerprint
+    from offremat._fingerprint import model_fingerprint
 
     before = model_fingerprint(HelperBlock())
     monkeypatch.setitem(globals(), "_helper", _edited_helper)  # as if the file had been edited
@@ -554,7 +554,7 @@ def test_a_cached_plan_is_not_read_after_a_function_the_forward_reaches_changed(
         build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path
     )
     assert again.cache_info()["from_disk"] == 1
-    monkeypatch.setattr(_plan_cache, "_source_digest", lambda: "another version")
+    monkeypatch.setattr(_fingerprint, "_source_digest", lambda: "another version")
     other = offremat.optimize(
         build(torch.nn.functional.silu), x, budget=2_000_000, cache_dir=tmp_path
     )
@@ -571,7 +571,7 @@ class ModuleHelperBlock(nn.Linear):
 
 
 def test_a_function_reached_as_an_attribute_of_a_module_is_in_the_key(monkeypatch) -> None:
-    from offremat._plan_cache import model_fingerprint
+    from offremat._fingerprint import model_fingerprint
 
     before = model_fingerprint(ModuleHelperBlock(4, 4))
     edited: dict = {}
