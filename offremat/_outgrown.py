@@ -10,6 +10,16 @@ and the next call plans on a profile of that step's batch (:func:`profiled_on_st
 once and left as it was, routed tokens at three times the profiled count ran at 1.6 times
 the budget at every later step (a review); planned again, they fit. The chain only grows: a
 later step that holds less runs on the larger plan.
+
+Some growth no unmeasured step sees: temporaries of the backward that follow the values while
+no saved set does. Hugging Face's mixture-of-experts blocks with their per-expert loop
+allocate, in the backward, a gradient of all experts' stacked weights per expert that
+receives tokens, so a step whose tokens reach more experts than the example's did ran at 1.3
+times the budget, at every step, unsaid (a new user's trial). So every
+:data:`CHECKED_EVERY`-th step of a plan is measured (:func:`checked_now_and_then`), as is
+every step with ``measure_memory=True``; one over its budget has its batch profiled at the
+next call, and the plan made again on the envelope of its chain and that profile
+(:func:`solvers.envelope.envelope`), which covers both batches.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from offremat._tensors import Structure, flatten, unflatten
 from offremat.executor import PlanExecutor
 from solvers.budget import InfeasibleBudgetError, format_bytes
 from solvers.chain import Chain
+from solvers.envelope import envelope
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +89,24 @@ def replanned(
     return new
 
 
+CHECKED_EVERY = 32
+"""Every how many steps on a plan one is measured: a measured step costs about 1.4 times an
+unmeasured one on CPU (the dispatch-mode tracker), and little on CUDA, whose allocator counts
+(resetting its process-wide peak statistics)."""
+
+
+def checked_now_and_then(executor: PlanExecutor) -> None:
+    """Measure the next step on ``executor`` where it is a multiple of the
+    :data:`CHECKED_EVERY`-th on its plan. Not a keep-all plan's, run as plain autograd: its
+    measured step sees the forward only, and through the executor it would refuse what plain
+    autograd allows."""
+    if executor.plain or executor.measure_memory or executor.plan.budget_bytes is None:
+        return
+    executor.steps_run += 1
+    if executor.steps_run % CHECKED_EVERY == 0 and not executor.verify_next:
+        executor.verify_next = executor.sampling = True
+
+
 def measured_until_reached(executor: PlanExecutor) -> None:
     """Measure the next step on ``executor`` where its plan was made for grown sizes that no
     measured step has held yet: measured within its budget on a smaller batch, such a plan
@@ -89,17 +118,17 @@ def measured_until_reached(executor: PlanExecutor) -> None:
 
 @dataclass(frozen=True)
 class SizedStep:
-    """The call whose step checks a plan made for grown sizes, kept until the next call in
-    its state of the stages, so that where that step passes its budget its batch can be
-    profiled. A caller may refill its buffers in place (profiled, that was the next step's
-    data, a review): a tensor on a device is copied to the host when the step starts; one on
-    the host is kept with its version, which a refill changes (copied, it was bytes of the
-    step's own, 128 KiB at 0.997 of the budget on routed tokens, a review)."""
+    """A measured step whose batch is profiled where it passes its budget
+    (``PlanExecutor.profile_due``), kept until the next call in its state of the stages. The
+    caller's own tensors are kept, with their versions: one refilled in place holds the next
+    step's data (profiled, a plan was made for other data than the step's, a review), and a
+    copy was bytes of the step's own (128 KiB at 0.997 of the budget on routed tokens, a
+    review). An inference tensor, which has no version, is copied to the host."""
 
     signature: Signature
     executor: PlanExecutor
     state: Any  # the stages' state whose plans hold ``executor``
-    tensors: tuple[torch.Tensor, ...]  # the batch's, on the host
+    tensors: tuple[torch.Tensor, ...]
     versions: tuple[int | None, ...]  # each caller's own tensor's version; None: a copy
     devices: tuple[torch.device, ...]
     structure: Structure
@@ -110,8 +139,7 @@ class SizedStep:
         tensors, structure = flatten(batch)
         kept, versions = [], []
         for tensor in tensors:
-            # An inference tensor has no version to tell a refill by.
-            own = tensor.device.type == "cpu" and not tensor.is_inference()
+            own = not tensor.is_inference()
             kept.append(tensor.detach() if own else tensor.detach().to("cpu", copy=True))
             versions.append(tensor._version if own else None)
         devices = tuple(t.device for t in tensors)
@@ -135,27 +163,33 @@ def profiled_on_step(
     batch: Any,
     plans: dict[Any, PlanExecutor],
 ) -> PlanExecutor | None:
-    """The executor of a plan made on a profile of ``batch`` (the batch of the step that ran
-    ``executor``, a plan made for grown sizes, over its budget; else of one of its key), put
-    in ``plans``, its first step measured; None where that step was within, and where no plan
-    fits that profile or profiling raised (said).
+    """The executor of a plan made on a profile of ``batch`` (the batch of a measured step on
+    ``executor`` over its budget, ``profile_due``; else of one of its key), put in ``plans``,
+    its first step measured; None where no profile is due, and where no plan fits or
+    profiling raised (said).
 
-    A grown chain's temporaries are grown as its saved sets: tokens routed through an MLP
-    grew their backward's 4.4 times from 8 to 24 tokens where the saved set grew 2.1 times,
-    and the plan re-made for the grown sizes ran at 1.07 times the budget at every step,
-    where a plan on a profile of the batch fits (a review). A profile measures them.
+    A plan made for grown sizes is made on the profile alone: its chain's temporaries were
+    grown as its saved sets, an estimate (tokens routed through an MLP grew their backward's
+    4.4 times from 8 to 24 tokens where the saved set grew 2.1 times, and the plan re-made for
+    the grown sizes ran at 1.07 times the budget at every step, where a plan on a profile of
+    the batch fits, a review). A plan profiled already is made on the envelope of its chain
+    and the profile, which holds the sizes of both batches.
     """
-    if not (executor.over_budget and plans.get(signature) is executor):
+    if not (executor.profile_due and plans.get(signature) is executor):
         return None
-    executor.over_budget = False
+    executor.profile_due = executor.over_budget = False
     began = time.perf_counter()
     try:
-        new = planning._executor_for(signature, planning.profile_call(batch))
+        profile = planning.profile_call(batch)
+        chain = profile if executor.sizes_grown else envelope([executor.chain, profile])
+        if chain == executor.chain:
+            return None  # the batch holds no more than the plan's chain: nothing to plan
+        new = planning._executor_for(signature, chain)
     except InfeasibleBudgetError as error:
         logger.warning(
-            "profiled on a batch after its plan for grown sizes passed the budget, input %s "
-            "has no %s plan within %s (one fits in %s): steps that hold as much pass the "
-            "budget on the plan they run, which is kept. Lower the batch, or raise the budget",
+            "profiled on a batch after its plan passed the budget, input %s has no %s plan "
+            "within %s (one fits in %s): steps that hold as much pass the budget on the plan "
+            "they run, which is kept. Lower the batch, or raise the budget",
             describe(signature),
             error.solver,
             format_bytes(error.budget_bytes),
@@ -168,9 +202,9 @@ def profiled_on_step(
         # in a review, the plan left unsaid from then on. This call's own errors its step
         # raises.
         logger.warning(
-            "profiling a batch of input %s, whose plan for grown sizes passed the budget, "
-            "raised %s: %s. The plan is kept, and steps that hold as much pass the budget "
-            "on it. Lower the batch, or raise the budget",
+            "profiling a batch of input %s, whose plan passed the budget, raised %s: %s. The "
+            "plan is kept, and steps that hold as much pass the budget on it. Lower the "
+            "batch, or raise the budget",
             describe(signature),
             type(error).__name__,
             error,
@@ -180,8 +214,8 @@ def profiled_on_step(
     plans[signature] = new
     planning.numbers.checks.replaced(signature)
     logger.info(
-        "planned input %s again on a profile of a batch, its plan for grown sizes over its "
-        "budget, in %.2f s: %s plan, predicted peak %s",
+        "planned input %s again on a profile of a batch, its plan over its budget, in "
+        "%.2f s: %s plan, predicted peak %s",
         describe(signature),
         time.perf_counter() - began,
         new.plan.solver,

@@ -39,7 +39,13 @@ from torch import nn
 from offremat._host import DeviceResources
 from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
-from offremat._outgrown import SizedStep, measured_until_reached, profiled_on_step, replanned
+from offremat._outgrown import (
+    SizedStep,
+    checked_now_and_then,
+    measured_until_reached,
+    profiled_on_step,
+    replanned,
+)
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
 from offremat._shape_variants import (
@@ -203,8 +209,9 @@ class ShapePlans(VariantPlanning):
         called = input_signature(batch)
         signature = self.numbers.key(called)
         executor = self.executors.get(signature)
-        if executor is not None and executor.over_budget and executor.sizes_grown:
-            # Its step's batch is gone (the module was copied or pickled since): this call's.
+        if executor is not None and executor.profile_due:
+            # Its step's batch is gone (the module was copied or pickled since, or the batch
+            # refilled in place): this call's.
             profiled = profiled_on_step(self, signature, executor, batch, self.executors)
             executor = profiled or executor
         over = executor is not None and executor.over_budget
@@ -262,6 +269,8 @@ class ShapePlans(VariantPlanning):
                 # for_chain_input moves it where the step runs on a variant.
                 self.call_measured = (executor, executor.verify_next)
                 executor.verify_next = True
+            if not stood_in:
+                checked_now_and_then(executor)
         else:
             self.cache.misses += 1
             began = time.perf_counter()
@@ -280,7 +289,8 @@ class ShapePlans(VariantPlanning):
                 if disk is not None and signature not in self.provisional:
                     disk.store(repr(signature), chain, plan)
             executor = self._install(signature, chain, plan, began, "planned")
-        if executor.sizes_grown and executor.verify_next:
+        measured = executor.verify_next and (executor.sizes_grown or executor.sampling)
+        if measured or executor.measure_memory:  # profiled where it passes its budget
             state = (self.module_state, self.modes)
             self.sized_step = SizedStep.of(signature, executor, batch, state)
         self.last = executor

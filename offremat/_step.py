@@ -35,6 +35,7 @@ from offremat._step_budget import (
     fresh_parameters,
     gradient_bytes,
     note_measured_growth,
+    note_profile_due,
     report_grown_sizes,
     report_held_over_budget,
     report_over_budget,
@@ -180,6 +181,8 @@ class _Step(Compute):
         # A forward whose output is dropped never gets its backward: close then, on collection.
         self._closer = weakref.finalize(self, _settle, self.residency, self.memory)
         self.verifying = executor.verify_next
+        # Measured for a check now and then alone (offremat._outgrown.checked_now_and_then).
+        self.sampled, executor.sampling = executor.sampling, False
         self.new_grad_bytes = gradient_bytes(fresh)
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
@@ -242,12 +245,15 @@ class _Step(Compute):
             self._close()  # after an error, without a measurement
         self._mark()
         if self.memory is not None:
+            # Not a step measured for values or a shape its plan was not profiled on: their
+            # checks plan those anew. Over, its batch is profiled (offremat._outgrown).
+            profiled = self.executor.measure_memory or self.sampled or self.executor.sizes_grown
             if self.executor.measure_memory or self.verifying:  # said now: see report_over_budget
                 # A second check of CUDA's uncertainty alone replans nothing.
                 anew = self.verifying and not self.executor.verify_again
                 # A plan made for the sizes a step held is not planned anew when over.
-                anew = anew and not self.executor.sized_by_step
-                report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew)
+                anew = anew and not (self.executor.sized_by_step or self.sampled)
+                report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew, profiled)
                 # A plan made for a step's sizes is checked for no values: its growth replans.
                 if not self.verifying or self.executor.sized_by_step:
                     note_measured_growth(
@@ -260,6 +266,8 @@ class _Step(Compute):
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):
                     self.executor.checked_sizes.merge(self.sizes)
+            if profiled:
+                note_profile_due(self.executor, self.memory, self.new_grad_bytes)
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)

@@ -104,13 +104,18 @@ again: at any more, growth by a few percent a step was said at every step (a rev
 
 
 def report_over_budget(
-    executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, replanned: bool
+    executor: PlanExecutor,
+    memory: StepMemory,
+    new_grad_bytes: int,
+    replanned: bool,
+    profiled: bool = False,
 ) -> None:
     """Warn when the independent measurement (with what it does not see of the code around
     the chain, as profiled: :func:`unseen_around_bytes`) exceeds the budget: by the
     parameters' gradients the step made, which the budget leaves out, or by more; once per
     plan and reason, but at every ``replanned`` step (one that checked what its plan was not
-    profiled on, which the next step on it plans anew) and every step over by
+    profiled on, which the next step on it plans anew; ``profiled``: its batch is profiled at
+    the next call, :func:`note_profile_due`) and every step over by
     :data:`SAID_AGAIN` times the most said before. At the step's end, not when its plan's key
     comes back (a step found over on a shape that never came back went unsaid)."""
     budget = executor.plan.budget_bytes
@@ -160,6 +165,10 @@ def report_over_budget(
         "the next step on them is planned anew"
         if replanned
         else "The model's activation sizes depend on more than the input's shapes (the "
+        "values of a padding mask, a routing decision, the experts its tokens reach): the "
+        "next call profiles this step's batch and plans again to hold it"
+        if profiled
+        else "The model's activation sizes depend on more than the input's shapes (the "
         "values of a padding mask, a routing decision) or differ from the sizes predicted "
         "for this shape: lower the budget given to offremat.optimize by that margin, or "
         "optimize on the batch that holds the most (the most tokens routed, no padding)",
@@ -182,6 +191,21 @@ def note_measured_growth(
     grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
     executor.outgrown = None if grown is None else Outgrown(grown, sizes)
     executor.said_sizes.merge(sizes)  # said with the step (report_over_budget)
+
+
+def note_profile_due(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
+    """Where a measured step passed its budget (by a tenth more than the last one whose batch
+    was profiled for this plan), have the next call profile its batch
+    (:func:`offremat._outgrown.profiled_on_step`): the backward's temporaries can grow with
+    the values where no stage's sizes do (mixtures of experts at 1.3 times the budget, a new
+    user's trial)."""
+    budget = executor.plan.budget_bytes
+    if budget is None or _distributed():
+        return
+    over = budgeted_peak_bytes(executor, memory, new_grad_bytes)
+    if over > max(budget, executor.profiled_over_bytes * SAID_AGAIN):
+        executor.profile_due = True
+        executor.profiled_over_bytes = over
 
 
 def _distributed() -> bool:

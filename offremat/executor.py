@@ -196,6 +196,15 @@ class PlanExecutor:
         # The sizes it was grown to, until a measured step holds them: its steps are measured
         # till then (a step on a smaller batch, within, left the rest unsaid, a review).
         self.unreached_sizes: StageSizes | None = None
+        # Steps called on it, and whether the next is measured for a check alone
+        # (offremat._outgrown.checked_now_and_then).
+        self.steps_run = 0
+        self.sampling = False
+        # A measured step passed the budget where its plan's chain was profiled at its shape
+        # (or grown to a step's sizes): the next call profiles that step's batch (_outgrown),
+        # unless a profile did so for a step over by about as much (profiled_over_bytes).
+        self.profile_due = False
+        self.profiled_over_bytes = 0
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -251,6 +260,10 @@ class PlanExecutor:
             sized_by_step=False,
             sizes_grown=False,
             unreached_sizes=None,
+            steps_run=0,
+            sampling=False,
+            profile_due=False,
+            profiled_over_bytes=0,
             hooked=set(),
         )
         self.__dict__.update(state)

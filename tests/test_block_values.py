@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import offremat
+from offremat._outgrown import CHECKED_EVERY
 from offremat._value_checks import CATEGORY_VALUES, MEASURED_EVERY, MEASURED_VALUES
 from offremat.measure import StepMemory
 from tests.test_number_arguments import WIDTH as MODE_WIDTH
@@ -112,9 +113,13 @@ def test_a_number_computed_for_the_blocks_new_at_every_step_is_measured_on_some(
     for offset in offsets:
         _step(om, model, plain, [8, 4, 2, 3], X + offset / 64)
         measured.append(om.stats.measured_peak_bytes is not None)
-    # The first step is on the values the plan was profiled on: nothing to check.
+    # The first step is on the values the plan was profiled on: nothing to check. Step n is
+    # also the (n + 1)-th on its plan, measured where a multiple of CHECKED_EVERY.
     new_values = range(1, len(offsets))
-    expected = [n <= CATEGORY_VALUES or n % MEASURED_EVERY == 0 for n in new_values]
+    expected = [
+        n <= CATEGORY_VALUES or n % MEASURED_EVERY == 0 or (n + 1) % CHECKED_EVERY == 0
+        for n in new_values
+    ]
     assert measured == [False, *expected]
     assert om.cache_info()["variants"] == 0 and om.cache_info()["misses"] == 0
 

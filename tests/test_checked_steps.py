@@ -1,0 +1,100 @@
+"""Steps measured now and then (offremat._outgrown.checked_now_and_then), and a measured step
+over its budget planned again on a profile of its batch (profiled_on_step)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import offremat
+import offremat._outgrown as outgrown
+from offremat.measure import StepMemory
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+
+
+def _mixtral() -> tuple[torch.nn.Module, dict, dict]:
+    """A small Mixtral with the per-expert loop, an example whose one token reaches two of
+    its eight experts, and a batch of random tokens, which reach them all: the backward of
+    each expert reached allocates a gradient of all experts' stacked weights, so the batch
+    holds more in its backward than the example, at the same saved sets."""
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        attention_dropout=0.0,
+        experts_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    one = torch.full((2, 64), 7)
+    tokens = torch.randint(0, VOCAB, (2, 64))
+    return model, {"input_ids": one, "labels": one}, {"input_ids": tokens, "labels": tokens}
+
+
+def _steps(om, model, plain, batch, count: int, caplog) -> list[tuple[float, bool]]:
+    """Peak ÷ budget and whether a warning was logged, per step; gradients checked against
+    plain autograd's at each."""
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)
+    found = []
+    for _ in range(count):
+        caplog.clear()
+        with StepMemory("cpu", batch) as memory:
+            om(**batch).loss.backward()
+        plain(**batch).loss.backward()
+        for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        said = any(r.levelno >= logging.WARNING for r in caplog.records)
+        found.append((memory.peak_bytes / om.plan.budget_bytes, said))
+    return found
+
+
+def test_a_mixture_of_experts_over_its_budget_in_its_backward_is_checked_and_planned_again(
+    monkeypatch, caplog
+) -> None:
+    # No saved set grows, so no unmeasured step saw it: such a model ran at 1.3 times the
+    # budget at every step, unsaid (a new user's trial).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
+    model, example, batch = _mixtral()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, example, budget=0.8, solver="dp")
+    caplog.set_level(logging.INFO, logger="offremat")
+    found = _steps(om, model, plain, batch, 5, caplog)
+    assert found[0][0] > 1 and not found[0][1]  # unmeasured: over, and nothing sees it
+    assert found[1][0] > 1 and found[1][1]  # the check: over, said
+    assert all(peak <= 1 for peak, _ in found[2:])  # planned on a profile of its batch
+    assert om.cache_info()["misses"] == 0
+
+
+def test_measure_memory_plans_a_step_over_its_budget_again(caplog) -> None:
+    # Measured over at every step, it was said once and never planned again (a new user's
+    # trial).
+    model, example, batch = _mixtral()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, example, budget=0.8, solver="dp", measure_memory=True)
+    caplog.set_level(logging.INFO, logger="offremat")
+    found = _steps(om, model, plain, batch, 3, caplog)
+    assert found[0][0] > 1 and found[0][1]
+    assert all(peak <= 1 for peak, _ in found[1:])
+
+
+def test_steps_are_measured_every_checked_every_th(monkeypatch) -> None:
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 3)
+    model, example, _ = _mixtral()
+    om = offremat.optimize(model, example, budget=0.8, solver="dp")
+    measured = []
+    for _ in range(7):
+        om(**example).loss.backward()
+        measured.append(om.stats.measured_peak_bytes is not None)
+    assert measured == [False, False, True, False, False, True, False]
