@@ -100,9 +100,9 @@ def checked_now_and_then(executor: PlanExecutor) -> None:
     :data:`CHECKED_EVERY`-th on its plan. Not a keep-all plan's, run as plain autograd: its
     measured step sees the forward only, and through the executor it would refuse what plain
     autograd allows."""
+    executor.steps_run += 1
     if executor.plain or executor.measure_memory or executor.plan.budget_bytes is None:
         return
-    executor.steps_run += 1
     if executor.steps_run % CHECKED_EVERY == 0 and not executor.verify_next:
         executor.verify_next = executor.sampling = True
 
@@ -162,11 +162,12 @@ def profiled_on_step(
     executor: PlanExecutor,
     batch: Any,
     plans: dict[Any, PlanExecutor],
+    kept: bool = True,
 ) -> PlanExecutor | None:
     """The executor of a plan made on a profile of ``batch`` (the batch of a measured step on
-    ``executor`` over its budget, ``profile_due``; else of one of its key), put in ``plans``,
-    its first step measured; None where no profile is due, and where no plan fits or
-    profiling raised (said).
+    ``executor`` over its budget, ``profile_due``; else, not ``kept``, of one of its key),
+    put in ``plans``, its first step measured; None where no profile is due, and where no
+    plan fits or profiling raised (said).
 
     A plan made for grown sizes is made on the profile alone: its chain's temporaries were
     grown as its saved sets, an estimate (tokens routed through an MLP grew their backward's
@@ -182,10 +183,17 @@ def profiled_on_step(
     try:
         profile = planning.profile_call(batch)
         chain = profile if executor.sizes_grown else envelope([executor.chain, profile])
-        if chain == executor.chain:
-            return None  # the batch holds no more than the plan's chain: nothing to plan
+        if chain == executor.chain:  # the batch holds no more than the plan's chain
+            if not kept:
+                # Not the step's own batch (refilled in place since, or lost with a copy of
+                # the module): the next step is checked instead. Left at that, a caller
+                # refilling its batch ran over at every later step, unsaid (a review).
+                executor.profiled_at = None
+                executor.verify_next = executor.sampling = True
+            return None
         new = planning._executor_for(signature, chain)
     except InfeasibleBudgetError as error:
+        executor.outgrown = None  # its estimate holds no less than the profile: none fits
         logger.warning(
             "profiled on a batch after its plan passed the budget, input %s has no %s plan "
             "within %s (one fits in %s): steps that hold as much pass the budget on the plan "

@@ -212,7 +212,7 @@ class ShapePlans(VariantPlanning):
         if executor is not None and executor.profile_due:
             # Its step's batch is gone (the module was copied or pickled since, or the batch
             # refilled in place): this call's.
-            profiled = profiled_on_step(self, signature, executor, batch, self.executors)
+            profiled = profiled_on_step(self, signature, executor, batch, self.executors, False)
             executor = profiled or executor
         over = executor is not None and executor.over_budget
         if over and executor.over_within_gradients and signature not in self.unprofiled:

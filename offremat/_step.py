@@ -259,15 +259,16 @@ class _Step(Compute):
                     note_measured_growth(
                         self.executor, self.memory, self.new_grad_bytes, self.sizes
                     )
-            unreached = self.executor.unreached_sizes
-            if unreached is not None and self.sizes.reaches(unreached):
-                self.executor.unreached_sizes = None  # its plan checked at its sizes
             if self.verifying:
                 end_verification(self.executor, self.memory, self.new_grad_bytes)
                 if not (self.executor.over_budget or self.executor.verify_next):
                     self.executor.checked_sizes.merge(self.sizes)
             if profiled:
                 note_profile_due(self.executor, self.memory, self.new_grad_bytes)
+            unreached = self.executor.unreached_sizes
+            within = not (self.executor.profile_due or self.executor.over_budget)
+            if unreached is not None and within and self.sizes.reaches(unreached):
+                self.executor.unreached_sizes = None  # its plan checked at its sizes
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)

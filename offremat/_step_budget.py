@@ -188,24 +188,38 @@ def note_measured_growth(
         return
     if _distributed():
         return
-    grown = grown_chain(executor.chain, sizes, executor.checked_sizes)
-    executor.outgrown = None if grown is None else Outgrown(grown, sizes)
-    executor.said_sizes.merge(sizes)  # said with the step (report_over_budget)
+    # As for an unmeasured step (report_grown_sizes): sizes said once are planned for again
+    # only where a step holds a tenth more (a plan for them tried at every measured step said
+    # at each that none fits, a review).
+    known = executor.said_sizes.scaled(SAID_AGAIN)
+    known.merge(executor.checked_sizes)
+    grown = grown_chain(executor.chain, sizes, known)
+    if grown is not None:
+        executor.outgrown = Outgrown(grown, sizes)
+        executor.said_sizes.merge(sizes)  # said with the step (report_over_budget)
+
+
+PROFILED_EVERY = 32
+"""At most one profile of a step's batch in this many steps on a plan
+(:func:`note_profile_due`): a batch no plan fits, profiled at each measured step, said so at
+each (a review)."""
 
 
 def note_profile_due(executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int) -> None:
-    """Where a measured step passed its budget (by a tenth more than the last one whose batch
-    was profiled for this plan), have the next call profile its batch
-    (:func:`offremat._outgrown.profiled_on_step`): the backward's temporaries can grow with
-    the values where no stage's sizes do (mixtures of experts at 1.3 times the budget, a new
-    user's trial)."""
+    """Where a measured step passed its budget, have the next call profile its batch
+    (:func:`offremat._outgrown.profiled_on_step`), unless one was profiled for this plan
+    within :data:`PROFILED_EVERY` steps: the backward's temporaries can grow with the values
+    where no stage's sizes do (mixtures of experts at 1.3 times the budget, a new user's
+    trial)."""
     budget = executor.plan.budget_bytes
     if budget is None or _distributed():
         return
-    over = budgeted_peak_bytes(executor, memory, new_grad_bytes)
-    if over > max(budget, executor.profiled_over_bytes * SAID_AGAIN):
+    if budgeted_peak_bytes(executor, memory, new_grad_bytes) <= budget:
+        return
+    last = executor.profiled_at
+    if last is None or executor.steps_run - last >= PROFILED_EVERY:
         executor.profile_due = True
-        executor.profiled_over_bytes = over
+        executor.profiled_at = executor.steps_run
 
 
 def _distributed() -> bool:

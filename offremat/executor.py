@@ -201,10 +201,10 @@ class PlanExecutor:
         self.steps_run = 0
         self.sampling = False
         # A measured step passed the budget where its plan's chain was profiled at its shape
-        # (or grown to a step's sizes): the next call profiles that step's batch (_outgrown),
-        # unless a profile did so for a step over by about as much (profiled_over_bytes).
+        # (or grown to a step's sizes): the next call profiles that step's batch (_outgrown);
+        # at most once in PROFILED_EVERY steps (profiled_at: steps_run then).
         self.profile_due = False
-        self.profiled_over_bytes = 0
+        self.profiled_at: int | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
         self.forward_actions = actions[:first_backward]
@@ -263,7 +263,7 @@ class PlanExecutor:
             steps_run=0,
             sampling=False,
             profile_due=False,
-            profiled_over_bytes=0,
+            profiled_at=None,
             hooked=set(),
         )
         self.__dict__.update(state)

@@ -77,6 +77,31 @@ def test_a_mixture_of_experts_over_its_budget_in_its_backward_is_checked_and_pla
     assert om.cache_info()["misses"] == 0
 
 
+def test_a_batch_refilled_in_place_after_the_check_is_checked_again(monkeypatch) -> None:
+    # The step over its budget had its buffer refilled with a batch that holds less: that
+    # one was profiled, nothing was planned, and every later step ran over, unsaid (a review).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
+    model, example, batch = _mixtral()
+    om = offremat.optimize(model, example, budget=0.8, solver="dp")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    buffer = {name: tensor.clone() for name, tensor in batch.items()}
+    peaks = []
+    for step in range(10):
+        if step == 2:  # after the check: the example's one token
+            for name in buffer:
+                buffer[name].copy_(example[name])
+        elif step > 2:
+            tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(step))
+            for name in buffer:
+                buffer[name].copy_(tokens)
+        with StepMemory("cpu", buffer) as memory:
+            om(**buffer).loss.backward()
+        peaks.append(memory.peak_bytes / om.plan.budget_bytes)
+    assert peaks[1] > 1  # the check
+    assert max(peaks[-4:]) <= 1
+
+
 def test_measure_memory_plans_a_step_over_its_budget_again(caplog) -> None:
     # Measured over at every step, it was said once and never planned again (a new user's
     # trial).
