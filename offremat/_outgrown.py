@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 class _Planning(Protocol):
     numbers: Any
+    quick: Any
+    provisional: set[Signature]
 
     def _executor_for(self, signature: Signature, chain: Chain) -> PlanExecutor: ...
 
@@ -227,6 +229,10 @@ def profiled_on_step(
     new.verify_next = new.sized_by_step = True
     plans[signature] = new
     planning.numbers.checks.replaced(signature)
+    if planning.quick is not None:
+        # Planned by the quick solver, in the call: the final one's plan replaces it at the
+        # next (a milp plan made again stayed dp's for good, a review).
+        planning.provisional.add(signature)
     logger.info(
         "planned input %s again on a profile of a batch, its plan over its budget, in "
         "%.2f s: %s plan, predicted peak %s",

@@ -102,6 +102,24 @@ def test_a_batch_refilled_in_place_after_the_check_is_checked_again(monkeypatch)
     assert max(peaks[-4:]) <= 1
 
 
+def test_a_milp_plan_made_again_on_a_profile_is_milp_s_again(monkeypatch) -> None:
+    # Made again by the quick solver (dp) inside the call, it was never improved (a review).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
+    model, example, batch = _mixtral()
+    om = offremat.optimize(
+        model, example, budget=0.8, solver="milp", bandwidth="12GB/s", time_limit_s=5
+    )
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    solvers = []
+    for _ in range(5):
+        with StepMemory("cpu", batch) as memory:
+            om(**batch).loss.backward()
+        solvers.append(om.plan.solver)
+    assert om.cache_info()["improved"] >= 1
+    assert solvers[-1] == "milp" and memory.peak_bytes <= om.plan.budget_bytes
+
+
 def test_measure_memory_plans_a_step_over_its_budget_again(caplog) -> None:
     # Measured over at every step, it was said once and never planned again (a new user's
     # trial).
