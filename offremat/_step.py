@@ -244,7 +244,9 @@ class _Step(Compute):
         finally:
             self._close()  # after an error, without a measurement
         self._mark()
+        budgeted = None
         if self.memory is not None:
+            budgeted = budgeted_peak_bytes(self.executor, self.memory, self.new_grad_bytes)
             # Not a step measured for values or a shape its plan was not profiled on: their
             # checks plan those anew. Over, its batch is profiled (offremat._outgrown).
             profiled = self.executor.measure_memory or self.sampled or self.executor.sizes_grown
@@ -266,15 +268,13 @@ class _Step(Compute):
             if profiled:
                 note_profile_due(self.executor, self.memory, self.new_grad_bytes)
             unreached = self.executor.unreached_sizes
-            within = not (self.executor.profile_due or self.executor.over_budget)
+            budget = self.executor.plan.budget_bytes
+            within = budget is None or budgeted <= budget
             if unreached is not None and within and self.sizes.reaches(unreached):
                 self.executor.unreached_sizes = None  # its plan checked at its sizes
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)
-        budgeted = None
-        if self.memory is not None:
-            budgeted = budgeted_peak_bytes(self.executor, self.memory, self.new_grad_bytes)
         self.executor._last = StepTiming(
             self.device,
             self.peak,
