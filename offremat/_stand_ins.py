@@ -12,9 +12,9 @@ blocks, and the plan of one side ran the other at 1.2 times the budget, then pro
 later step (a review). A stand-in is an executor of its own (:meth:`PlanExecutor.standing_in`),
 never the plan of a value's key: a stand-in step measured within budget cleared the over that
 its own key's step had left, whose later steps then ran over the budget, unmeasured (a
-review). A keep-all plan stands in too: its steps run as plain autograd, their forward
-measured, and one that holds more than the plan's chain predicts, or passes the budget, is
-said and taken as over (:meth:`PlanExecutor._run_plainly_verified`; a hot value on a cold
+review). A keep-all plan stands in too: its steps run as plain autograd, measured through
+their backward, and one that passes the budget is said and taken as over
+(:mod:`offremat._plain_measured`; a hot value on a cold
 value's keep-all plan ran half its steps at 1.05 times the budget, unsaid, in a review, and
 profiling each value instead made a short batch, whose chains all fit keep-all, 40 times
 slower).

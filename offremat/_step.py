@@ -30,17 +30,13 @@ from offremat._stage import AutocastState
 from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepTiming
 from offremat._step_budget import (
-    budgeted_peak_bytes,
-    end_verification,
     fresh_parameters,
     gradient_bytes,
-    note_measured_growth,
-    note_profile_due,
     report_grown_sizes,
     report_held_over_budget,
-    report_over_budget,
 )
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
+from offremat._step_settle import settle_measurement
 from offremat._tensors import Structure, TensorKind, is_differentiable
 from offremat.measure import StepMemory, is_measurement_hook
 from solvers.host import ISSUE, RELEASE, HostAction
@@ -246,32 +242,14 @@ class _Step(Compute):
         self._mark()
         budgeted = None
         if self.memory is not None:
-            budgeted = budgeted_peak_bytes(self.executor, self.memory, self.new_grad_bytes)
-            # Not a step measured for values or a shape its plan was not profiled on: their
-            # checks plan those anew. Over, its batch is profiled (offremat._outgrown).
-            profiled = self.executor.measure_memory or self.sampled or self.executor.sizes_grown
-            if self.executor.measure_memory or self.verifying:  # said now: see report_over_budget
-                # A second check of CUDA's uncertainty alone replans nothing.
-                anew = self.verifying and not self.executor.verify_again
-                # A plan made for the sizes a step held is not planned anew when over.
-                anew = anew and not (self.executor.sized_by_step or self.sampled)
-                report_over_budget(self.executor, self.memory, self.new_grad_bytes, anew, profiled)
-                # A plan made for a step's sizes is checked for no values: its growth replans.
-                if not self.verifying or self.executor.sized_by_step:
-                    note_measured_growth(
-                        self.executor, self.memory, self.new_grad_bytes, self.sizes
-                    )
-            if self.verifying:
-                end_verification(self.executor, self.memory, self.new_grad_bytes)
-                if not (self.executor.over_budget or self.executor.verify_next):
-                    self.executor.checked_sizes.merge(self.sizes)
-            if profiled:
-                note_profile_due(self.executor, self.memory, self.new_grad_bytes)
-            unreached = self.executor.unreached_sizes
-            budget = self.executor.plan.budget_bytes
-            within = budget is None or budgeted <= budget
-            if unreached is not None and within and self.sizes.reaches(unreached):
-                self.executor.unreached_sizes = None  # its plan checked at its sizes
+            budgeted = settle_measurement(
+                self.executor,
+                self.memory,
+                self.new_grad_bytes,
+                self.sizes,
+                self.verifying,
+                self.sampled,
+            )
         else:
             report_held_over_budget(self.executor, self.peak)
             report_grown_sizes(self.executor, self.sizes)

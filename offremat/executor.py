@@ -31,10 +31,10 @@ Design notes.
   storages on CPU); it resets CUDA's process-wide peak statistics, hence opt-in. A plan whose
   chain was not profiled at its shape (read from a plan cache, or predicted from other
   shapes) has its first step measured (``verify_next``; a keep-all plan, run as plain
-  autograd, its forward); one measured over its budget, less the parameters' gradients the
-  step made (:mod:`offremat._step_budget`), is marked (``over_budget``), and
-  :mod:`offremat._shapes` profiles its shape. The
-  executor's own count of the storages it holds is kept as a diagnostic
+  autograd, through its backward: :mod:`offremat._plain_measured`); one measured over its
+  budget, less the parameters' gradients the step made (:mod:`offremat._step_budget`), is
+  marked (``over_budget``), and :mod:`offremat._shapes` profiles its shape. The executor's
+  own count of the storages it holds is kept as a diagnostic
   (``bookkept_peak_bytes``). Steps are timed with events that are only synchronised when
   :attr:`PlanExecutor.stats` is read.
 - State: everything about one step lives in a :class:`_Step`, made by the forward and kept by
@@ -44,7 +44,6 @@ Design notes.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -61,20 +60,19 @@ from offremat._call_checks import (
 from offremat._graph_saved import StageReading
 from offremat._host import CudaStreams, DeviceResources, HostArena
 from offremat._plain import run_plainly
+from offremat._plain_measured import PlainMeasurement
 from offremat._plan_function import PlanFunction
 from offremat._scan import fixed_storages, scan_modules
 from offremat._stage_sizes import Outgrown, StageSizes
 from offremat._stage_state import refuse_module_tracker
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
-from offremat._step_budget import report_grown_sizes, unseen_around_bytes
+from offremat._step_budget import report_grown_sizes
 from offremat._tensors import (
     flatten,
     unflatten,
 )
-from offremat.measure import StepMemory
 from solvers.baselines import keep_all
-from solvers.budget import format_bytes
 from solvers.chain import Chain
 from solvers.host import COMPUTE
 from solvers.plan import (
@@ -88,17 +86,6 @@ from solvers.plan import (
 )
 from solvers.semantics import refills, undisturbed_forwards
 from solvers.simulator import simulate
-
-logger = logging.getLogger(__name__)
-
-FORWARD_SLACK = 0.01
-"""How much more than its plan's chain predicts a keep-all plan's measured forward may hold
-before the step is taken as over its budget (:meth:`PlanExecutor._run_plainly_verified`)."""
-
-BACKWARD_GROWTH = 3
-"""How many times what a keep-all plan's measured forward held more than its chain predicts
-its backward is taken to add to the chain's peak (:meth:`PlanExecutor._run_plainly_verified`):
-a gated mixture's backward grew twice as much as its forward."""
 
 
 class PlanExecutor:
@@ -207,6 +194,8 @@ class PlanExecutor:
         self.profiled_at: int | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
+        # A keep-all step run as plain autograd, measured, whose backward has not ended.
+        self.plain_measurement: PlainMeasurement | None = None
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._anchors: dict[torch.device, torch.Tensor] = {}
@@ -246,7 +235,7 @@ class PlanExecutor:
         # (DeviceResources drops the host buffers and CUDA streams): made again at its first
         # step.
         state = dict(self.__dict__)
-        state.update(_anchors={}, _last=None)
+        state.update(_anchors={}, _last=None, plain_measurement=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -265,6 +254,7 @@ class PlanExecutor:
             profile_due=False,
             profiled_at=None,
             hooked=set(),
+            plain_measurement=None,
         )
         self.__dict__.update(state)
         if isinstance(self.outgrown, Chain):  # pickled before the sizes were kept with it
@@ -273,6 +263,8 @@ class PlanExecutor:
     def __call__(self, value: Any) -> Any:
         """The model's output for input ``value``; its backward follows the plan."""
         self.clear_stats()  # until this step completes
+        if self.plain_measurement is not None:  # the last step's backward never ended
+            self.plain_measurement.discard()
         tensors, structure = flatten(value)
         if not tensors:
             raise TypeError("the model input holds no tensor; pass the example input's kind")
@@ -303,7 +295,8 @@ class PlanExecutor:
         if self.plain and not measuring:
             with OutOfMemoryAdvice(self.plan):
                 if self.verify_next:
-                    return self._run_plainly_verified(value, tensors, device)
+                    self.plain_measurement = PlainMeasurement(self, tensors, device, scans)
+                    return self.plain_measurement.run(self.stages, value)
                 if self.plan.budget_bytes is None:  # no budget to hold: no sizes to read
                     return run_plainly(self.stages, value, device, self._finished)
                 reading = StageReading(self._anchor(device), fixed_storages(scans))
@@ -319,58 +312,6 @@ class PlanExecutor:
 
     def _finished(self, timing: StepTiming) -> None:
         self._last = timing
-
-    def _run_plainly_verified(
-        self, value: Any, tensors: Sequence[torch.Tensor], device: torch.device
-    ) -> Any:
-        """A measured step of a keep-all plan (a chain not profiled at this shape, values the
-        plan was not profiled on, a plan standing in for them), run as plain autograd with its
-        forward measured: plain autograd holds every activation at its end, so a forward over
-        the budget marks the plan over it. Its backward no measurement sees (autograd's engine
-        keeps no dispatch mode a hook enters past the node that entered it, and running the
-        step through the executor would refuse what plain autograd allows, an auxiliary loss
-        kept on a module): so a forward that holds more than the plan's chain predicts is
-        taken as over too, its chain not this step's, where the chain's peak plus
-        :data:`BACKWARD_GROWTH` times that excess passes the budget. How much more its
-        backward holds the forward does not tell: a count new to a keep-all plan ran its
-        backward at 1.2 times the budget, and a gated mixture whose backward grows twice as
-        fast as its forward at 1.13 times, where the predicted peak scaled as the forward grew
-        fitted, unmeasured; any excess taken as over said so of steps at 0.38 of the budget
-        (reviews). A backward that grows faster still passes unsaid. A forward that raises
-        checks nothing: the step stays to be measured."""
-        with StepMemory(device, tensors) as memory:
-            value = run_plainly(self.stages, value, device, self._finished)
-        self.verify_next = False
-        budget = self.plan.budget_bytes
-        around = unseen_around_bytes(self, memory, forward_only=True)
-        over = budget is not None and memory.peak_bytes + around > budget
-        predicted = self._forward_peak_bytes()
-        excess = memory.peak_bytes - predicted
-        unlike = (
-            excess > predicted * FORWARD_SLACK
-            and budget is not None
-            and self.simulation.peak_bytes + BACKWARD_GROWTH * excess > budget
-        )
-        if over or unlike:
-            self.over_budget = True
-            logger.warning(
-                "this step, run as plain autograd (a keep-all plan), measured %s in its forward "
-                "where its plan's chain predicts %s (budget %s): it may pass the budget in its "
-                "backward, which no measurement sees. It ran on what that chain was not "
-                "profiled on: the next step on it is planned anew",
-                format_bytes(memory.peak_bytes),
-                format_bytes(predicted),
-                format_bytes(budget or 0),
-            )
-        return value
-
-    def _forward_peak_bytes(self) -> int:
-        """The most the plan's forward holds, as simulated (before its first backward)."""
-        first = next(n for n, op in enumerate(self.plan.ops) if op.kind == BACKWARD)
-        start = next(span.start_s for span in self.simulation.timeline if span.op_index == first)
-        return max(
-            (level for time, level in self.simulation.memory_curve if time < start), default=0
-        )
 
     def _device(self, tensors: Sequence[torch.Tensor]) -> torch.device:
         """The step's device: the stages' parameters', else the first input tensor's.

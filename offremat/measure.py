@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _push_mode
 from torch.utils._pytree import tree_leaves
 
 from offremat._eager import EagerDispatchMode
@@ -270,6 +271,13 @@ class StepMemory:
         if self._tracker is not None and not self._recording:
             self._tracker.__enter__()
             self._recording = True
+
+    def record_within_node(self) -> None:
+        """Record what the autograd node about to run allocates (CPU; from the node's
+        pre-hook, the tracker paused): the engine restores the thread's dispatch modes when the
+        node ends, which takes the tracker off again (see :mod:`offremat._plain_measured`)."""
+        if self._tracker is not None and not self._recording:
+            _push_mode(self._tracker)
 
     def discard(self) -> None:
         """Stop without a measurement (a step that failed, or was dropped before its
