@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -185,12 +186,43 @@ def profiled_on_step(
     the batch fits, a review). A plan profiled already is made on the envelope of its chain
     and the profile, which holds the sizes of both batches.
     """
-    if not (executor.profile_due and plans.get(signature) is executor):
+    return _profiled_again(
+        planning, signature, signature, executor, lambda: planning.profile_call(batch), plans, kept
+    )
+
+
+def profiled_variant(
+    planning: _Planning,
+    key: Any,
+    variant: PlanExecutor,
+    profile: Callable[[], Chain],
+    plans: dict[Any, PlanExecutor],
+) -> PlanExecutor | None:
+    """As :func:`profiled_on_step`, for a plan made for blocks' inputs of another kind than
+    their shape's (``plans`` under ``key``, :mod:`offremat._shape_variants`): ``profile()``
+    profiles the blocks on this call's input, as the over step's is made inside its call and
+    not kept. Unchecked, unpadded tokens whose experts the example's one token did not reach
+    ran at 1.46 times the budget at every step, unsaid (a review)."""
+    return _profiled_again(planning, key[0], key, variant, profile, plans, kept=False)
+
+
+def _profiled_again(
+    planning: _Planning,
+    signature: Signature,
+    key: Any,
+    executor: PlanExecutor,
+    profile_now: Callable[[], Chain],
+    plans: dict[Any, PlanExecutor],
+    kept: bool,
+) -> PlanExecutor | None:
+    """:func:`profiled_on_step` for the plan ``plans[key]`` of a call's ``signature``, on the
+    chain ``profile_now()`` makes."""
+    if not (executor.profile_due and plans.get(key) is executor):
         return None
     executor.profile_due = executor.over_budget = False
     began = time.perf_counter()
     try:
-        profile = planning.profile_call(batch)
+        profile = profile_now()
         chain = profile if executor.sizes_grown else envelope([executor.chain, profile])
         if chain == executor.chain:  # the batch holds no more than the plan's chain
             if not kept:
@@ -228,9 +260,9 @@ def profiled_on_step(
         )
         return None
     new.verify_next = new.sized_by_step = True
-    plans[signature] = new
-    planning.numbers.checks.replaced(signature)
-    if planning.quick is not None:
+    plans[key] = new
+    planning.numbers.checks.replaced(key)
+    if planning.quick is not None and key == signature:  # a variant's is not improved later
         # Planned by the quick solver, in the call: the final one's plan replaces it at the
         # next (a milp plan made again stayed dp's for good, a review).
         planning.provisional.add(signature)

@@ -21,7 +21,12 @@ from torch.nn.utils import parametrize
 from offremat._call_checks import plain_autograd_only
 from offremat._host import DeviceResources
 from offremat._numbers import NumberPlaces, erased, same_sizes
-from offremat._outgrown import measured_until_reached, replanned
+from offremat._outgrown import (
+    checked_now_and_then,
+    measured_until_reached,
+    profiled_variant,
+    replanned,
+)
 from offremat._signatures import (
     BlockValue,
     Signature,
@@ -119,6 +124,14 @@ class VariantPlanning:
         self.stand_ins.settle(self.numbers.checks)
         kind, by_value = self._kind(signature, executor, value, values, handed)
         variant = None if kind is None else self.variants.get((signature, kind))
+        if variant is not None and variant.profile_due:  # a measured step on it passed
+
+            def profile() -> Chain:
+                with parametrize_cache_suspended():
+                    return self.profile_blocks(executor.chain, value)
+
+            key = (signature, kind)
+            variant = profiled_variant(self, key, variant, profile, self.variants) or variant
         over = variant is not None and self._over_on_values((signature, kind), variant, batch)
         if over:
             kind, by_value = self._kind(signature, executor, value, values, handed)
@@ -142,6 +155,7 @@ class VariantPlanning:
             elif not variant.verify_again:  # it never ended: its backward did not run
                 self.numbers.checks.not_settled(key)
             measured_until_reached(variant)
+            checked_now_and_then(variant)
         else:
             variant = self._stand_in(key, value, values, by_value)
             if variant is None:
