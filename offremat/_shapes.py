@@ -42,6 +42,7 @@ from offremat._numbers import NumberPlaces
 from offremat._outgrown import (
     SizedStep,
     checked_now_and_then,
+    kept_where_none_fits,
     measured_until_reached,
     profiled_on_step,
     replanned,
@@ -215,6 +216,7 @@ class ShapePlans(VariantPlanning):
             profiled = profiled_on_step(self, signature, executor, batch, self.executors, False)
             executor = profiled or executor
         over = executor is not None and executor.over_budget
+        refused_keeps = None  # the plan that a profile of its shape finding none fits keeps
         if over and executor.over_within_gradients and signature not in self.unprofiled:
             # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
             # tell them apart): taken for those, which the budget leaves out, and said.
@@ -243,7 +245,7 @@ class ShapePlans(VariantPlanning):
                 if executor.over_within_gradients
                 else "",
             )
-            del self.executors[signature]
+            refused_keeps = self.executors.pop(signature)
             self.numbers.checks.not_settled(signature)
             executor = None
         stood_in = False
@@ -283,12 +285,21 @@ class ShapePlans(VariantPlanning):
                 self.cache.from_disk += 1
                 self.unprofiled.add(signature)
             else:
+                asked = signature
                 signature, chain = self._learn(signature, batch, predict=not again)
-                plan = self._plan(signature, chain)
+                try:
+                    plan = self._plan(signature, chain)
+                except InfeasibleBudgetError as error:
+                    if refused_keeps is None:
+                        raise
+                    plan = None
+                    executor = kept_where_none_fits(refused_keeps, error)
+                    self.executors[asked] = executor
                 # The disk keeps the final solver's plans only.
-                if disk is not None and signature not in self.provisional:
+                if plan is not None and disk is not None and signature not in self.provisional:
                     disk.store(repr(signature), chain, plan)
-            executor = self._install(signature, chain, plan, began, "planned")
+            if plan is not None:
+                executor = self._install(signature, chain, plan, began, "planned")
         measured = executor.verify_next and (executor.sizes_grown or executor.sampling)
         if measured or executor.measure_memory:  # profiled where it passes its budget
             state = (self.module_state, self.modes)
@@ -414,7 +425,8 @@ class ShapePlans(VariantPlanning):
         self.numbers.checks.replaced(signature)
         self.provisional &= self.executors.keys() | self.profiled.keys()
         self.unprofiled &= self.executors.keys() | self.profiled.keys()
-        # A keep-all plan runs as plain autograd (offremat._plain), its forward measured.
+        # A keep-all plan runs as plain autograd, measured through its backward
+        # (offremat._plain_measured).
         executor.verify_next = signature in self.unprofiled
         seconds = time.perf_counter() - began
         self.cache.planning_s += seconds
