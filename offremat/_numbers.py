@@ -18,7 +18,7 @@ the same way):
 - where the chains differ, the places *size* tensors and keep their values in the key: a
   plan per value, as for any new shape. Once such numbers have forced
   :data:`NUMBER_PLANS_BEFORE_WARNING` plans, a warning says to pass them as tensors; the
-  plans of the last :data:`offremat._shapes.KEPT_SIGNATURES` signatures are kept, so memory
+  plans of the last :data:`offremat._shape_solving.KEPT_SIGNATURES` signatures are kept, so memory
   stays bounded.
 
 Strings and other objects among the arguments are learnt the same way (a caption or a file
@@ -369,7 +369,7 @@ def _named(places: frozenset[int], batch: Any) -> str:
 
 
 def _kept_signatures() -> int:
-    from offremat._shapes import KEPT_SIGNATURES  # the module that keeps them imports this one
+    from offremat._shape_solving import KEPT_SIGNATURES  # it imports this module
 
     return KEPT_SIGNATURES
 
