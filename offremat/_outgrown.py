@@ -92,25 +92,6 @@ def replanned(
     return new
 
 
-def kept_where_none_fits(executor: PlanExecutor, error: InfeasibleBudgetError) -> PlanExecutor:
-    """``executor``, whose plan was not profiled at its shape (predicted from others, read
-    from ``cache_dir``) and measured over its budget, kept where a profile of that shape finds
-    no plan within it (``error``): said. Raised, a shape that a step had run at 1.000 of the
-    budget, measured conservatively as over, stopped training when it came back (a new
-    user's trial)."""
-    executor.over_budget = executor.over_within_gradients = executor.verify_next = False
-    logger.warning(
-        "profiled after its plan passed the budget, input %s has no %s plan within %s (one "
-        "fits in %s): steps that hold as much pass the budget on the plan they run, which is "
-        "kept. Lower the batch, or raise the budget",
-        error.shape,
-        error.solver,
-        format_bytes(error.budget_bytes),
-        format_bytes(error.min_budget_bytes),
-    )
-    return executor
-
-
 CHECKED_EVERY = 128
 """Every how many steps on a plan one is measured, on CPU: a measured step costs 1.4 to 3 times
 an unmeasured one there (the dispatch-mode tracker; at every 32nd step, a Mixtral's steps took

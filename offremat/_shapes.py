@@ -41,7 +41,6 @@ from offremat._numbers import NumberPlaces
 from offremat._outgrown import (
     SizedStep,
     checked_now_and_then,
-    kept_where_none_fits,
     measured_until_reached,
     profiled_on_step,
     replanned,
@@ -62,7 +61,6 @@ from offremat._step import StepsInFlight
 from offremat._step_budget import warn_unsure
 from offremat._value_checks import trim
 from offremat.executor import PlanExecutor
-from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain
 from solvers.plan import Plan
 
@@ -198,7 +196,6 @@ class ShapePlans(VariantPlanning, ShapeSolving):
             profiled = profiled_on_step(self, signature, executor, batch, self.executors, False)
             executor = profiled or executor
         over = executor is not None and executor.over_budget
-        refused_keeps = None  # the plan that a profile of its shape finding none fits keeps
         if over and executor.over_within_gradients and signature not in self.unprofiled:
             # A profiled plan, over by no more than the gradients its steps made (CUDA cannot
             # tell them apart): taken for those, which the budget leaves out, and said.
@@ -227,7 +224,7 @@ class ShapePlans(VariantPlanning, ShapeSolving):
                 if executor.over_within_gradients
                 else "",
             )
-            refused_keeps = self.executors.pop(signature)
+            del self.executors[signature]
             self.numbers.checks.not_settled(signature)
             executor = None
         stood_in = False
@@ -267,21 +264,12 @@ class ShapePlans(VariantPlanning, ShapeSolving):
                 self.cache.from_disk += 1
                 self.unprofiled.add(signature)
             else:
-                asked = signature
                 signature, chain = self._learn(signature, batch, predict=not again)
-                try:
-                    plan = self._plan(signature, chain)
-                except InfeasibleBudgetError as error:
-                    if refused_keeps is None:
-                        raise
-                    plan = None
-                    executor = kept_where_none_fits(refused_keeps, error)
-                    self.executors[asked] = executor
+                plan = self._plan(signature, chain)
                 # The disk keeps the final solver's plans only.
-                if plan is not None and disk is not None and signature not in self.provisional:
+                if disk is not None and signature not in self.provisional:
                     disk.store(repr(signature), chain, plan)
-            if plan is not None:
-                executor = self._install(signature, chain, plan, began, "planned")
+            executor = self._install(signature, chain, plan, began, "planned")
         measured = executor.verify_next and (executor.sizes_grown or executor.sampling)
         if measured or executor.measure_memory:  # profiled where it passes its budget
             state = (self.module_state, self.modes)
