@@ -63,19 +63,23 @@ def _steps(om, model, plain, batch, count: int, caplog) -> list[tuple[float, boo
     return found
 
 
+@pytest.mark.parametrize("budget", [0.8, 1.0], ids=["dp", "keep-all"])
 def test_a_mixture_of_experts_over_its_budget_in_its_backward_is_checked_and_planned_again(
-    monkeypatch, caplog
+    budget: float, monkeypatch, caplog
 ) -> None:
     # No saved set grows, so no unmeasured step saw it: such a model ran at 1.3 times the
-    # budget at every step, unsaid (a new user's trial).
+    # budget at every step, unsaid (a new user's trial). A keep-all plan runs as plain
+    # autograd, whose backward its checks did not measure: at a budget the example's
+    # keep-all fits, the batch ran at 1.13 times it at every step, unsaid (a review).
     monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
     model, example, batch = _mixtral()
     plain = copy.deepcopy(model)
-    om = offremat.optimize(model, example, budget=0.8, solver="dp")
+    om = offremat.optimize(model, example, budget=budget, solver="dp")
+    assert (om.plan.ops == keep_all(om.chain).ops) == (budget == 1.0)
     caplog.set_level(logging.INFO, logger="offremat")
     found = _steps(om, model, plain, batch, 5, caplog)
     assert found[0][0] > 1 and not found[0][1]  # unmeasured: over, and nothing sees it
-    assert found[1][0] > 1 and found[1][1]  # the check: over, said
+    assert found[1][0] > 1 and found[1][1]  # the check, through the backward: over, said
     assert all(peak <= 1 for peak, _ in found[2:])  # planned on a profile of its batch
     assert om.cache_info()["misses"] == 0
 
@@ -144,24 +148,6 @@ def test_steps_are_measured_every_checked_every_th(monkeypatch) -> None:
         om(**example).loss.backward()
         measured.append(om.stats.measured_peak_bytes is not None)
     assert measured == [False, False, True, False, False, True, False]
-
-
-def test_a_keep_all_plan_over_its_budget_in_its_backward_is_checked_and_planned_again(
-    monkeypatch, caplog
-) -> None:
-    # A keep-all plan runs as plain autograd, whose backward its checks did not measure:
-    # at a budget the example's keep-all fits, the batch ran at 1.13 times it at every step,
-    # unsaid (a review).
-    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
-    model, example, batch = _mixtral()
-    plain = copy.deepcopy(model)
-    om = offremat.optimize(model, example, budget=1.0, solver="dp")
-    assert om.plan.ops == keep_all(om.chain).ops
-    caplog.set_level(logging.INFO, logger="offremat")
-    found = _steps(om, model, plain, batch, 5, caplog)
-    assert found[0][0] > 1 and not found[0][1]  # unmeasured: over, and nothing sees it
-    assert found[1][0] > 1 and found[1][1]  # the check, through the backward: over, said
-    assert all(peak <= 1 for peak, _ in found[2:])  # planned on a profile of its batch
 
 
 def test_a_keep_all_step_whose_backward_never_runs_leaves_the_next_measured(
