@@ -22,8 +22,8 @@ A Python number, string or object among the call's arguments (a count, a tempera
 caption) keys plans by value until
 one more profile, of a call that differs from a profiled one in it alone, shows it sizes
 nothing; then by type, and its later values reuse the plan (:mod:`offremat._numbers`). Each
-state keeps the plans of its last :data:`KEPT_SIGNATURES` signatures, so numbers that do
-size tensors cannot grow them without end.
+state keeps the plans of its last :data:`offremat._shape_solving.KEPT_SIGNATURES`
+signatures, so numbers that do size tensors cannot grow them without end.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from offremat import _shape_solving
 from offremat._host import DeviceResources
 from offremat._number_learning import learn, sibling
 from offremat._numbers import NumberPlaces
@@ -47,7 +48,7 @@ from offremat._outgrown import (
 )
 from offremat._plan_cache import PlanCache
 from offremat._shape_prediction import predicted_chain
-from offremat._shape_solving import KEPT_SIGNATURES, ShapeCache, ShapeSolving
+from offremat._shape_solving import ShapeCache, ShapeSolving
 from offremat._shape_variants import (
     KEPT_VARIANTS,
     VariantPlanning,
@@ -154,7 +155,7 @@ class ShapePlans(VariantPlanning, ShapeSolving):
             return predicted
         chain = self.profile_call(batch)
         self.profiled[signature] = chain
-        trim(self.profiled, KEPT_SIGNATURES)
+        trim(self.profiled, _shape_solving.KEPT_SIGNATURES)
         return chain
 
     def profile_call(self, batch: Any) -> Chain:

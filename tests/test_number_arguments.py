@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offremat
-import offremat._shapes
+import offremat._shape_solving
 from offremat.measure import StepMemory
 from tests.oracles import step_as_plain_autograd
 
@@ -230,7 +230,7 @@ def test_a_neutral_count_changed_with_a_sizing_one_is_not_taken_for_sizing() -> 
 
 
 def test_plans_stay_bounded_and_a_warning_says_to_pass_a_tensor(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
+    monkeypatch.setattr(offremat._shape_solving, "KEPT_SIGNATURES", 3)
     with caplog.at_level(logging.WARNING, logger="offremat._numbers"):
         om, profiles = _steps({"keep": 12}, [{"keep": k} for k in range(11, 3, -1)])
     assert len(profiles) == 9  # every value profiled, the first twice: it sizes the head
@@ -255,7 +255,7 @@ class Slicing(nn.Module):
 
 def test_an_nn_sequential_keeps_a_bounded_plan_per_value(monkeypatch, caplog) -> None:
     # Its input is its first block's: each value gets a plan, the last few kept.
-    monkeypatch.setattr(offremat._shapes, "KEPT_SIGNATURES", 3, raising=False)
+    monkeypatch.setattr(offremat._shape_solving, "KEPT_SIGNATURES", 3)
     torch.manual_seed(0)
     model = nn.Sequential(*(Slicing() for _ in range(4)))
     plain = copy.deepcopy(model)
