@@ -80,7 +80,7 @@ def graph_saved_bytes(
             k = bisect_right(marks, number) - 1
             if type(node).__name__ == "CopySlices":
                 hidden.add(k)
-            for value in _saved_values(node):
+            for value in saved_values(node):
                 _count(value, held[k], excluded)
             stack.extend(following for following, _ in node.next_functions)
     except NotImplementedError:
@@ -88,7 +88,7 @@ def graph_saved_bytes(
     return held, hidden
 
 
-def _saved_values(node: Any) -> list[Any]:
+def saved_values(node: Any) -> list[Any]:
     """What ``node`` saved for its backward, as autograd holds it (``SavedTensor``s)."""
     names = _SAVED_NAMES.get(type(node))
     if names is None:

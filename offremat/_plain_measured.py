@@ -16,9 +16,13 @@ backward, and one entered by a hook is gone when its node ends. So the tracker i
 the forward's end and pushed again by a pre-hook on every node the chain's forward made (and
 on the leaves' gradient accumulators), and left for the engine to take off when the node
 ends; that is after the node has summed the gradients it hands on, which it allocates too.
-Python code a node runs (a ``torch.utils.checkpoint`` recomputing its forward) runs with the
-compiler's stance ``force_eager``, as under every offremat mode (:mod:`offremat._eager`),
-from each node's pre-hook to its post-hook.
+Nothing of it outlives a node that raises (:class:`offremat.measure._WithinNode`).
+
+A backward that keeps its graph (``retain_graph=True``) holds every activation past its end,
+which plain autograd allows and no other plan does (:mod:`offremat._plan_function`): its
+step is not taken as over the budget, which would make its plan again as one that refuses
+the caller's next step (a review: a training loop that ran stopped at the check), but said
+once, and its plan's steps are not checked again (``PlanExecutor.retains_graph``).
 
 What neither sees is the code after the chain (the loss), taken as profiled, as for any step
 measured on CPU (:func:`offremat._step_budget.unseen_around_bytes`); a step whose backward
@@ -27,13 +31,15 @@ never runs stays unmeasured, and the next one is measured instead.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from offremat._graph_saved import StageReading, sequence_mark
+from offremat._graph_saved import StageReading, saved_values, sequence_mark
 from offremat._plain import run_plainly
 from offremat._scan import ModuleScan, fixed_storages
 from offremat._stats import StepTiming
@@ -44,6 +50,8 @@ from offremat.measure import StepMemory
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
+
+logger = logging.getLogger(__name__)
 
 
 class PlainMeasurement:
@@ -65,15 +73,17 @@ class PlainMeasurement:
         self.verifying = executor.verify_next
         self.sampled, executor.sampling = executor.sampling, False
         self.handles: list[Any] = []
-        self.stances: list[Any] = []
+        self.ran: list[Any] = []  # the hooked nodes the backward has run, in order
         self.ended = False
+        self.timing: StepTiming | None = None
+        self.budgeted: int | None = None  # the settled step's peak as its budget counts it
 
     def run(self, stages: list[nn.Module], value: Any) -> Any:
         """The stages' output on ``value``, measured through its backward."""
         start = sequence_mark(self.executor._anchor(self.device))
         self.memory.__enter__()
         try:
-            value = run_plainly(stages, value, self.device, self._finished, self.reading)
+            value = run_plainly(stages, value, self.device, self._timed, self.reading)
         except BaseException:
             self.memory.discard()
             raise
@@ -81,7 +91,7 @@ class PlainMeasurement:
         roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
         if not roots:
             self.discard()
-        elif self.device.type == "cpu":
+        else:
             self._watch_nodes(roots, start)
         return value
 
@@ -97,48 +107,92 @@ class PlainMeasurement:
             # Made before the chain (the code before it): not the chain's backward.
             if node._sequence_nr() < start:
                 continue
-            self.handles.append(node.register_prehook(self._node_starts))
-            self.handles.append(node.register_hook(self._node_ends))
+            self.handles.append(node.register_prehook(partial(self._node_starts, node)))
             stack.extend(following for following, _ in node.next_functions)
 
-    def _node_starts(self, *_: Any) -> None:
-        stance = torch.compiler.set_stance("force_eager")
-        stance.__enter__()
-        self.stances.append(stance)
-        self.memory.record_within_node()
+    def _node_starts(self, node: Any, *_: Any) -> None:
+        if not self.ran:  # the first node of the chain the backward reaches
+            torch.autograd.Variable._execution_engine.queue_callback(self._settle)
+        self.ran.append(node)
+        self.memory.record_within_node()  # on CPU; the CUDA allocator sees it all
 
-    def _node_ends(self, *_: Any) -> None:
-        if self.stances:
-            self.stances.pop().__exit__(None, None, None)
-
-    def _finished(self, timing: StepTiming) -> None:
-        """The backward has ended (a callback queued on the engine): settle the step."""
+    def _settle(self) -> None:
+        """The backward has ended (a callback queued on the engine): take in the step. Queued
+        from the chain's nodes, not from its output's: a loss that reads some of its outputs
+        alone left the step measured and unsettled at every call (a review)."""
         self._let_go()
         self.ended = True
         self.memory.__exit__(None, None, None)
         executor = self.executor
         executor.plain_measurement = None
-        sizes = self.reading.sizes
-        budgeted = settle_measurement(
-            executor, self.memory, self.new_grad_bytes, sizes, self.verifying, self.sampled
-        )
-        budget = executor.plan.budget_bytes
-        executor._finished(
-            replace(timing, memory=self.memory, budgeted_peak_bytes=budgeted, budget_bytes=budget)
+        ran, self.ran = self.ran, []
+        if _graph_kept(ran):
+            if not executor.retains_graph:
+                executor.retains_graph = True
+                logger.warning(
+                    "a step of a keep-all plan, run as plain autograd, kept its graph through "
+                    "its backward (retain_graph=True), which holds every activation past its "
+                    "end and which no other plan allows: its memory is not checked against the "
+                    "budget, and its plan is kept"
+                )
+            executor.verify_next = executor.verify_again = False
+        else:
+            self.budgeted = settle_measurement(
+                executor,
+                self.memory,
+                self.new_grad_bytes,
+                self.reading.sizes,
+                self.verifying,
+                self.sampled,
+            )
+        if self.timing is not None:
+            self._timed(self.timing)
+
+    def _timed(self, timing: StepTiming) -> None:
+        """The step's clock readings (:func:`offremat._plain.run_plainly`), given to the
+        executor's stats with the measurement once it is settled."""
+        self.timing = timing
+        if not self.ended:
+            return
+        measured = self.budgeted is not None
+        self.executor._finished(
+            replace(
+                timing,
+                memory=self.memory if measured else None,
+                budgeted_peak_bytes=self.budgeted,
+                budget_bytes=self.executor.plan.budget_bytes if measured else None,
+            )
         )
 
     def _let_go(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        while self.stances:  # a node that raised ran no post-hook
-            self.stances.pop().__exit__(None, None, None)
 
     def discard(self) -> None:
         """Drop the measurement: its backward did not run, or raised."""
         if not self.ended:
             self.ended = True
             self._let_go()
+            self.ran = []
             self.memory.discard()
+            # The check falls to the next step (a dropped output lost it, a review).
+            self.executor.sampling |= self.sampled
             if self.executor.plain_measurement is self:
                 self.executor.plain_measurement = None
+
+
+def _graph_kept(ran: list[Any]) -> bool:
+    """Whether the backward that ran the nodes ``ran`` kept their graph (``retain_graph``):
+    autograd releases what each node saved once it has run, unless told to keep it."""
+    for node in ran:
+        try:
+            values = saved_values(node)
+        except RuntimeError:  # a custom Function's, released: it raises where read
+            continue
+        for value in values:
+            if isinstance(value, (tuple, list)) or value is None or value.unpack_hook:
+                continue
+            if value.data is not None:
+                return True
+    return False

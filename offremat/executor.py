@@ -194,8 +194,10 @@ class PlanExecutor:
         self.profiled_at: int | None = None
         # Over, on CUDA, by no more than the gradients the step made, at both checks.
         self.over_within_gradients = False
-        # A keep-all step run as plain autograd, measured, whose backward has not ended.
+        # A keep-all step run as plain autograd, measured, whose backward has not ended; and
+        # whether one kept its graph (retain_graph), which no check can take as over.
         self.plain_measurement: PlainMeasurement | None = None
+        self.retains_graph = False
         self.forward_actions = actions[:first_backward]
         self.backward_actions = actions[first_backward:]
         self._anchors: dict[torch.device, torch.Tensor] = {}
@@ -255,6 +257,7 @@ class PlanExecutor:
             profiled_at=None,
             hooked=set(),
             plain_measurement=None,
+            retains_graph=False,
         )
         self.__dict__.update(state)
         if isinstance(self.outgrown, Chain):  # pickled before the sizes were kept with it

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from offremat._eager import EagerDispatchMode
@@ -118,6 +118,28 @@ class LiveStorageTracker(EagerDispatchMode):
         return {key: storage for key, storage, _ in self._live.items()}
 
 
+class _WithinNode(TorchDispatchMode):
+    """A tracker's recording inside one autograd node (:meth:`StepMemory.record_within_node`).
+
+    Not the tracker itself, which runs compiled code eagerly (:mod:`offremat._eager`) by the
+    compiler's stance, a process-wide setting that a node which raises would leave set: this
+    mode leaves compiled code compiled (``ignore_compile_internals``: a frame that a node
+    runs, a checkpoint recomputing a compiled block, compiled under another mode is skipped by
+    the compiler for good), and records its artifact's operations, its allocations among them.
+    """
+
+    def __init__(self, tracker: LiveStorageTracker):
+        super().__init__()
+        self.tracker = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.tracker.__torch_dispatch__(func, types, args, kwargs)
+
+
 def _storage_leaves(value: Any, found: list[Any]) -> None:
     """Append the tensors and storages inside an op's arguments or result to ``found``.
 
@@ -179,6 +201,7 @@ class StepMemory:
         self._gradient_parts: StorageTable[dict[int, int]] = StorageTable()
         self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
+        self._within_node: _WithinNode | None = None
         self._recording = False  # the tracker's dispatch mode is on the stack
         self._before = 0
         self.step_peak_bytes = 0
@@ -277,7 +300,9 @@ class StepMemory:
         pre-hook, the tracker paused): the engine restores the thread's dispatch modes when the
         node ends, which takes the tracker off again (see :mod:`offremat._plain_measured`)."""
         if self._tracker is not None and not self._recording:
-            _push_mode(self._tracker)
+            if self._within_node is None or self._within_node.tracker is not self._tracker:
+                self._within_node = _WithinNode(self._tracker)
+            _push_mode(self._within_node)
 
     def discard(self) -> None:
         """Stop without a measurement (a step that failed, or was dropped before its

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import offremat
 import offremat._outgrown as outgrown
+import offremat._plain_measured as plain_measured
 from offremat.measure import StepMemory
 from solvers.baselines import keep_all
 from solvers.registry import keep_all_peak
@@ -150,21 +152,63 @@ def test_steps_are_measured_every_checked_every_th(monkeypatch) -> None:
     assert measured == [False, False, True, False, False, True, False]
 
 
-def test_a_keep_all_step_whose_backward_never_runs_leaves_the_next_measured(
-    monkeypatch,
+def test_a_keep_all_check_whose_backward_never_runs_falls_to_the_next_step(
+    monkeypatch, caplog
 ) -> None:
-    # Its measurement is dropped at the next call, and that step is measured instead.
+    # Its measurement is dropped at the next call, and that step is checked instead: said
+    # and planned again as a check (it was taken for a step on values its plan was not
+    # profiled on, and the plan was not made again, a review).
     monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
     model, example, batch = _mixtral()
     om = offremat.optimize(model, example, budget=1.0, solver="dp")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     om(**example).loss.backward()
     om(**batch)  # the check's forward; its output dropped
-    om(**batch).loss.backward()
-    assert om.stats.measured_peak_bytes is not None
-    assert om.stats.over_budget
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        om(**batch).loss.backward()
+    assert om.stats.measured_peak_bytes is not None and om.stats.over_budget
+    assert "the next call profiles this step's batch" in caplog.text
+    with StepMemory("cpu", batch) as memory:
+        om(**batch).loss.backward()
+    assert memory.peak_bytes <= om.plan.budget_bytes
     # Nothing of the measurement is left on: no dispatch mode, the compiler's stance.
     assert not _get_current_dispatch_mode_stack()
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_a_keep_all_check_settles_where_the_loss_reads_some_outputs(monkeypatch) -> None:
+    # Its end was queued from the first output's node alone: with the loss on another
+    # output, every step was measured and none settled (a review).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
+
+    class Pair(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU())
+            self.out = torch.nn.Linear(64, 32)
+
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+            side, hidden = pair
+            return side + hidden.mean(), hidden + self.out(self.mlp(hidden))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Pair() for _ in range(4)))
+    x = torch.randn(16, 32)
+    om = offremat.optimize(model, (x * 0, x), budget=1.0)
+    made = []
+    original = plain_measured.PlainMeasurement.__init__
+
+    def counted(self: Any, *args: Any) -> None:
+        made.append(self)
+        original(self, *args)
+
+    monkeypatch.setattr(plain_measured.PlainMeasurement, "__init__", counted)
+    for _ in range(6):
+        _, hidden = om((x * 0, x))
+        hidden.square().mean().backward()
+    assert len(made) == 3  # every second step, each settled by its backward
+    assert all(measurement.ended for measurement in made)
 
 
 class _Experts(torch.nn.Module):
@@ -241,3 +285,72 @@ def test_a_plan_for_blocks_inputs_of_another_kind_is_checked_and_planned_again(
     assert peaks[0] <= 1 and peaks[1] > 1 and not measured[1]  # over, unmeasured
     assert peaks[2] > 1 and measured[2]  # the check
     assert max(peaks[3:]) <= 1  # planned again on a profile of the blocks' input
+
+
+_FAILING = [False]
+
+
+class _Raising(torch.autograd.Function):
+    """tanh, whose backward raises while ``_FAILING[0]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FAILING[0]:
+            raise FloatingPointError("non-finite gradient: step skipped")
+        (x,) = ctx.saved_tensors
+        return grad * (1 - torch.tanh(x) ** 2)
+
+
+class _Act(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Raising.apply(x)
+
+
+def test_a_checked_keep_all_step_whose_backward_raises_leaves_nothing_on(monkeypatch) -> None:
+    # The check's compiler stance, process-wide, stayed force_eager after a backward that
+    # raised inside the chain: every compiled function then ran eagerly (a review).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 1, raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(32, 32), _Act())))
+    x = torch.randn(64, 32)
+    om = offremat.optimize(model, x, budget=1.0)
+    for step in range(4):
+        _FAILING[0] = step % 2 == 1
+        loss = om(x).square().mean()
+        if _FAILING[0]:
+            with pytest.raises(FloatingPointError):
+                loss.backward()
+        else:
+            loss.backward()
+            assert om.stats.measured_peak_bytes is not None
+        assert not _get_current_dispatch_mode_stack()
+        assert torch._dynamo.eval_frame._stance.stance == "default"
+    _FAILING[0] = False
+
+
+def test_a_keep_all_plan_whose_backward_keeps_its_graph_is_not_made_again(
+    monkeypatch, caplog
+) -> None:
+    # Checked, found over and made again as a plan that recomputes, it refused the caller's
+    # retain_graph=True at the next step: a training loop that ran stopped (a review).
+    monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
+    model, example, batch = _mixtral()
+    plain = copy.deepcopy(model)
+    om = offremat.optimize(model, example, budget=1.0, solver="dp")
+    for p in (*model.parameters(), *plain.parameters()):
+        p.grad = torch.zeros_like(p)
+    with caplog.at_level(logging.WARNING, logger="offremat"):
+        for _ in range(5):
+            for step in (om, plain):
+                loss = step(**batch).loss
+                loss.backward(retain_graph=True)
+                loss.backward()  # through the graph kept
+            for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(mine.grad, theirs.grad)
+    assert om.plan.ops == keep_all(om.chain).ops
+    assert caplog.text.count("kept its graph through its backward") == 1
