@@ -205,6 +205,7 @@ class StepMemory:
         self._recording = False  # the tracker's dispatch mode is on the stack
         self._before = 0
         self.step_peak_bytes = 0
+        self.paused_bytes: int | None = None
         self.step_peak_less_gradients_bytes: int | None = None
         self.reserved_peak_bytes: int | None = None
 
@@ -284,8 +285,11 @@ class StepMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def pause(self) -> None:
-        """Stop recording new storages (CPU), keeping those recorded; the peak stays."""
+        """Stop recording new storages (CPU), keeping those recorded; the peak stays. The
+        bytes alive at the first pause (``paused_bytes``, a forward's end) are kept."""
         if self._tracker is not None and self._recording:
+            if self.paused_bytes is None:
+                self.paused_bytes = self.live_bytes
             self._tracker.__exit__(None, None, None)
             self._recording = False
 
