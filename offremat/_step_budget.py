@@ -56,8 +56,7 @@ def unseen_around_bytes(executor: PlanExecutor, memory: StepMemory) -> int:
     them, a step past it by less passed; without that end peak, a tiny Llama's measured
     steps read 0.08 of the budget below an outside tracker's (a review)."""
     chain = executor.chain
-    outside = chain.metadata.get("outside")
-    if outside is None:
+    if "outside" not in chain.metadata:
         return 0
     kept = chain.metadata.get("kept_by_modules_bytes", 0)
     before = chain.input_bytes - kept - memory.input_bytes
@@ -65,8 +64,12 @@ def unseen_around_bytes(executor: PlanExecutor, memory: StepMemory) -> int:
     if memory.device.type == "cpu":
         after = chain.held_bytes - backward_gradient_bytes(chain)
         if memory.paused_bytes is not None:
-            turn = memory.paused_bytes + outside["end_peak_bytes"] - memory.step_peak_bytes
-            after = max(after, turn)
+            # The end code's peak as the plan has it: folded into B(L)'s temporary, which
+            # a chain predicted for another length has at that length (its "outside"
+            # figures are the profiled length's: at a shorter one, read as they are, they
+            # said steps at 0.87 of the budget over it, a review).
+            end = chain.stages[-1].bwd_tmp_bytes
+            after = max(after, memory.paused_bytes + end - memory.step_peak_bytes)
     return max(before, 0) + max(after, 0)
 
 
