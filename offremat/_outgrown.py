@@ -109,7 +109,7 @@ def checked_now_and_then(executor: PlanExecutor) -> None:
     (:mod:`offremat._plain_measured`): unchecked, a mixture of experts ran its keep-all plan
     at 1.07 to 1.15 times the budget at every step, unsaid (a review)."""
     executor.steps_run += 1
-    if executor.measure_memory or executor.retains_graph or executor.plan.budget_bytes is None:
+    if executor.measure_memory or executor.plan.budget_bytes is None:
         return
     cuda = str(executor.chain.metadata.get("device", "cpu")).startswith("cuda")
     every = CHECKED_EVERY_CUDA if cuda else CHECKED_EVERY

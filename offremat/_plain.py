@@ -67,7 +67,8 @@ def run_plainly(
         return value
 
     def backward_started(_: Any) -> None:
-        handle.remove()
+        for handle in handles:  # the first of the roots that the backward reaches
+            handle.remove()
         marks.append(mark(device))
         torch.autograd.Variable._execution_engine.queue_callback(backward_ended)
 
@@ -75,5 +76,5 @@ def run_plainly(
         marks.append(mark(device))
         finished(StepTiming(device, 0, marks, None))
 
-    handle = roots[0].register_prehook(backward_started)
+    handles = [root.register_prehook(backward_started) for root in roots]
     return value

@@ -19,10 +19,11 @@ ends; that is after the node has summed the gradients it hands on, which it allo
 Nothing of it outlives a node that raises (:class:`offremat.measure._WithinNode`).
 
 A backward that keeps its graph (``retain_graph=True``) holds every activation past its end,
-which plain autograd allows and no other plan does (:mod:`offremat._plan_function`): its
-step is not taken as over the budget, which would make its plan again as one that refuses
-the caller's next step (a review: a training loop that ran stopped at the check), but said
-once, and its plan's steps are not checked again (``PlanExecutor.retains_graph``).
+which plain autograd allows and no other plan does (:mod:`offremat._plan_function`): such a
+step is said once and not checked, and the plan is not made again, which would give one that
+refuses the caller's next such step (a review: a training loop that ran stopped at the
+check); its other steps are checked, and one over the budget is said
+(``PlanExecutor.retains_graph``).
 
 What neither sees is the code after the chain (the loss), taken as profiled, as for any step
 measured on CPU (:func:`offremat._step_budget.unseen_around_bytes`); a step whose backward
@@ -43,10 +44,11 @@ from offremat._graph_saved import StageReading, saved_values, sequence_mark
 from offremat._plain import run_plainly
 from offremat._scan import ModuleScan, fixed_storages
 from offremat._stats import StepTiming
-from offremat._step_budget import fresh_parameters, gradient_bytes
+from offremat._step_budget import budgeted_peak_bytes, fresh_parameters, gradient_bytes
 from offremat._step_settle import settle_measurement
 from offremat._tensors import flatten
 from offremat.measure import StepMemory
+from solvers.budget import format_bytes
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
@@ -126,16 +128,20 @@ class PlainMeasurement:
         executor = self.executor
         executor.plain_measurement = None
         ran, self.ran = self.ran, []
-        if _graph_kept(ran):
-            if not executor.retains_graph:
-                executor.retains_graph = True
-                logger.warning(
-                    "a step of a keep-all plan, run as plain autograd, kept its graph through "
-                    "its backward (retain_graph=True), which holds every activation past its "
-                    "end and which no other plan allows: its memory is not checked against the "
-                    "budget, and its plan is kept"
-                )
+        kept = _graph_kept(ran)
+        if kept and not executor.retains_graph:
+            executor.retains_graph = True
+            logger.warning(
+                "a step of a keep-all plan, run as plain autograd, kept its graph through "
+                "its backward (retain_graph=True), which holds every activation past its end "
+                "and which no other plan allows: such steps are not checked against the "
+                "budget, and a later step measured over it is said, not planned again"
+            )
+        if kept or executor.retains_graph:
             executor.verify_next = executor.verify_again = False
+            if not kept:
+                self.budgeted = budgeted_peak_bytes(executor, self.memory, self.new_grad_bytes)
+                _said_kept(executor, self.budgeted)
         else:
             self.budgeted = settle_measurement(
                 executor,
@@ -180,6 +186,24 @@ class PlainMeasurement:
             self.executor.sampling |= self.sampled
             if self.executor.plain_measurement is self:
                 self.executor.plain_measurement = None
+
+
+def _said_kept(executor: PlanExecutor, budgeted: int) -> None:
+    """Say, once, that a step of a plan whose steps have kept their graph passed its budget:
+    made again, the plan would recompute, and refuse the caller's next ``retain_graph`` (a
+    review: a loop that ran stopped), and unchecked, one such step left a mixture of experts
+    over its budget at every later step, unsaid (a review)."""
+    budget = executor.plan.budget_bytes
+    if budget is None or budgeted <= budget or "kept graph" in executor.reported_over_budget:
+        return
+    executor.reported_over_budget.add("kept graph")
+    logger.warning(
+        "this step measured %s, over its budget of %s; its plan, whose steps have kept their "
+        "graph (retain_graph=True), which a plan that recomputes refuses, is not planned "
+        "again. Lower the batch, or raise the budget",
+        format_bytes(budgeted),
+        format_bytes(budget),
+    )
 
 
 def _graph_kept(ran: list[Any]) -> bool:
