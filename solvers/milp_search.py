@@ -116,6 +116,12 @@ class _HighsSession:
         solver.buildSolverModel(model.problem)
         self.highs = model.problem.solverModel
         self.highs.setOptionValue("random_seed", 0)
+        # The sub-MIP heuristics presolve their sub-problem, and HiGHS 1.16's presolve has
+        # looped there for good (strengthenInequalities, in RINS within RENS: a test suite
+        # hung 12 minutes in a 20 s solve); the search's own neighbourhoods (search_highs)
+        # take their place.
+        for heuristic in ("rins", "rens", "root_reduced_cost"):
+            self.highs.setOptionValue(f"mip_heuristic_run_{heuristic}", False)
         self.columns = model.problem.variables()
         self.binaries = model.binaries()
         self.index = np.array([v.index for v in self.binaries], dtype=np.int32)
