@@ -59,7 +59,7 @@ from solvers.chain import Chain
 from solvers.frozen import trained_part
 from solvers.milp_bound_intervals import interval_bound_s
 from solvers.milp_model import time_unit
-from solvers.milp_search import native_stdout_silenced
+from solvers.milp_search import HIGHS_OPTIONS, native_stdout_silenced
 
 INTERVALS_UP_TO = 40
 """The longest chain the interval model is built for: its binaries grow as L², and past about
@@ -254,7 +254,7 @@ def _proven_s(
             )
         problem += kept <= room / unit
     with native_stdout_silenced():  # HiGHS prints its banner from C
-        problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0))
+        problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0, **HIGHS_OPTIONS))
     info = problem.solverModel.getInfo()
     proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
     return proven * scale * (1 - 1e-9)

@@ -60,7 +60,7 @@ import pulp
 from solvers.bounds import backward_room
 from solvers.chain import Chain
 from solvers.milp_model import time_unit
-from solvers.milp_search import native_stdout_silenced
+from solvers.milp_search import HIGHS_OPTIONS, native_stdout_silenced
 
 Var = pulp.LpVariable
 WINDOW = 6
@@ -159,7 +159,8 @@ def interval_bound_s(
     if model.copying:
         _add_copies(model, scale, first_pass, starts)
     with native_stdout_silenced():  # HiGHS prints its banner from C
-        model.problem.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0))
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0, **HIGHS_OPTIONS)
+        model.problem.solve(solver)
     info = model.problem.solverModel.getInfo()
     proven = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
     return proven * scale * (1 - 1e-9)

@@ -103,6 +103,15 @@ def _bundled_cbc(**options: Any) -> Any:
         return pulp.PULP_CBC_CMD(**options)
 
 
+HIGHS_OPTIONS = {
+    f"mip_heuristic_run_{name}": False for name in ("rins", "rens", "root_reduced_cost")
+}
+"""HiGHS's options for every MILP here: its sub-MIP heuristics off. They presolve their
+sub-problem, and HiGHS 1.16's presolve has looped there for good (strengthenInequalities, in
+RINS within RENS: a test suite hung 12 minutes in a 20 s solve); the search's own
+neighbourhoods (:func:`search_highs`) take their place."""
+
+
 class _HighsSession:
     """The model loaded once into HiGHS and re-solved with different binaries fixed."""
 
@@ -116,12 +125,8 @@ class _HighsSession:
         solver.buildSolverModel(model.problem)
         self.highs = model.problem.solverModel
         self.highs.setOptionValue("random_seed", 0)
-        # The sub-MIP heuristics presolve their sub-problem, and HiGHS 1.16's presolve has
-        # looped there for good (strengthenInequalities, in RINS within RENS: a test suite
-        # hung 12 minutes in a 20 s solve); the search's own neighbourhoods (search_highs)
-        # take their place.
-        for heuristic in ("rins", "rens", "root_reduced_cost"):
-            self.highs.setOptionValue(f"mip_heuristic_run_{heuristic}", False)
+        for option, value in HIGHS_OPTIONS.items():
+            self.highs.setOptionValue(option, value)
         self.columns = model.problem.variables()
         self.binaries = model.binaries()
         self.index = np.array([v.index for v in self.binaries], dtype=np.int32)
