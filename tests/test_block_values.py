@@ -221,7 +221,7 @@ class Captioned(nn.Module):
 def test_a_caption_transformed_for_the_blocks_is_planned_a_few_times_not_each_step() -> None:
     # Keyed by value among the blocks' inputs, it was a profile and a plan at every step
     # (review F6): 20 steps, 20 plans.
-    from offremat._shape_variants import MODE_VALUES
+    from offremat._block_value_keys import MODE_VALUES
 
     torch.manual_seed(0)
     model = Captioned()
