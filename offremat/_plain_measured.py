@@ -87,7 +87,7 @@ class PlainMeasurement:
         try:
             value = run_plainly(stages, value, self.device, self._timed, self.reading)
         except BaseException:
-            self.memory.discard()
+            self.discard()  # a check falls to the next step, as where no backward runs
             raise
         self.memory.pause()
         roots = [t.grad_fn for t in flatten(value)[0] if t.grad_fn is not None]
