@@ -174,11 +174,17 @@ class _Step(Compute):
         # The parameters whose gradients this step makes: the budget does not count them.
         fresh = fresh_parameters(scans) if measuring else []
         self.memory = StepMemory(device, tensors, gradients_of=fresh) if measuring else None
-        # A forward whose output is dropped never gets its backward: close then, on collection.
-        self._closer = weakref.finalize(self, _settle, self.residency, self.memory)
         self.verifying = executor.verify_next
         # Measured for a check now and then alone (offremat._outgrown.checked_now_and_then).
         self.sampled, executor.sampling = executor.sampling, False
+        # That check falls to the next step where this one's backward never runs (emptied
+        # when it starts): the next was measured as a verification, its over said "planned
+        # anew", its batch never profiled (a review of the keep-all path's twin).
+        self.check_handed_on = [executor] if self.sampled else []
+        # A forward whose output is dropped never gets its backward: close then, on collection.
+        self._closer = weakref.finalize(
+            self, _settle, self.residency, self.memory, self.check_handed_on
+        )
         self.new_grad_bytes = gradient_bytes(fresh)
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
@@ -229,6 +235,7 @@ class _Step(Compute):
                 refuse_disabled_saved_tensor_hooks("this plan's backward recomputes, and runs")
             self._mark()
             self.in_backward = True
+            self.check_handed_on.clear()
             refs = [None if g is None else TensorRef(g) for g in grads]
             held = self.residency.hold(r for r in refs if r is not None)
             self.grads[self.length] = PlanTensor(refs, None, held)
@@ -389,10 +396,14 @@ class _Step(Compute):
         return OutOfMemoryAdvice(self.executor.plan)
 
 
-def _settle(residency: Residency, memory: StepMemory | None) -> None:
+def _settle(
+    residency: Residency, memory: StepMemory | None, check_handed_on: list[PlanExecutor]
+) -> None:
     """Close a step's residency and drop its measurement, once: by its backward, an error, or
     the collection of a step whose backward never ran (whose hooks would stay on the
-    parameters, taken for the caller's)."""
+    parameters, taken for the caller's), whose check falls to the next step."""
     residency.close()
     if memory is not None:
         memory.discard()
+    for executor in check_handed_on:
+        executor.sampling = True

@@ -152,15 +152,16 @@ def test_steps_are_measured_every_checked_every_th(monkeypatch) -> None:
     assert measured == [False, False, True, False, False, True, False]
 
 
-def test_a_keep_all_check_whose_backward_never_runs_falls_to_the_next_step(
-    monkeypatch, caplog
+@pytest.mark.parametrize("budget", [0.8, 1.0], ids=["dp", "keep-all"])
+def test_a_check_whose_backward_never_runs_falls_to_the_next_step(
+    budget: float, monkeypatch, caplog
 ) -> None:
-    # Its measurement is dropped at the next call, and that step is checked instead: said
-    # and planned again as a check (it was taken for a step on values its plan was not
-    # profiled on, and the plan was not made again, a review).
+    # Its measurement is dropped, and the next step is checked instead: said and planned
+    # again as a check (it was taken for a step on values its plan was not profiled on, and
+    # the plan was not made again, a review).
     monkeypatch.setattr(outgrown, "CHECKED_EVERY", 2, raising=False)
     model, example, batch = _mixtral()
-    om = offremat.optimize(model, example, budget=1.0, solver="dp")
+    om = offremat.optimize(model, example, budget=budget, solver="dp")
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     om(**example).loss.backward()
