@@ -304,7 +304,7 @@ class StepMemory:
         pre-hook, the tracker paused): the engine restores the thread's dispatch modes when the
         node ends, which takes the tracker off again (see :mod:`offremat._plain_measured`)."""
         if self._tracker is not None and not self._recording:
-            if self._within_node is None or self._within_node.tracker is not self._tracker:
+            if self._within_node is None:  # a StepMemory has one tracker, entered once
                 self._within_node = _WithinNode(self._tracker)
             _push_mode(self._within_node)
 
