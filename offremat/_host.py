@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -69,10 +70,14 @@ class HostArena:
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory, apart from the arena."""
-        # Host memory, not the device's, which the budget counts: on CPU, where both are the
-        # same RAM, it is allocated outside any dispatch mode, so the measurement leaves it out.
+        # Host memory, not the device's, which the budget counts. On CPU both are the same
+        # RAM: numpy allocates it, outside PyTorch's allocator and any dispatch mode, so that
+        # the measurement (offremat.measure) leaves it out as the CUDA allocator leaves out
+        # pinned memory.
+        if not self.pinned:
+            return torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8))
         with _disable_current_modes():
-            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 class HostLease:

@@ -143,7 +143,7 @@ def measure_outside(
         call = as_call(batch)
         cut = Call(tree_map(_cut, call.args), tree_map(_cut, call.kwargs))
         outside = [p for p in model.parameters() if p.requires_grad and id(p) not in chained]
-        with _gradients_dropped(outside), StepMemory(device) as memory:
+        with _gradients_dropped(outside), StepMemory(device, allocator=False) as memory:
             probe = _OutsideProbe(memory, last)
             with RunInterception(run, probe.started, check_state=False):
                 output = model(*cut.args, **cut.kwargs)

@@ -16,7 +16,7 @@ backward, and one entered by a hook is gone when its node ends. So the tracker i
 the forward's end and pushed again by a pre-hook on every node the chain's forward made (and
 on the leaves' gradient accumulators), and left for the engine to take off when the node
 ends; that is after the node has summed the gradients it hands on, which it allocates too.
-Nothing of it outlives a node that raises (:class:`offremat.measure._WithinNode`).
+Nothing of it outlives a node that raises (:class:`offremat._live_storages.WithinNode`).
 
 A backward that keeps its graph (``retain_graph=True``) holds every activation past its end,
 which plain autograd allows and no other plan does (:mod:`offremat._plan_function`): such a
@@ -70,7 +70,7 @@ class PlainMeasurement:
         self.device = device
         fresh = fresh_parameters(scans)
         self.new_grad_bytes = gradient_bytes(fresh)
-        self.memory = StepMemory(device, tensors, gradients_of=fresh)
+        self.memory = StepMemory(device, tensors, gradients_of=fresh, allocator=False)
         self.reading = StageReading(executor._anchor(device), fixed_storages(scans))
         self.verifying = executor.verify_next
         self.sampled, executor.sampling = executor.sampling, False

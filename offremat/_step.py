@@ -173,7 +173,9 @@ class _Step(Compute):
         self.marks: list[Any] = []
         # The parameters whose gradients this step makes: the budget does not count them.
         fresh = fresh_parameters(scans) if measuring else []
-        self.memory = StepMemory(device, tensors, gradients_of=fresh) if measuring else None
+        self.memory = (
+            StepMemory(device, tensors, gradients_of=fresh, allocator=False) if measuring else None
+        )
         self.verifying = executor.verify_next
         # Measured for a check now and then alone (offremat._outgrown.checked_now_and_then).
         self.sampled, executor.sampling = executor.sampling, False

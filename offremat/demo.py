@@ -13,7 +13,8 @@ first warm-up step. Peak activation memory is measured independently of offremat
 way for every method (:class:`offremat.measure.StepMemory`): on CUDA, ``max_memory_allocated``
 during the step above what was allocated before it (parameters, their gradients and the
 optimizer state are allocated by then), on CPU the peak of live storages created during the
-step, seen by a dispatch-mode tracker; both plus the input batch, which the budget counts.
+step, seen by a dispatch-mode tracker, with what kernels allocate inside themselves from the
+CPU allocator's reports; both plus the input batch, which the budget counts.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def run_demo(
         link_note = (
             f"no GPU: the milp plans with a stand-in {CPU_STAND_IN_BANDWIDTH / 1e9:.0f} GB/s host "
             "link (--bandwidth sets another), and the CPU executor runs its offloads as "
-            "synchronous copies"
+            "synchronous copies into host memory that is the same RAM (left out of the peak, "
+            "as a GPU's pinned memory is)"
         )
     else:
         link_note = (
@@ -314,7 +316,8 @@ def render(report: DemoReport, console: Any) -> None:
     else:
         peak_note = (
             "live storages created during the step, plus the input, seen by the same "
-            "dispatch-mode tracker for every method (temporaries included)"
+            "dispatch-mode tracker for every method, with what kernels allocate inside "
+            "themselves (the CPU allocator's reports)"
         )
     console.print(
         f"[dim]time: median forward + backward after a warm-up step; measured peak: {peak_note}[/]"

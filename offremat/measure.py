@@ -10,7 +10,10 @@ count.
   peak statistics is process-wide, which is why measuring is opt-in.
 - CPU: :class:`LiveStorageTracker`, a ``TorchDispatchMode`` that records every storage an op
   creates while it is active and, after each op, sums the bytes of those still alive. It sees
-  resizes as well as frees, so nothing a program does to a storage can hide it.
+  resizes as well as frees, so nothing a program does to a storage can hide it. What kernels
+  allocate inside themselves (oneDNN's scratchpads, contiguous copies) is no op's output: the
+  CPU allocator's own reports (:mod:`offremat._cpu_allocator`) see it, and the peak is the
+  larger of the two readings.
 
 In both, storages that existed before the step (parameters, the caller's input, gradients
 already allocated) are not counted; :class:`StepMemory` adds the step's input, which the
@@ -40,131 +43,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
+from torch.utils._python_dispatch import _push_mode
 from torch.utils._pytree import tree_leaves
 
-from offremat._eager import EagerDispatchMode
+from offremat._cpu_allocator import CpuAllocatorRecord
+from offremat._live_storages import LiveStorageTracker, WithinNode, storage_leaves
 from offremat._storage_table import StorageTable
-from offremat._tensors import sparse_parts, storage_bytes
+from offremat._tensors import storage_bytes
 
-
-class LiveStorageTracker(EagerDispatchMode):
-    """Live bytes of the storages created while active, after each op, and their peak.
-
-    A storage is created by an op when it is among the op's outputs and none of the op's
-    inputs has it (in-place ops, ``out=`` variants and views return an input's storage).
-    Storages are held by weak reference; PyTorch keeps a storage's Python object exactly as
-    long as the storage, so a dead reference means freed memory.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._live: StorageTable[None] = StorageTable()
-        # Recorded storages, and how many of their bytes stop counting in
-        # ``peak_less_left_out_bytes`` (see leave_out).
-        self._left_out: StorageTable[int] = StorageTable()
-        self.peak_bytes = 0
-        self.peak_less_left_out_bytes = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        found: list[Any] = []
-        _storage_leaves(args, found)
-        _storage_leaves(kwargs, found)
-        inputs = {_key(leaf) for leaf in found}
-        created: list[Any] = []
-        _storage_leaves(result, created)
-        for leaf in created:
-            if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta":
-                continue
-            storage = leaf.untyped_storage()
-            if storage._cdata not in inputs and storage not in self._live:
-                self._live.set(storage, None)
-        self.ops += 1
-        self.note_peak()
-        return result
-
-    def note_peak(self) -> None:
-        """Raise the peaks to what is alive now."""
-        live = self.live_bytes
-        self.peak_bytes = max(self.peak_bytes, live)
-        left_out = self.left_out_bytes if self._left_out else 0
-        self.peak_less_left_out_bytes = max(self.peak_less_left_out_bytes, live - left_out)
-
-    def record(self, storage: torch.UntypedStorage) -> None:
-        """Count ``storage`` from now on, as one created while active."""
-        self._live.set(storage, None)
-
-    def leave_out(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """From now on, count ``nbytes`` of the recorded ``storage`` (at most all of it) in
-        ``peak_bytes`` only."""
-        if storage in self._live:
-            self._left_out.set(storage, nbytes)
-
-    @property
-    def left_out_bytes(self) -> int:
-        """Bytes of the left-out storages alive now."""
-        return sum(min(nbytes, s.nbytes()) for _, s, nbytes in self._left_out.items())
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of the recorded storages alive now (it runs after every op)."""
-        return sum(storage.nbytes() for _, storage, _ in self._live.items())
-
-    def live_storages(self) -> dict[int, torch.UntypedStorage]:
-        """The recorded storages alive now, by key."""
-        return {key: storage for key, storage, _ in self._live.items()}
-
-
-class _WithinNode(TorchDispatchMode):
-    """A tracker's recording inside one autograd node (:meth:`StepMemory.record_within_node`).
-
-    Not the tracker itself, which runs compiled code eagerly (:mod:`offremat._eager`) by the
-    compiler's stance, a process-wide setting that a node which raises would leave set: this
-    mode leaves compiled code compiled (``ignore_compile_internals``: a frame that a node
-    runs, a checkpoint recomputing a compiled block, compiled under another mode is skipped by
-    the compiler for good), and records its artifact's operations, its allocations among them.
-    """
-
-    def __init__(self, tracker: LiveStorageTracker):
-        super().__init__()
-        self.tracker = tracker
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return self.tracker.__torch_dispatch__(func, types, args, kwargs)
-
-
-def _storage_leaves(value: Any, found: list[Any]) -> None:
-    """Append the tensors and storages inside an op's arguments or result to ``found``.
-
-    An op's arguments and results nest tensors only in tuples, lists and dicts; this walk is
-    ``tree_leaves`` for them at a fraction of its cost, which is paid on every op a tracked
-    step runs (profiling a new input shape runs each stage tracked).
-    """
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        # A sparse tensor (an nn.Embedding(sparse=True)'s gradient) has no storage of its
-        # own: its memory is that of its parts.
-        for part in sparse_parts(value):
-            _storage_leaves(part, found)
-    elif isinstance(value, (torch.Tensor, torch.UntypedStorage)):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _storage_leaves(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _storage_leaves(item, found)
-
-
-def _key(leaf: torch.Tensor | torch.UntypedStorage) -> int:
-    storage = leaf if isinstance(leaf, torch.UntypedStorage) else leaf.untyped_storage()
-    return storage._cdata
+__all__ = [
+    "Allocations",
+    "LiveStorageTracker",
+    "StepMemory",
+    "cuda_blocks_split_exactly",
+    "is_measurement_hook",
+    "storage_bytes",
+    "tree_leaf_tensors",
+]
 
 
 class StepMemory:
@@ -182,6 +77,13 @@ class StepMemory:
     code accumulates into the parameters ``gradients_of`` stop counting, from that moment, in
     ``peak_less_gradients_bytes`` (they count in ``peak_bytes``): so one step whose .grad were
     None can be checked against the budget exactly. The CUDA allocator cannot tell them apart.
+
+    On CPU with ``allocator`` (the default), the CPU allocator's reports raise the peak to what
+    kernels allocated inside themselves, from entry to the first :meth:`pause` or the exit,
+    and from a :meth:`reset_peak` on; ``peak_so_far_bytes`` is the tracker's alone. Leave it
+    off for a measurement that starts or ends inside a backward pass (module notes of
+    :mod:`offremat._cpu_allocator`). The gradients' part of the allocator's peak is not known:
+    the peak less gradients takes off all those alive at the exit, which is never too much.
     """
 
     def __init__(
@@ -190,8 +92,12 @@ class StepMemory:
         inputs: Iterable[torch.Tensor] | Any = (),
         existing: Iterable[torch.UntypedStorage] = (),
         gradients_of: Iterable[torch.Tensor] = (),
+        allocator: bool = True,
     ):
         self.device = torch.device(device)
+        self._use_allocator = allocator
+        self._allocator: CpuAllocatorRecord | None = None
+        self._allocator_peak = 0  # the most the records counted read, in the tracker's bytes
         self.input_bytes = storage_bytes(tree_leaf_tensors(inputs))
         # Storages made before whose frees inside count, as the CUDA allocator counts them:
         # held weakly, so that they can be freed.
@@ -201,7 +107,7 @@ class StepMemory:
         self._gradient_parts: StorageTable[dict[int, int]] = StorageTable()
         self._hooks: list[Any] = []
         self._tracker: LiveStorageTracker | None = None
-        self._within_node: _WithinNode | None = None
+        self._within_node: WithinNode | None = None
         self._recording = False  # the tracker's dispatch mode is on the stack
         self._before = 0
         self.step_peak_bytes = 0
@@ -240,7 +146,25 @@ class StepMemory:
             ]
             self._tracker.__enter__()
             self._recording = True
+            self._open_allocator()
         return self
+
+    def _open_allocator(self) -> None:
+        if self._use_allocator and self._allocator is None and self._tracker is not None:
+            record = CpuAllocatorRecord(self._tracker.live_bytes).__enter__()
+            if record.recording:
+                self._allocator = self._tracker.allocator = record
+
+    def _close_allocator(self, counted: bool) -> None:
+        """End the allocator's record; ``counted``: its peak joins the step's."""
+        record, self._allocator = self._allocator, None
+        if record is None:
+            return
+        if self._tracker is not None:
+            self._tracker.allocator = None
+        record.__exit__(None, None, None)
+        if counted and record.peak_bytes is not None:
+            self._allocator_peak = max(self._allocator_peak, record.peak_bytes)
 
     def _accumulated(self, parameter: torch.Tensor) -> None:
         """A post-accumulate-grad hook: the parameter's gradient stops counting in the peak
@@ -251,7 +175,7 @@ class StepMemory:
         if self._tracker is None or parameter.grad is None:
             return
         found: list[Any] = []
-        _storage_leaves(parameter.grad, found)
+        storage_leaves(parameter.grad, found)
         for leaf in found:
             storage = leaf.untyped_storage()
             parts = self._gradient_parts.get(storage)
@@ -281,6 +205,9 @@ class StepMemory:
             self._tracker.peak_bytes = self._tracker.live_bytes
             self._tracker.peak_less_left_out_bytes = 0
             self._tracker.note_peak()
+            self._close_allocator(counted=False)
+            self._allocator_peak = 0
+            self._open_allocator()
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -290,6 +217,7 @@ class StepMemory:
         if self._tracker is not None and self._recording:
             if self.paused_bytes is None:
                 self.paused_bytes = self.live_bytes
+            self._close_allocator(counted=True)
             self._tracker.__exit__(None, None, None)
             self._recording = False
 
@@ -305,7 +233,7 @@ class StepMemory:
         node ends, which takes the tracker off again (see :mod:`offremat._plain_measured`)."""
         if self._tracker is not None and not self._recording:
             if self._within_node is None:  # a StepMemory has one tracker, entered once
-                self._within_node = _WithinNode(self._tracker)
+                self._within_node = WithinNode(self._tracker)
             _push_mode(self._within_node)
 
     def discard(self) -> None:
@@ -314,20 +242,25 @@ class StepMemory:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._close_allocator(counted=False)
         self.pause()
         self._tracker = None
 
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
+            self._close_allocator(counted=True)
             if self._recording:
                 self._tracker.__exit__(*exc)
                 self._recording = False
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
-            self.step_peak_bytes = self._tracker.peak_bytes - self._before
+            tracker = self._tracker
+            self.step_peak_bytes = max(tracker.peak_bytes, self._allocator_peak) - self._before
+            gradients = tracker.left_out_bytes if self._allocator_peak else 0
             self.step_peak_less_gradients_bytes = (
-                self._tracker.peak_less_left_out_bytes - self._before
+                max(tracker.peak_less_left_out_bytes, self._allocator_peak - gradients)
+                - self._before
             )
             self._tracker = None
             return

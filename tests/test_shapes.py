@@ -42,7 +42,8 @@ def check_step(om, model, reference, x, target) -> None:
     """One step of ``om`` against plain autograd: equal loss and gradients, peak in budget."""
     for parameter in (*model.parameters(), *reference.parameters()):
         parameter.grad = torch.zeros_like(parameter)
-    with StepMemory("cpu", inputs=(x, target)) as memory:
+    # The budget counts the model's input, not the loss's target (the caller's).
+    with StepMemory("cpu", inputs=x) as memory:
         loss = step(om, x, target)
     assert torch.equal(loss, step(reference, x, target))
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -1078,7 +1079,9 @@ def test_a_new_shape_planned_while_a_forward_awaits_its_backward_leaves_its_grap
     )
     model = copy.deepcopy(reference)
     large, small = torch.randn(8, 3, 24, 24), torch.randn(8, 3, 16, 16)
-    om = offremat.optimize(model, large, budget=0.5)
+    # Room for the second shape's plan beside the first forward's held bytes (with the
+    # convolutions' own scratch counted, 0.5 leaves none).
+    om = offremat.optimize(model, large, budget=0.6)
     for net in (reference, om):
         (net(large).square().mean() + net(small).square().mean()).backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
