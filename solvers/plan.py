@@ -187,7 +187,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Parse an ``offremat.plan/1`` object (the derived ``decisions`` are ignored)."""
+        """Parse an ``offremat.plan/1`` object; ``decisions``, derived from ``ops``, must agree
+        with them where given."""
         if not isinstance(data, dict):
             raise ValueError("plan: the top level must be a JSON object")
         check_fields(data, ("format", "stages", "solver", "ops"), _PLAN_FIELDS, "plan")
@@ -227,7 +228,7 @@ class Plan:
                     f"plan: field {name!r} must be a finite non-negative {kind} or null, "
                     f"got {shown}"
                 )
-        return cls(
+        plan = cls(
             ops=ops,
             stage_names=tuple(stages),
             solver=data["solver"],
@@ -237,6 +238,9 @@ class Plan:
             chain_name=data.get("chain", ""),
             info=_info(data.get("info")),
         )
+        if "decisions" in data:
+            _check_decisions(data["decisions"], plan)
+        return plan
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""
@@ -246,6 +250,25 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """Read a plan from JSON."""
         return cls.from_dict(parse_json(Path(path).read_text(), "plan"))
+
+
+def _check_decisions(written: Any, plan: Plan) -> None:
+    """Refuse ``decisions`` that are not what the plan's ops make (a typo, ops edited)."""
+    if not isinstance(written, dict):
+        raise ValueError(f"plan: field 'decisions' must be an object, got {written!r}")
+    derived = plan.decisions
+    for stage, decision in written.items():
+        if stage not in derived:
+            raise ValueError(f"plan: field 'decisions' names stage {stage!r}, not in 'stages'")
+        if decision != derived[stage]:
+            raise ValueError(
+                f"plan: field 'decisions' says stage {stage!r} is {decision!r}, but the plan's "
+                f"'ops' make it {derived[stage]!r}: decisions are derived from the ops, so "
+                "correct the field or leave it out"
+            )
+    missing = derived.keys() - written.keys()
+    if missing:
+        raise ValueError(f"plan: field 'decisions' leaves out stage {sorted(missing)[0]!r}")
 
 
 def _is_number(value: Any) -> bool:

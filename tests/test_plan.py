@@ -67,6 +67,34 @@ def test_json_round_trip(tmp_path) -> None:
     assert Plan.load(path) == mixed_plan()
 
 
+@pytest.mark.parametrize(
+    ("decisions", "message"),
+    [
+        ({"block3": "offlaod"}, "says stage 'block3' is 'offlaod'"),
+        ({"block3": "keep"}, "the plan's 'ops' make it 'offload'"),
+        ({"block9": "keep"}, "names stage 'block9'"),
+        ("keep", "must be an object"),
+    ],
+)
+def test_decisions_that_disagree_with_the_ops_are_refused(decisions, message) -> None:
+    # A hand-edited plan file's typo was read silently before (a new user's trial).
+    data = mixed_plan().to_dict()
+    if isinstance(decisions, dict):
+        decisions = {**data["decisions"], **decisions}
+    data["decisions"] = decisions
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(data)
+    del data["decisions"]
+    assert Plan.from_dict(data) == mixed_plan()
+
+
+def test_decisions_that_leave_a_stage_out_are_refused() -> None:
+    data = mixed_plan().to_dict()
+    del data["decisions"]["block2"]
+    with pytest.raises(ValueError, match="leaves out stage 'block2'"):
+        Plan.from_dict(data)
+
+
 def test_op_text_names_the_tensor() -> None:
     assert str(offload("saved", 3)) == "offload(x̄3)"
     assert str(prefetch("activation", 0)) == "prefetch(a0)"
