@@ -139,6 +139,25 @@ def test_the_bound_shown_is_the_one_the_plan_met(
     assert f"lower bound at this budget {shown_ms}" in out
 
 
+def test_without_a_link_the_bound_the_plan_met_is_the_lower_bound(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """No plan offloads on a chain without a host link, so the whole-tensor bound on
+    recomputing plans bounds every plan: shown as the lower bound, not beside a looser one (a
+    new user read "recomputing only" as room that offloading could take)."""
+    import dataclasses
+
+    from offremat.commands import load_chain
+
+    monkeypatch.setenv("COLUMNS", "200")
+    path = tmp_path / "no-link.json"
+    dataclasses.replace(load_chain("transformer"), link=None).save(path)
+    argv = ["solve", str(path), "--budget", "0.6", "--solver", "milp", "--time-limit", "5"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert "lower bound at this budget 63.98 ms)" in out
+
+
 def test_infeasible_budget_exits_3_with_the_least_budget(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -314,10 +333,11 @@ def test_verbose_before_or_after_the_subcommand(capsys: pytest.CaptureFixture[st
         assert code == 0 and json.loads(out)["feasible"] is True
 
 
-def test_module_entry_point_runs() -> None:
+@pytest.mark.parametrize("module", ["offremat", "offremat.cli"])
+def test_module_entry_point_runs(module: str) -> None:
     command = ["solve", "cnn", "--budget", "0.02", "--solver", "chen", "--json"]
     result = subprocess.run(
-        [sys.executable, "-m", "offremat.cli", *command],
+        [sys.executable, "-m", module, *command],
         capture_output=True,
         text=True,
         timeout=120,

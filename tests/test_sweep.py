@@ -167,6 +167,9 @@ def test_sweep_command_usage_errors_exit_2(tmp_path, capsys):
     assert "dp listed twice" in capsys.readouterr().err
     assert main(["sweep", "transformer", "--out", out, "--batch", "64"]) == 2
     assert "--batch sets the batch of --model" in capsys.readouterr().err
+    # One point swept keep-all's budget alone (a new user's trial).
+    assert main(["sweep", "transformer", "--out", out, "--points", "1"]) == 2
+    assert "--points" in capsys.readouterr().err
 
 
 def test_milp_keeps_the_default_time_limit_beside_other_options(monkeypatch):

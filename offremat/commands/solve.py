@@ -271,7 +271,7 @@ def _print_table(chain: Chain, plan: Plan) -> None:
     recomputing = ""
     if plan.info.get("solver_status") == MEETS_BOUND:
         met = max(bound, plan.info["best_bound"])  # the tighter bound the plan met
-        if plan.info.get("offload"):
+        if plan.info.get("offload") or chain.link is None:  # a bound on every plan
             bound = met
         else:  # without offloading, a bound on the plans that only recompute
             recomputing = f", {_format_seconds(met)} recomputing only"

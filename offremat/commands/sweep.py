@@ -60,10 +60,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", "-o", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
         "--points",
-        type=integer_at_least(1),
+        type=integer_at_least(2),
         default=12,
         metavar="N",
-        help="budgets on the grid (default 12)",
+        help="budgets on the grid, from the least feasible to keep-all's (default 12)",
     )
     parser.add_argument(
         "--methods",
