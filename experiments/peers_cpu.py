@@ -7,8 +7,9 @@ whose measured peak fits, ``torch.compile`` with ``activation_memory_budget`` sw
 offremat's dp and milp plans.
 
 Memory is measured the same way for every method: :class:`offremat.measure.StepMemory`, a
-dispatch-mode tracker of the storages created during one untimed step, plus the input batch,
-with the parameter gradients allocated beforehand. A second, independent measurement is the
+dispatch-mode tracker of the storages created during one untimed step joined with the CPU
+allocator's reports of what kernels allocate inside themselves, plus the input batch, with the
+parameter gradients allocated beforehand. A second, independent measurement is the
 process's resident-memory peak during one step, in separate memory workers (run with
 ``MALLOC_MMAP_THRESHOLD_=65536``; ``/proc/self/clear_refs`` resets VmHWM; peak = VmHWM - VmRSS
 at the step start + the input batch). The tracker cannot see compiled code (dynamo skips

@@ -158,8 +158,8 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                 f"{r['model']} {r['fraction']:.1f} {r['method']} {r['rss_ratio']:.3f}"
                 for r in rss_over
             )
-            + " (offloaded host copies live in the same RAM on CPU; RSS also counts allocator "
-            "slack)."
+            + " (offloaded host copies live in the same RAM on CPU, outside the budget as "
+            "pinned memory is on a GPU; RSS also counts allocator slack)."
         )
     for heap in HEAPS:
         out += dp_against_checkpointing(timed, heap)
@@ -280,11 +280,13 @@ def markdown(
         "predicted activation peak) for the chain from one `offremat.profile_model` call; the "
         "same byte budget is given to every method.",
         "- Memory, tracker column: `offremat.measure.StepMemory('cpu', batch)`, a dispatch-mode "
-        "tracker of the live storages created during one untimed training step, plus the input "
-        "batch; parameter gradients are pre-allocated (`p.grad = torch.zeros_like(p)`) so they "
-        "are not counted. This is the library's definition of the peak; fits (tracker) means "
-        "tracker peak <= budget bytes. It cannot see compiled code: dynamo skips frames under "
-        "a TorchDispatchMode, so it is not given for torch.compile.",
+        "tracker of the live storages created during one untimed training step, joined with "
+        "the CPU allocator's reports of what kernels allocate inside themselves (oneDNN's "
+        "scratch; `offremat/_cpu_allocator.py`), plus the input batch; parameter gradients "
+        "are pre-allocated (`p.grad = torch.zeros_like(p)`) so they are not counted. This is "
+        "the library's definition of the peak; fits (tracker) means tracker peak <= budget "
+        "bytes. It cannot see compiled code: dynamo skips frames under a TorchDispatchMode, so "
+        "it is not given for torch.compile.",
         "- Memory, RSS column (independent): measured in memory workers, separate from the "
         "timing workers, each a fresh interpreter (spawn) started with "
         f"`MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` in its environment, so each allocation of "
@@ -295,8 +297,8 @@ def markdown(
         "RSS peak = VmHWM - VmRSS at the start + the input batch's bytes. The column is the "
         f"median over {args.rss_rounds} such processes. On CPU, offloaded host copies live in the "
         "same RAM, so RSS includes them (offload rows read higher under RSS than under the "
-        "tracker), and RSS sees everything (allocator slack, whole pages, small allocations "
-        "below the threshold), so it reads a bit above the tracker.",
+        "tracker); RSS also sees allocator slack, whole pages and small allocations below the "
+        "threshold, and leaves out pages allocated but never touched.",
         f"- Time: each configuration runs in its own fresh process (forkserver, torch "
         f"preloaded, `torch.set_num_threads(1)`; the mmap threshold of the memory workers makes "
         "every large allocation page-fault afresh, which is not how anyone trains, so timing "
