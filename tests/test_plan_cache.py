@@ -228,6 +228,7 @@ def test_another_shape_s_entry_of_other_stages_is_ignored(tmp_path, caplog) -> N
             {"op": "B", "index": 2},
             {"op": "B", "index": 1},
         ]
+        data["plan"]["decisions"] = {"0": "keep", "1": "keep"}
 
     _edit_entry(path, two_stages)
     again = offremat.optimize(_mlp(), x, budget=0.8, cache_dir=tmp_path)
