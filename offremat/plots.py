@@ -177,6 +177,17 @@ METHOD_STYLE = {
 }
 
 
+def _same_points(
+    first: tuple[list[float], list[float]], second: tuple[list[float], list[float]]
+) -> bool:
+    """Whether two lines have the same feasible points (those of no plan are NaN)."""
+    points = [
+        {(x, y) for x, y in zip(*line, strict=True) if not math.isnan(y)}
+        for line in (first, second)
+    ]
+    return bool(points[0]) and points[0] == points[1]
+
+
 def plot_sweep(
     points: Sequence[SweepPoint], chain: Chain, path: str | Path | None = None, title: str = ""
 ) -> Figure:
@@ -192,14 +203,23 @@ def plot_sweep(
     divisor, unit = byte_unit(max(budgets))
     floor = chain.compute_time_s
     scale, time_unit = (1.0, "s") if floor >= 1.0 else (1e3, "ms")
+    lines: dict[str, tuple[list[float], list[float]]] = {}
     for method in [m for m in METHOD_STYLE if any(p.method == m for p in points)]:
-        color, marker = METHOD_STYLE[method]
         rows = sorted((p for p in points if p.method == method), key=lambda p: p.budget_bytes)
         xs = [p.budget_bytes / divisor for p in rows]
         ys = [math.nan if p.predicted_time_s is None else p.predicted_time_s * scale for p in rows]
+        lines[method] = (xs, ys)
+    methods = list(lines)
+    for position, method in enumerate(methods):
+        color, marker = METHOD_STYLE[method]
+        xs, ys = lines[method]
         label = method
-        if not any(p.feasible for p in rows):
+        if all(math.isnan(y) for y in ys):
             label += " (no plan fits)"
+        # A line drawn later over the same points hides this one: the legend says so.
+        over = [m for m in methods[position + 1 :] if _same_points(lines[m], lines[method])]
+        if over:
+            label += f" (under {over[-1]}: the same times)"
         above = [y for y in ys if y > SWEEP_TIME_CAP * floor * scale]
         if above:
             label += f" (off scale up to {max(above):.3g} {time_unit})"

@@ -118,9 +118,30 @@ def test_sweep_plot_has_one_line_per_method(tmp_path):
     path = tmp_path / "sweep.png"
     figure = plot_sweep(points, chain, path)
     assert path.read_bytes()[:4] == b"\x89PNG"
-    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    labels = [line.get_label().split(" (")[0] for line in figure.axes[0].get_lines()]
     assert set(RECOMPUTE_AND_BASELINES) <= set(labels)
     assert figure.axes[0].get_xlabel().startswith("memory budget")
+
+
+def test_a_line_hidden_under_another_of_the_same_times_says_so(tmp_path):
+    """offload-all's line lay under milp's, of the same points, with nothing to show it (a
+    new user's trial)."""
+    from offremat.sweep import SweepPoint
+
+    chain = _chain()
+    budgets = budget_range(chain, count=3)
+    points = [
+        SweepPoint(method, budget, 0.01 * (1 + index), 1000, 0.0)
+        for method in ("offload-all", "dp", "milp")
+        for index, budget in enumerate(budgets)
+        if method != "dp" or index
+    ]
+    figure = plot_sweep(points, chain, tmp_path / "sweep.png")
+    labels = {
+        line.get_label().split(" (")[0]: line.get_label() for line in figure.axes[0].get_lines()
+    }
+    assert labels["offload-all"] == "offload-all (under milp: the same times)"
+    assert labels["milp"] == "milp" and labels["dp"] == "dp"
 
 
 def test_sweep_command_writes_csv_and_png_for_a_chain_file(tmp_path, capsys):
