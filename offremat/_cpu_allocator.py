@@ -24,7 +24,13 @@ Rules that keep it safe:
   node, the thread-local state it captured when the backward began, profiler included; a
   profiler switched in a hook would be switched back for the nodes after it, and on again
   for the caller once the backward returns. Entered inside a backward, nothing is recorded;
-  left inside one (entered outside), it raises.
+  left inside one (entered outside), it raises and changes nothing, so that leaving it again
+  outside the backward ends it.
+
+The legacy profiler keeps a record of every op until its session ends, a few kilobytes an
+op of host memory (about 190 MiB for 3,000 small ops forward and backward, in a review) and
+about as much time again as the ops themselves: a reading for a measurement, not for every
+step.
 """
 
 from __future__ import annotations
@@ -153,10 +159,8 @@ class CpuAllocatorRecord:
                 "it (offremat._cpu_allocator)"
             )
         records = _open_records()
-        if records[-1] is not self:
-            raise RuntimeError("CPU allocator records must be left in the order entered")
         _end_session(records)
-        records.pop()
+        records.remove(self)  # every open record has read the session: any order will do
         self._recording = False
         self.peak_bytes = max(self.span_peak_bytes)
         if records:
@@ -175,8 +179,9 @@ class CpuAllocatorRecord:
             ordered = heapq.merge(*streams, key=start.cpu_elapsed_us)
         else:
             ordered = (r for stream in streams for r in stream)
-        # A free of a block allocated in an earlier session goes unreported: the next mark
-        # starts again from the tracker's bytes.
+        # The allocator reports a block's free by the size it noted when profiling saw it
+        # allocated; one allocated before any session is freed unreported, and a mark starts
+        # the next span again from the tracker's bytes.
         allocated, span_start = 0, -self._rise
         for record in ordered:
             if record.kind() == "memory_alloc":

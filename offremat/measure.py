@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from offremat._cpu_allocator import CpuAllocatorRecord
@@ -156,13 +156,15 @@ class StepMemory:
                 self._allocator = self._tracker.allocator = record
 
     def _close_allocator(self, counted: bool) -> None:
-        """End the allocator's record; ``counted``: its peak joins the step's."""
-        record, self._allocator = self._allocator, None
+        """End the allocator's record; ``counted``: its peak joins the step's. Inside a
+        backward it raises with nothing changed (offremat._cpu_allocator)."""
+        record = self._allocator
         if record is None:
             return
+        record.__exit__(None, None, None)
+        self._allocator = None
         if self._tracker is not None:
             self._tracker.allocator = None
-        record.__exit__(None, None, None)
         if counted and record.peak_bytes is not None:
             self._allocator_peak = max(self._allocator_peak, record.peak_bytes)
 
@@ -248,6 +250,12 @@ class StepMemory:
 
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
+            if self._allocator is not None and _get_current_dispatch_mode() is not self._tracker:
+                # Its tracker's mode would come off the stack from under another's.
+                raise RuntimeError(
+                    "StepMemory measurements must be left innermost first, in the reverse "
+                    "order of entering them"
+                )
             self._close_allocator(counted=True)
             if self._recording:
                 self._tracker.__exit__(*exc)

@@ -1,9 +1,12 @@
 """What kernels allocate inside themselves counts on CPU (offremat._cpu_allocator).
 
 The outside oracle is the process's resident memory: in a fresh interpreter started with
-``MALLOC_MMAP_THRESHOLD_=65536`` every block of 64 KiB or more is its own mapping, returned
-to the system when freed, so the resident high-water mark of one step (``/proc/self/status``
-VmHWM after writing 5 to ``/proc/self/clear_refs``) is what the step held at once.
+``MALLOC_MMAP_THRESHOLD_=65536`` every block of 64 KiB or more that grows the heap is its own
+mapping, returned to the system when freed, and ``malloc_trim(0)`` before the step gives
+back the free heap that earlier work left (the profiler's records among it, which a step's
+blocks would otherwise reuse unseen), so the resident high-water mark of one step
+(``/proc/self/status`` VmHWM after writing 5 to ``/proc/self/clear_refs``) is what the step
+held at once.
 """
 
 from __future__ import annotations
@@ -38,20 +41,23 @@ RESIDENT = textwrap.dedent(
         return out
 
     def measure(step, zero):
+        import ctypes
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
         for _ in range(3):  # first calls allocate caches that stay
             zero()
-            step()
-        zero()
-        with StepMemory("cpu") as memory:
             step()
         peaks = []
         for _ in range(3):
             zero()
+            trim(0)
             with open("/proc/self/clear_refs", "w") as handle:
                 handle.write("5")
             before = resident()["VmRSS"]
             step()
             peaks.append(resident()["VmHWM"] - before)
+        zero()
+        with StepMemory("cpu") as memory:
+            step()
         return {"measured": memory.step_peak_bytes, "resident": min(peaks)}
     """
 )
@@ -168,3 +174,57 @@ def test_a_measurement_entered_inside_a_backward_records_no_allocator() -> None:
     y.sum().backward()
     assert readings == [(1 << 18, False)]
     assert not torch.autograd._profiler_enabled()
+
+
+def test_a_measurement_left_inside_a_backward_changes_nothing_until_left_outside() -> None:
+    # It raised after letting go of its record, which left the profiler on for good: 900 MiB
+    # more resident memory over the next 200k ops (review 34).
+    x = torch.ones(1 << 12, requires_grad=True)
+    memory = StepMemory("cpu").__enter__()
+    y = x * 2
+    errors = []
+
+    def leave(grad: torch.Tensor) -> None:
+        try:
+            memory.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    y.register_hook(leave)
+    y.sum().backward()
+    assert errors and "left outside it" in errors[0]
+    assert torch.autograd._profiler_enabled()  # still open, as it was
+    memory.__exit__(None, None, None)
+    assert not torch.autograd._profiler_enabled()
+    assert memory.step_peak_bytes >= y.untyped_storage().nbytes()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_measurements_left_out_of_order_are_refused_and_can_be_left_in_order() -> None:
+    outer, inner = StepMemory("cpu"), StepMemory("cpu")
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="innermost first"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
+    assert not torch.autograd._profiler_enabled()
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_allocator_records_may_be_left_in_any_order() -> None:
+    from offremat._cpu_allocator import CpuAllocatorRecord
+
+    first, second = CpuAllocatorRecord(0), CpuAllocatorRecord(0)
+    first.__enter__()
+    a = torch.ones(1 << 16)
+    second.__enter__()
+    b = torch.ones(1 << 17)
+    first.__exit__(None, None, None)
+    assert torch.autograd._profiler_enabled()  # the second goes on
+    c = torch.ones(1 << 18)
+    second.__exit__(None, None, None)
+    assert not torch.autograd._profiler_enabled()
+    assert first.peak_bytes == (1 << 18) + (1 << 19)
+    assert second.peak_bytes == (1 << 19) + (1 << 20)
+    del a, b, c
