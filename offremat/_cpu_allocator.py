@@ -100,12 +100,13 @@ class CpuAllocatorRecord:
     """Every allocation and free through PyTorch's CPU allocator while active, read between
     the marks of a :class:`offremat._live_storages.LiveStorageTracker`.
 
-    The allocator reports no free of memory allocated before the profiler's session began (it
-    does not know its size), while the tracker sees those frees. So the two are joined: the
-    tracker marks its live bytes before and after each op, and a span's peak (from one mark to
-    the next) is the tracker's bytes at its start plus the most the allocator saw rise within
-    it: within one op, the op's outputs and its kernels' own allocations. ``peak_bytes`` is
-    the most of them; None where nothing could be recorded (see the module notes).
+    The allocator reports no free of a block it never saw allocated (one allocated before any
+    session, whose size it does not know), while the tracker sees those frees. So the two are
+    joined: the tracker marks its live bytes before and after each op, and a span's peak (from
+    one mark to the next) is the tracker's bytes at its start plus the most the allocator saw
+    rise within it: within one op, the op's outputs and its kernels' own allocations.
+    ``peak_bytes`` is the most of them; None where nothing could be recorded (see the module
+    notes).
     """
 
     def __init__(self, base_bytes: int) -> None:
