@@ -96,7 +96,6 @@ class StepMemory:
     ):
         self.device = torch.device(device)
         self._use_allocator = allocator
-        self._allocator: CpuAllocatorRecord | None = None
         self._allocator_peak = 0  # the most the records counted read, in the tracker's bytes
         self.input_bytes = storage_bytes(tree_leaf_tensors(inputs))
         # Storages made before whose frees inside count, as the CUDA allocator counts them:
@@ -150,21 +149,20 @@ class StepMemory:
         return self
 
     def _open_allocator(self) -> None:
-        if self._use_allocator and self._allocator is None and self._tracker is not None:
-            record = CpuAllocatorRecord(self._tracker.live_bytes).__enter__()
+        tracker = self._tracker
+        if self._use_allocator and tracker is not None and tracker.allocator is None:
+            record = CpuAllocatorRecord(tracker.live_bytes).__enter__()
             if record.recording:
-                self._allocator = self._tracker.allocator = record
+                tracker.allocator = record
 
     def _close_allocator(self, counted: bool) -> None:
         """End the allocator's record; ``counted``: its peak joins the step's. Inside a
         backward it raises with nothing changed (offremat._cpu_allocator)."""
-        record = self._allocator
+        record = None if self._tracker is None else self._tracker.allocator
         if record is None:
             return
         record.__exit__(None, None, None)
-        self._allocator = None
-        if self._tracker is not None:
-            self._tracker.allocator = None
+        self._tracker.allocator = None
         if counted and record.peak_bytes is not None:
             self._allocator_peak = max(self._allocator_peak, record.peak_bytes)
 
@@ -250,7 +248,8 @@ class StepMemory:
 
     def __exit__(self, *exc: Any) -> None:
         if self._tracker is not None:
-            if self._allocator is not None and _get_current_dispatch_mode() is not self._tracker:
+            recording = self._tracker.allocator is not None
+            if recording and _get_current_dispatch_mode() is not self._tracker:
                 # Its tracker's mode would come off the stack from under another's.
                 raise RuntimeError(
                     "StepMemory measurements must be left innermost first, in the reverse "
