@@ -1,6 +1,6 @@
 """Where offremat's step loses to torch's checkpoint_sequential on CPU: its own cost, page faults.
 
-Two parts, each in one fresh process with one torch thread, the methods alternating in
+Three parts, each in one fresh process with one torch thread, the methods alternating in
 rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm-up step):
 
 - ``own-cost``: a 10-stage GPT so small that its compute is negligible (hidden 16, 8 tokens),
@@ -10,13 +10,16 @@ rotating order over ``--rounds`` rounds of ``--steps`` timed steps (after a warm
 - ``faults``: the GPT of ``peers_cpu.py`` at 30% and 50% of keep-all: ``checkpoint_sequential``
   with the segment count that won ``peers_cpu.py`` there (9 and 7), offremat running that
   schedule, and offremat's dp plan, exact and with ``tolerance=0.005``, and the exact dp plan
-  run by ``torch.utils.checkpoint`` (each stage it recomputes checkpointed alone, where the
-  plan has that shape): the control that tells the plan's cost from the executor's. Step
+  run by ``torch.utils.checkpoint`` (each run of stages it recomputes together under one
+  checkpoint, where the plan has that shape): the control that tells the plan's cost from
+  the executor's. Step
   time and minor page faults per step (``getrusage``). It runs twice: with glibc's default
   settings (any ``MALLOC_*`` variable of this environment left out), which give freed
   memory back to the system between allocations so that the next ones fault it in again,
   and with glibc told to keep it (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``),
   as the CUDA caching allocator keeps freed blocks on a GPU.
+- ``resnet``: the same for the ResNet of ``peers_cpu.py`` at 70% of keep-all, the one budget
+  where a plan fits it, against ``checkpoint_sequential`` with 3 segments.
 
     python experiments/overhead_cpu.py --out experiments/results/overhead_cpu.md
 """
@@ -40,9 +43,16 @@ import torch
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import offremat
-from offremat.models import GPTConfig, build_gpt, gpt_batch
+from offremat.models import (
+    GPTConfig,
+    ResNetConfig,
+    build_gpt,
+    build_resnet,
+    gpt_batch,
+    resnet_batch,
+)
 from solvers.baselines import checkpoint_sequential_plan, keep_all
-from solvers.ops import BACKWARD, F_ALL, F_CK, backward, forward_all
+from solvers.ops import BACKWARD, F_ALL, F_CK, F_NONE, backward, forward_all
 from solvers.plan import Plan
 from solvers.registry import keep_all_peak, solve
 from solvers.simulator import score
@@ -50,18 +60,25 @@ from solvers.simulator import score
 SEGMENTS = 9
 # Budget fraction: the segment count that won peers_cpu.py there (8ef174c at 30%, bede561 at 50%).
 BUDGETS = {0.3: 9, 0.5: 7}
+# The ResNet's budget fraction and segment count (peers_cpu.py at 5c3d75a).
+RESNET_BUDGET = (0.7, 3)
 KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(2**34), "MALLOC_MMAP_THRESHOLD_": str(2**25)}
 TINY = GPTConfig(layers=8, hidden=16, heads=2, seq=8, vocab=32, dropout=0.0)
 PEERS = GPTConfig(layers=8, hidden=256, heads=4, seq=128, vocab=1024, dropout=0.0)
+RESNET = ResNetConfig(blocks=(2, 2, 2), width=16, image=32)
 
 
 def methods(part: str, fraction: float) -> dict[str, Any]:
     """The callables whose ``f(batch).backward()`` is one training step, by name."""
-    config, rows = (TINY, 1) if part == "own-cost" else (PEERS, 8)
-    model, batch = build_gpt(config, seed=0), gpt_batch(config, rows, seed=0)
+    if part == "resnet":
+        model, batch = build_resnet(RESNET, seed=0), resnet_batch(RESNET, 32, seed=0)
+    else:
+        config, rows = (TINY, 1) if part == "own-cost" else (PEERS, 8)
+        model, batch = build_gpt(config, seed=0), gpt_batch(config, rows, seed=0)
     chain = offremat.profile_model(model, batch)
-    budget = int(fraction * keep_all_peak(chain)) if part == "faults" else None
-    segments = BUDGETS[fraction] if part == "faults" else SEGMENTS
+    budget = None if part == "own-cost" else int(fraction * keep_all_peak(chain))
+    segments = {"own-cost": SEGMENTS, "resnet": RESNET_BUDGET[1]}.get(part)
+    segments = segments or BUDGETS[fraction]
     schedule = score(checkpoint_sequential_plan(chain, segments), chain, budget)
     found = {
         "checkpoint_sequential": lambda b: checkpoint_sequential(
@@ -76,10 +93,10 @@ def methods(part: str, fraction: float) -> dict[str, Any]:
     else:
         plan = solve(chain, budget, "dp")  # the exact optimum
         found["offremat dp, exact"] = offremat.optimize(model, batch, chain=chain, plan=plan)
-        alone = checkpointed_alone(plan)
-        if alone is not None:
+        runs = checkpointed_runs(plan)
+        if runs is not None:
             # The control: the same plan, run by torch's checkpoint instead of offremat.
-            found["dp's plan, run by torch.utils.checkpoint"] = per_stage_checkpoint(model, alone)
+            found["dp's plan, run by torch.utils.checkpoint"] = run_checkpoint(model, runs)
         found["offremat dp, tolerance 0.005"] = offremat.optimize(
             model, batch, budget=budget, chain=chain, tolerance=0.005
         )
@@ -93,30 +110,49 @@ def methods(part: str, fraction: float) -> dict[str, Any]:
     return {"batch": batch, "methods": found, "predicted": predicted}
 
 
-def checkpointed_alone(plan: Plan) -> set[int] | None:
-    """The stages ``plan`` recomputes, if ``torch.utils.checkpoint`` runs it exactly: each of
-    them checkpointed alone (F_ck, then one F_all right before its B), the rest kept; else
-    None (a plan with F_none, offloads or repeated recomputations)."""
+def checkpointed_runs(plan: Plan) -> list[tuple[int, int]] | None:
+    """The runs of stages (first, last) that ``plan`` recomputes, if ``torch.utils.checkpoint``
+    runs it exactly: each run under one checkpoint (F_ck of its first stage, F_none of the
+    rest, then F_all of them all right before their Bs), the other stages kept; else None (a
+    plan with offloads, or recomputations nested or repeated)."""
     start = next(k for k, op in enumerate(plan.ops) if op.kind == BACKWARD)
     first_pass = plan.ops[:start]
     if [op.index for op in first_pass] != list(range(1, plan.length + 1)):
         return None
-    if any(op.kind not in (F_CK, F_ALL) for op in first_pass):
-        return None
-    alone = {op.index for op in first_pass if op.kind == F_CK}
+    runs: list[tuple[int, int]] = []
+    for op in first_pass:
+        if op.kind == F_CK:
+            runs.append((op.index, op.index))
+        elif op.kind == F_NONE and runs and runs[-1][1] == op.index - 1:
+            runs[-1] = (runs[-1][0], op.index)
+        elif op.kind != F_ALL:
+            return None
+    ends = {last: first for first, last in runs}
     expected = []
-    for i in range(plan.length, 0, -1):
-        expected += [forward_all(i), backward(i)] if i in alone else [backward(i)]
-    return alone if list(plan.ops[start:]) == expected else None
+    i = plan.length
+    while i > 0:
+        first = ends.get(i, i)
+        expected += [forward_all(k) for k in range(first, i + 1)] if i in ends else []
+        expected += [backward(k) for k in range(i, first - 1, -1)]
+        i = first - 1
+    return runs if list(plan.ops[start:]) == expected else None
 
 
-def per_stage_checkpoint(model: torch.nn.Sequential, alone: set[int]) -> Any:
-    """The model's step with the stages in ``alone`` each under ``checkpoint``."""
+def run_checkpoint(model: torch.nn.Sequential, runs: list[tuple[int, int]]) -> Any:
+    """The model's step with each run of stages in ``runs`` under one ``checkpoint``."""
     stages = list(model)
+    firsts = {first: torch.nn.Sequential(*stages[first - 1 : last]) for first, last in runs}
+    lasts = {first: last for first, last in runs}
 
     def step(value: Any) -> Any:
-        for i, stage in enumerate(stages, 1):
-            value = checkpoint(stage, value, use_reentrant=False) if i in alone else stage(value)
+        i = 1
+        while i <= len(stages):
+            if i in firsts:
+                value = checkpoint(firsts[i], value, use_reentrant=False)
+                i = lasts[i] + 1
+            else:
+                value = stages[i - 1](value)
+                i += 1
         return value
 
     return step
@@ -193,20 +229,21 @@ def cpu_model() -> str:
 
 
 def fault_section(
-    fraction: float, segments: int, rounds: int, steps: int, settings: str
+    part: str, fraction: float, segments: int, rounds: int, steps: int, settings: str
 ) -> list[str]:
-    """The ``faults`` part at one budget, under both glibc settings."""
+    """The ``faults`` or ``resnet`` part at one budget, under both glibc settings."""
+    model = f"{PEERS}, batch 8" if part == "faults" else f"{RESNET}, batch 32"
     return [
-        f"## Page faults: {PEERS}, batch 8, {fraction:.0%} of keep-all, "
+        f"## Page faults: {model}, {fraction:.0%} of keep-all, "
         f"checkpoint_sequential with {segments} segments",
         "",
         "glibc's default settings:",
         "",
-        *table(run_part("faults", rounds, steps, {}, fraction), "checkpoint_sequential"),
+        *table(run_part(part, rounds, steps, {}, fraction), "checkpoint_sequential"),
         "",
         f"glibc keeping freed memory ({settings}):",
         "",
-        *table(run_part("faults", rounds, steps, KEEP_FREED, fraction), "checkpoint_sequential"),
+        *table(run_part(part, rounds, steps, KEEP_FREED, fraction), "checkpoint_sequential"),
         "",
     ]
 
@@ -215,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--part", choices=("own-cost", "faults"), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("own-cost", "faults", "resnet"), help=argparse.SUPPRESS)
     parser.add_argument("--fraction", type=float, default=0.3, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="experiments/results/overhead_cpu.md")
     args = parser.parse_args()
@@ -242,8 +279,11 @@ def main() -> None:
         *[
             line
             for fraction, segments in BUDGETS.items()
-            for line in fault_section(fraction, segments, args.rounds, args.steps, settings)
+            for line in fault_section(
+                "faults", fraction, segments, args.rounds, args.steps, settings
+            )
         ],
+        *fault_section("resnet", *RESNET_BUDGET, args.rounds, 3 * args.steps, settings),
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
