@@ -4,9 +4,10 @@ the CPU, or assert CPU-only facts (the dispatch-mode tracker, bitwise CPU kernel
 fail for that reason alone; read such failures before counting them against the executor.
 
 The suite runs in parallel (pytest-xdist, ``-n auto`` in pyproject.toml), one worker per
-core, each with its share of the cores for torch's threads (workers that each took every
-core would spin against each other); serially where a GPU is present, whose tests measure
-the device's memory and timing, which workers would share."""
+core, each with its share of the cores for torch's threads, and for the processes its tests
+start (workers that each took every core would spin against each other); serially where a
+GPU is present, whose tests measure the device's memory and timing, which workers would
+share."""
 
 import os
 
@@ -22,7 +23,9 @@ def _cores() -> int:
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, _cores() // _WORKERS))
+    _SHARE = max(1, _cores() // _WORKERS)
+    torch.set_num_threads(_SHARE)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)  # the processes that tests start, too
 
 _DEVICE = os.environ.get("OFFREMAT_TEST_DEVICE")
 if _DEVICE:

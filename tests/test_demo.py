@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 from rich.console import Console
 
 from offremat.demo import (
@@ -59,10 +60,15 @@ def test_the_table_has_one_row_per_method_and_keep_all_is_over_budget(report):
 def test_demo_command_exits_zero_when_losses_agree(capsys):
     from offremat.cli import main
 
+    threads = torch.get_num_threads()  # the command sets one for its process: given back
+
     # On CPU whatever the host has: the CUDA comparison is checked on a GPU (pytest -m gpu).
     argv = ["demo", "--device", "cpu", "--layers", "2", "--hidden", "32", "--heads", "2"]
     argv += ["--seq", "8"]
-    assert main([*argv, "--batch", "2", "--steps", "2", "--milp-time-limit", "5"]) == 0
+    try:
+        assert main([*argv, "--batch", "2", "--steps", "2", "--milp-time-limit", "5"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "offremat dp" in out and "losses identical" in out
 
