@@ -26,7 +26,8 @@ StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their 
 
 def stage_state(stages: Sequence[nn.Module]) -> StageState:
     """What the stages' plans are made for, in one walk (it runs at every step): each
-    module's type, its parameters' shapes, dtypes, devices and ``requires_grad``, its
+    module's type, its parameters' shapes, dtypes, devices and ``requires_grad`` and whether
+    each has a gradient hook (whose new gradient the profile counts), its
     hooks (one that logs activations keeps them, which the profile measures) and the
     implementations its ``config`` picks (a Hugging Face model's attention
     implementation, which decides what attention saves); and each module's training
@@ -52,7 +53,7 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
             if rates:
                 modules.append(("dropout", rates))
             modules.extend(
-                (p.shape, p.dtype, p.device, p.requires_grad)
+                (p.shape, p.dtype, p.device, p.requires_grad, bool(p._backward_hooks))
                 for p in module._parameters.values()
                 if p is not None
             )

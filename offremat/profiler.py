@@ -109,6 +109,7 @@ def profile_model(
     # its stage's backward (offremat._pinned_grads).
     parameters = [list(stage_module(g).parameters()) for g in grouped]
     shared, added = shared_gradient_bytes(parameters)
+    hooked = [hooked_gradient_bytes(stage_parameters) for stage_parameters in parameters]
     several = {key for key, (_, used) in parameter_users(parameters).items() if len(used) > 1}
     pinned = held_pinned_bytes([m.pinned_grads for m in measured], several)
     chain_stages = tuple(
@@ -119,12 +120,12 @@ def profile_model(
             out_bytes=m.out_bytes,
             saved_bytes=m.saved_bytes,
             fwd_tmp_bytes=m.fwd_tmp_bytes,
-            bwd_tmp_bytes=m.bwd_tmp_bytes + extra,
+            bwd_tmp_bytes=m.bwd_tmp_bytes + extra + hook,
             nograd_fwd_tmp_bytes=m.nograd_fwd_tmp_bytes,
             grad_bytes=m.grad_bytes,
             refill_s=m.refill_s,
         )
-        for stage_name, m, extra in zip(names, measured, added, strict=True)
+        for stage_name, m, extra, hook in zip(names, measured, added, hooked, strict=True)
     )
     # The leaves a stage's graph holds live from its first forward to its backward in every
     # plan (a recomputed stage's forward keeps its graph, offremat._deferred), and to the end
@@ -242,6 +243,18 @@ def cover_plain_autograd(chain: Chain, through_first: bool = False) -> Chain:
     covered = raised_backward(chain, need - at_turn)
     covered.metadata["plain_autograd_bytes"] = need - at_turn
     return covered
+
+
+def hooked_gradient_bytes(parameters: Sequence[torch.Tensor]) -> int:
+    """The bytes of the largest gradient among the trainable ``parameters`` with a tensor
+    hook (``register_hook``). Such a hook may return a new gradient (a clip), which autograd
+    holds beside its own until it accumulates it: one gradient more in the stage's backward.
+    Profiling sets these hooks aside (:func:`offremat._blocks.untouched`), so it never sees
+    that gradient; a hook that makes more than one inside is left to the steps' checks."""
+    return max(
+        (p.numel() * p.element_size() for p in parameters if p.requires_grad and p._backward_hooks),
+        default=0,
+    )
 
 
 def raised_backward(chain: Chain, extra: int | Sequence[int]) -> Chain:
