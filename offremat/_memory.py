@@ -194,6 +194,16 @@ class Residency:
                 record.refs.append(ref)
         return tuple(held.values())
 
+    def count_reached(self, reached: dict[int, int]) -> None:
+        """Count of the step's input's storages only the bytes it reaches (``reached``, by
+        key: :func:`offremat._tensors.reached_bytes`), as the budget counts a_0: of a batch
+        sliced from a dataset, the slice, not the dataset there before the step."""
+        for key, nbytes in reached.items():
+            record = self.records.get(key)
+            if record is not None and nbytes < record.nbytes:
+                self.live_bytes -= record.nbytes - nbytes
+                record.nbytes = nbytes
+
     def _count(
         self, tensor: torch.Tensor, movable: bool, held: dict[int, StorageRecord]
     ) -> StorageRecord | None:

@@ -37,7 +37,7 @@ from offremat._step_budget import (
 )
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
 from offremat._step_settle import settle_measurement
-from offremat._tensors import Structure, TensorKind, is_differentiable
+from offremat._tensors import Structure, TensorKind, is_differentiable, reached_bytes
 from offremat.measure import StepMemory, is_measurement_hook
 from solvers.host import ISSUE, RELEASE, HostAction
 from solvers.plan import (
@@ -191,6 +191,7 @@ class _Step(Compute):
         # The caller's input: resident for the whole step, never moved.
         refs: list[TensorRef | None] = [TensorRef(t) for t in tensors]
         source = PlanTensor(refs, structure, self.residency.hold(refs, movable=False))
+        self.residency.count_reached(reached_bytes(tensors))
         self.on_device[(ACTIVATION, 0)] = source
 
     # The two halves of the plan.

@@ -225,6 +225,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     the bytes they cover together once. Where the views' own elements take fewer bytes than
     that range (a column of a dataset), those count.
     """
+    return sum(reached_bytes(tensors).values())
+
+
+def reached_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """:func:`storage_bytes` per storage, by :func:`storage_key`."""
     reached: dict[int, list[tuple[int, int]]] = {}
     elements: dict[int, int] = {}
     for tensor in tensors:
@@ -234,7 +239,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
                 key = storage._cdata
                 reached.setdefault(key, []).append(_byte_range(part))
                 elements[key] = elements.get(key, 0) + _element_bytes(part)
-    return sum(min(_covered(ranges), elements[key]) for key, ranges in reached.items())
+    return {key: min(_covered(ranges), elements[key]) for key, ranges in reached.items()}
 
 
 def _element_bytes(tensor: torch.Tensor) -> int:
