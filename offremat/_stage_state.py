@@ -24,10 +24,16 @@ from offremat._blocks import output_capture_hooks
 StageState = tuple[tuple[Any, ...], tuple[bool, ...]]  # the modules' and their modes
 
 
+def hook_count(parameter: nn.Parameter) -> int:
+    """How many new gradients the parameter's tensor hooks (``register_hook``) can hold at
+    once: 0, 1, or 2 for several (each makes the next from the last)."""
+    return min(len(parameter._backward_hooks or ()), 2)
+
+
 def stage_state(stages: Sequence[nn.Module]) -> StageState:
     """What the stages' plans are made for, in one walk (it runs at every step): each
-    module's type, its parameters' shapes, dtypes, devices and ``requires_grad`` and whether
-    each has a gradient hook (whose new gradient the profile counts), its
+    module's type, its parameters' shapes, dtypes, devices and ``requires_grad`` and how
+    many new gradients their hooks can hold (which the profile counts), its
     hooks (one that logs activations keeps them, which the profile measures) and the
     implementations its ``config`` picks (a Hugging Face model's attention
     implementation, which decides what attention saves); and each module's training
@@ -53,7 +59,7 @@ def stage_state(stages: Sequence[nn.Module]) -> StageState:
             if rates:
                 modules.append(("dropout", rates))
             modules.extend(
-                (p.shape, p.dtype, p.device, p.requires_grad, bool(p._backward_hooks))
+                (p.shape, p.dtype, p.device, p.requires_grad, hook_count(p))
                 for p in module._parameters.values()
                 if p is not None
             )

@@ -40,6 +40,7 @@ from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import parameter_users, shared_gradient_bytes
 from offremat._stage import AutocastState
 from offremat._stage_profile import Measured, StageProfile
+from offremat._stage_state import hook_count
 from offremat._tensors import (
     flatten,
     gradient_bytes,
@@ -246,13 +247,14 @@ def cover_plain_autograd(chain: Chain, through_first: bool = False) -> Chain:
 
 
 def hooked_gradient_bytes(parameters: Sequence[torch.Tensor]) -> int:
-    """The bytes of the largest gradient among the trainable ``parameters`` with a tensor
-    hook (``register_hook``). Such a hook may return a new gradient (a clip), which autograd
-    holds beside its own until it accumulates it: one gradient more in the stage's backward.
+    """The most that tensor hooks (``register_hook``) on the trainable ``parameters`` add to
+    the stage's backward: of the parameter where it is largest, one gradient for a hook, two
+    for several. A hook may return a new gradient (a clip), which autograd holds beside its
+    own until it accumulates it, and the next hook makes another from it while both live.
     Profiling sets these hooks aside (:func:`offremat._blocks.untouched`), so it never sees
-    that gradient; a hook that makes more than one inside is left to the steps' checks."""
+    those gradients; a hook that makes more than one inside is left to the steps' checks."""
     return max(
-        (p.numel() * p.element_size() for p in parameters if p.requires_grad and p._backward_hooks),
+        (p.numel() * p.element_size() * hook_count(p) for p in parameters if p.requires_grad),
         default=0,
     )
 
