@@ -67,6 +67,7 @@ class ShapeSolving:
     disk_state: Any
     module_state: Any
     modes: Any
+    state_change: str | None
 
     def _disk(self) -> PlanCache | None:
         """The disk cache, where it holds plans for the state the stages are in now."""
@@ -100,6 +101,7 @@ class ShapeSolving:
                 error.solver,
                 shape,
                 exact=error.exact,
+                cause=self.state_change,
             ) from None
 
     def _improve(self, signature: Signature, chain: Chain) -> PlanExecutor:

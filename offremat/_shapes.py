@@ -55,7 +55,7 @@ from offremat._shape_variants import (
     parametrize_cache_suspended,
 )
 from offremat._signatures import Signature, VariantKey, describe, input_signature
-from offremat._stage_state import StageState, stage_state
+from offremat._stage_state import StageState, describe_change, stage_state
 from offremat._stand_ins import StandIns
 from offremat._state_plans import StatePlans, swapped
 from offremat._step import StepsInFlight
@@ -123,6 +123,8 @@ class ShapePlans(VariantPlanning, ShapeSolving):
         self.in_flight = StepsInFlight()
         self.resources = DeviceResources()
         self.module_state, self.modes = stage_state(self.watched)
+        # What changed in the stages at this call, where it made a new state to plan for.
+        self.state_change: str | None = None
         # The plans of the other states of the stages seen lately (see executor).
         self.by_state: dict[StageState, StatePlans] = {}
         # The disk cache holds plans for the stages as optimize saw them only.
@@ -175,6 +177,7 @@ class ShapePlans(VariantPlanning, ShapeSolving):
     def executor(self, batch: Any) -> PlanExecutor:
         """The executor for ``batch``'s signature, planned now if it is new."""
         self.call_measured = None
+        self.state_change = None
         self.numbers.checks.next_step()
         self.call_stand_ins.settle(self.numbers.checks)
         state = stage_state(self.watched)
@@ -319,7 +322,10 @@ class ShapePlans(VariantPlanning, ShapeSolving):
             self.unprofiled,
             self.numbers.checks,
         )
-        kept = swapped(self.by_state, (self.module_state, self.modes), current, state)
+        before = (self.module_state, self.modes)
+        if state not in self.by_state:  # planned anew: a refusal says what changed
+            self.state_change = f"the stages changed ({describe_change(before, state)})"
+        kept = swapped(self.by_state, before, current, state)
         self.executors, self.profiled = kept.executors, kept.profiled
         self.provisional, self.variants = kept.provisional, kept.variants
         self.unprofiled, self.numbers.checks = kept.unprofiled, kept.checks

@@ -4,7 +4,9 @@ every module."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from difflib import SequenceMatcher
 from typing import Any
 
 from torch import nn
@@ -151,3 +153,63 @@ def implementations(config: Any) -> tuple[tuple[str, Any], ...]:
     not its other settings, one of which may count steps."""
     attributes = getattr(config, "__dict__", {})
     return tuple(sorted((k, v) for k, v in attributes.items() if "implementation" in k))
+
+
+def describe_change(before: StageState, after: StageState) -> str:
+    """What changed between two states of the stages, in words, for the messages of a state
+    planned anew: a budget that fit the stages before may not fit them after (a gradient hook
+    added after ``optimize`` holds a new gradient per parameter), and the refusal says why."""
+    (old, old_modes), (new, new_modes) = before, after
+    counts: Counter[str] = Counter()
+    try:
+        opcodes = SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
+    except TypeError:  # an unhashable setting: no entry by entry comparison
+        opcodes = [("replace", 0, len(old), 0, len(new))]
+    for tag, i, j, k, m in opcodes:
+        if tag == "replace" and j - i == m - k:
+            for a, b in zip(old[i:j], new[k:m], strict=True):
+                counts.update(_changed(a, b))
+        elif tag != "equal":
+            counts.update(f"{_kind(e)} removed" for e in old[i:j])
+            counts.update(f"{_kind(e)} added" for e in new[k:m])
+    if len(old_modes) == len(new_modes):
+        switched = sum(a != b for a, b in zip(old_modes, new_modes, strict=True))
+        if switched:
+            counts["modules switched between training and eval"] += switched
+    if not counts:
+        return "the stages' modules, parameters, hooks or settings changed"
+    return "; ".join(f"{what} ({n})" for what, n in counts.items())
+
+
+def _kind(entry: Any) -> str:
+    if isinstance(entry, type):
+        return "modules"
+    if entry and isinstance(entry[0], str):
+        return _SETTINGS.get(entry[0], entry[0])
+    return "parameters"
+
+
+def _changed(a: Any, b: Any) -> list[str]:
+    """The kinds of change from one entry of a state to the entry in its place after."""
+    if _kind(a) != _kind(b) or isinstance(a, type):
+        return [f"{_kind(a)} replaced"]
+    if _kind(a) != "parameters":
+        return [f"{_kind(a)} changed"]
+    changes = []
+    if a[:3] != b[:3]:
+        changes.append("parameters' shape, dtype or device changed")
+    if a[3] != b[3]:
+        changes.append("parameters' requires_grad changed")
+    if a[4] != b[4]:
+        more = "added to" if b[4] > a[4] else "removed from"
+        changes.append(f"gradient hooks (register_hook) {more} parameters")
+    return changes
+
+
+_SETTINGS = {
+    "global hooks": "hooks registered for every module",
+    "hooks": "module hooks",
+    "gradient_checkpointing": "Hugging Face gradient checkpointing flags",
+    "dropout": "dropout rates",
+    "config": "configs' implementations",
+}

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from offremat._signatures import Signature, VariantKey
-from offremat._stage_state import StageState
+from offremat._stage_state import StageState, describe_change
 from offremat._value_checks import ValueChecks
 from offremat.executor import PlanExecutor
 from solvers.chain import Chain
@@ -51,8 +51,8 @@ def swapped(
         return kept
     if state[0] != current_state[0]:
         logger.warning(
-            "the model's modules, parameters (a type, shape, dtype, device or requires_grad), "
-            "hooks or settings changed: planning each shape again for them"
+            "the model's stages changed (%s): planning each shape again for them",
+            describe_change(current_state, state),
         )
     else:
         logger.warning(

@@ -29,13 +29,17 @@ class InfeasibleBudgetError(ValueError):
         solver: str,
         shape: str | None = None,
         exact: bool = True,
+        cause: str | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
         self.solver = solver
         self.shape = shape
         self.exact = exact
+        self.cause = cause
         where = "" if shape is None else f" for input {shape}"
+        if cause is not None:
+            where += f" now that {cause}"
         named = _both(min_budget_bytes, round_up=True)
         advice = (
             f"the least feasible budget is {named}: raise the budget to at least that"
@@ -47,7 +51,14 @@ class InfeasibleBudgetError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt from its fields, which args (the message alone) does not hold.
-        fields = (self.budget_bytes, self.min_budget_bytes, self.solver, self.shape, self.exact)
+        fields = (
+            self.budget_bytes,
+            self.min_budget_bytes,
+            self.solver,
+            self.shape,
+            self.exact,
+            self.cause,
+        )
         return type(self), fields
 
 

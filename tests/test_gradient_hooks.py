@@ -82,3 +82,18 @@ def test_gradient_hooks_added_after_optimize_plan_again(before: int, after: int)
     _clip(model, after - before)
     _clip(plain, after)
     _step_within_budget_and_exact(model, plain, optimized, rows, labels)
+
+
+def test_a_budget_the_new_hooks_do_not_fit_is_refused_naming_them() -> None:
+    model = _mlp()
+    rows, labels = _batch()
+    with pytest.raises(offremat.InfeasibleBudgetError) as too_small:
+        offremat.optimize(model, rows, budget=0.01, solver="dp")
+    least = too_small.value.min_budget_bytes
+    optimized = offremat.optimize(model, rows, budget=least, solver="dp")
+    F.cross_entropy(optimized(rows), labels).backward()
+    _clip(model)
+    with pytest.raises(offremat.InfeasibleBudgetError) as refused:
+        optimized(rows)
+    assert "gradient hooks (register_hook) added to parameters (6)" in str(refused.value)
+    assert refused.value.cause is not None and refused.value.min_budget_bytes > least

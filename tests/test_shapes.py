@@ -305,7 +305,9 @@ def test_a_kind_of_blocks_inputs_no_plan_fits_is_refused_again_without_planning(
     del refused_batch
     gc.collect()
     assert alive() is None
-    assert pickle.loads(pickle.dumps(offremat.InfeasibleBudgetError(1, 2, "dp", "x"))).shape == "x"
+    refused = offremat.InfeasibleBudgetError(1, 2, "dp", "x", cause="hooks added")
+    assert pickle.loads(pickle.dumps(refused)).shape == "x"
+    assert str(pickle.loads(pickle.dumps(refused))) == str(refused)
 
 
 def test_plans_are_kept_on_disk_and_a_bad_cache_file_is_ignored(tmp_path, caplog, monkeypatch):
