@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_UNSEEN_HOOKS = (
+    "one on a parameter's accumulation node, grad_fn.next_functions, added after optimize, "
+    "or a gradient hook that makes several new gradients inside"
+)
+"""The hooks whose memory a plan can miss (the README, on parameters' hooks): a measured step
+over its budget names them beside the input's values."""
+
 
 def fresh_parameters(scans: list[ModuleScan]) -> list[torch.Tensor]:
     """The parameters a step makes gradients for: the leaves that train and whose .grad is
@@ -172,13 +179,15 @@ def report_over_budget(
         "the next step on them is planned anew"
         if replanned
         else "The model's activation sizes depend on more than the input's shapes (the "
-        "values of a padding mask, a routing decision, the experts its tokens reach): the "
-        "next call profiles this step's batch and plans again to hold it"
+        "values of a padding mask, a routing decision, the experts its tokens reach), or a "
+        f"hook holds more than its plan counted ({_UNSEEN_HOOKS}): the next call profiles "
+        "this step's batch and plans again to hold it"
         if profiled
         else "The model's activation sizes depend on more than the input's shapes (the "
         "values of a padding mask, a routing decision) or differ from the sizes predicted "
-        "for this shape: lower the budget given to offremat.optimize by that margin, or "
-        "optimize on the batch that holds the most (the most tokens routed, no padding)",
+        f"for this shape, or a hook holds more than its plan counted ({_UNSEEN_HOOKS}): "
+        "lower the budget given to offremat.optimize by that margin, or optimize on the "
+        "batch that holds the most (the most tokens routed, no padding)",
     )
 
 

@@ -97,3 +97,18 @@ def test_a_budget_the_new_hooks_do_not_fit_is_refused_naming_them() -> None:
         optimized(rows)
     assert "gradient hooks (register_hook) added to parameters (6)" in str(refused.value)
     assert refused.value.cause is not None and refused.value.min_budget_bytes > least
+
+
+def test_a_measured_step_over_budget_names_the_hooks_a_plan_can_miss(caplog) -> None:
+    model = _mlp()
+    rows, labels = _batch()
+    optimized = offremat.optimize(model, rows, budget=0.95, solver="dp", measure_memory=True)
+    for block in model[:BLOCKS]:
+        weight = block[0].weight
+        node = weight.view_as(weight).grad_fn.next_functions[0][0]  # its AccumulateGrad
+        node.register_prehook(lambda grads: (grads[0].clamp(-1e-3, 1e-3),))
+        block.accumulation_node = node  # a hook on the node lives as long as the node
+    with caplog.at_level("WARNING", logger="offremat"):
+        F.cross_entropy(optimized(rows), labels).backward()
+    assert optimized.stats.measured_peak_bytes > optimized.plan.budget_bytes
+    assert "a parameter's accumulation node" in caplog.text
