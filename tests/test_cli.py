@@ -119,6 +119,9 @@ def test_plain_output_is_a_table_with_the_figures(capsys: pytest.CaptureFixture[
     assert "predicted peak" in out and "budget" in out
     overhead = plan.predicted_time_s / chain.compute_time_s - 1  # type: ignore[operator]
     assert f"{overhead:+.1%}" in out
+    # Captured output is no terminal: each line of prose stays whole, as a pipe reads it.
+    (line,) = [text for text in out.splitlines() if text.startswith("predicted time")]
+    assert "lower bound at this budget" in line
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from offremat import examples
 from solvers.budget import parse_bandwidth, parse_budget
 from solvers.chain import Chain, Link
@@ -32,6 +34,15 @@ BUDGET_HELP = (
     "the whole peak), a size with a unit (6GiB, 512MB, 12B) or a whole number of bytes of at "
     "least 16 (6442450944); anything else is refused"
 )
+
+
+def report_console(stderr: bool = False) -> Console:
+    """A console for a subcommand's report: prose wraps at a terminal's width, and stays one
+    line per sentence in a file or a pipe, where rich would break it mid-phrase at 80
+    columns (tables keep 80)."""
+    out = Console(stderr=stderr, highlight=False)
+    out.soft_wrap = not out.is_terminal
+    return out
 
 
 def json_text(value: Any) -> str:

@@ -8,8 +8,6 @@ import dataclasses
 import os
 from typing import Any
 
-from rich.console import Console
-
 from offremat.commands import (
     BANDWIDTH_HELP,
     EXIT_OK,
@@ -18,6 +16,7 @@ from offremat.commands import (
     bandwidth_rate,
     integer_at_least,
     positive_number,
+    report_console,
 )
 
 EXIT_LOSSES_DIFFER = 1
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         # cuBLAS reads this when it creates its first handle, which has not happened yet.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    console = Console(highlight=False)
+    console = report_console()
     report = run_demo(
         config=config,
         batch_size=args.batch or DEMO_BATCH_SIZE,

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -22,6 +21,7 @@ from offremat.commands import (
     add_bandwidth_option,
     add_threads_option,
     integer_at_least,
+    report_console,
 )
 from solvers.budget import format_bytes
 from solvers.chain import Chain
@@ -261,7 +261,7 @@ def _import(name: str) -> Any:
 
 
 def _print_chain(chain: Chain, path: str) -> None:
-    console = Console(highlight=False)
+    console = report_console()
     grouping = chain.metadata.get("grouping", {})
     device = chain.metadata.get("device")
     table = Table(title=Text(f"{chain.name}: {chain.length} stages on {device}"))

@@ -30,6 +30,7 @@ from offremat.commands import (
     json_text,
     load_chain,
     positive_number,
+    report_console,
     resolve_budget,
     with_bandwidth,
 )
@@ -243,7 +244,7 @@ def _format_seconds(seconds: float) -> str:
 def _print_table(chain: Chain, plan: Plan) -> None:
     assert plan.predicted_time_s is not None and plan.predicted_peak_bytes is not None
     assert plan.budget_bytes is not None
-    console = Console(highlight=False)
+    console = report_console()
     # User text (chain and stage names) goes in as Text: never parsed as markup or emoji.
     table = Table(title=Text(f"{chain.name}: {plan.solver} plan, {chain.length} stages"))
     table.add_column("#", justify="right")

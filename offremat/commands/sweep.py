@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -22,6 +21,7 @@ from offremat.commands import (
     integer_at_least,
     load_chain,
     positive_number,
+    report_console,
     with_bandwidth,
 )
 from offremat.sweep import (
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             f"{chain.name}: every size in the chain is 0 bytes, so there is no budget to sweep"
         )
     budgets = budget_range(chain, args.points)
-    console = Console(stderr=True, highlight=False)
+    console = report_console(stderr=True)
     # One budget, the keep-all peak, shown rounded up and down read as two.
     span = (
         f"1 budget, {format_bytes(budgets[0])} ({budgets[0]} B)"
