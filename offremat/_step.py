@@ -29,13 +29,9 @@ from offremat._shared_grads import SharedGradients
 from offremat._stage import AutocastState
 from offremat._stage_sizes import StageSizes
 from offremat._stats import OutOfMemoryAdvice, StepTiming
-from offremat._step_budget import (
-    fresh_parameters,
-    gradient_bytes,
-    report_grown_sizes,
-    report_held_over_budget,
-)
+from offremat._step_budget import fresh_parameters, gradient_bytes
 from offremat._step_compute import Compute, KeptGraph, PlanTensor
+from offremat._step_reports import report_grown_sizes, report_held_over_budget
 from offremat._step_settle import settle_measurement
 from offremat._tensors import Structure, TensorKind, is_differentiable, reached_bytes
 from offremat.measure import StepMemory, is_measurement_hook

@@ -67,7 +67,7 @@ from offremat._stage_sizes import Outgrown, StageSizes
 from offremat._stage_state import refuse_module_tracker
 from offremat._stats import OutOfMemoryAdvice, StepStats, StepTiming
 from offremat._step import StepsInFlight, _Step
-from offremat._step_budget import report_grown_sizes
+from offremat._step_reports import report_grown_sizes
 from offremat._tensors import (
     flatten,
     unflatten,

@@ -57,7 +57,7 @@ from offremat._run import RunInterception
 from offremat._shapes import ShapePlans
 from offremat._signatures import input_signature
 from offremat._stage import AutocastState
-from offremat._step_budget import report_grown_outputs, report_loss_left_to_caller
+from offremat._step_reports import report_grown_outputs, report_loss_left_to_caller
 from offremat._tensors import flatten, refuse_hidden_tensors, sparse_parts
 from offremat.executor import PlanExecutor, StepStats
 from offremat.measure import cuda_blocks_split_exactly
