@@ -110,7 +110,9 @@ def _first_runs(
             functools.partial(model_chain_stages, found),
         )
         modules = model_chain_stages(found, chain)
-        check_model_chain_output(model, call, found, modules)
+        shapes = check_model_chain_output(model, call, found, modules)
+        if request.chain is not None:
+            _check_blocks_input(chain, shapes)
     except (DroppedOutputError, UnknownShapeError) as error:  # reads what the chain drops
         raise NotAChainError(str(error)) from error
     return chain, plan, modules
@@ -162,6 +164,20 @@ def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
             f"the given chain was profiled with an input of {profiled} bytes, but the "
             f"example input has {min(sizes)}: its sizes are another input's. Omit chain= to "
             "profile this input, or give the input the chain was profiled with"
+        )
+
+
+def _check_blocks_input(chain: Chain, shapes: str) -> None:
+    """Refuse a chain of a model's blocks profiled on a batch of other sizes, as
+    :func:`_check_chain_input` does for a chain of the whole model: its budget, a fraction
+    of its keep-all peak, was another batch's (a new user's trial: 9.72 MiB for 40% of a
+    batch of 512, the fraction of the batch of 256 its chain was profiled on)."""
+    profiled = chain.metadata.get("chain_input_shapes")
+    if profiled is not None and profiled != shapes:
+        raise ValueError(
+            f"the given chain was profiled where the blocks' input had shapes {profiled}, but "
+            f"on the example batch it has {shapes}: its sizes are another batch's. Omit "
+            "chain= to profile this batch, or give the batch the chain was profiled with"
         )
 
 

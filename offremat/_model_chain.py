@@ -198,14 +198,18 @@ def model_chain_stages(found: ModelChain, chain: Chain) -> list[nn.Module]:
 
 def check_model_chain_output(
     model: nn.Module, batch: Any, found: ModelChain, stages: Sequence[nn.Module]
-) -> None:
+) -> str:
     """Refuse a chain whose model output differs from the model's own on ``batch``, and a
-    random draw that recomputation could not replay (:class:`GeneratorWatch`)."""
+    random draw that recomputation could not replay (:class:`GeneratorWatch`); the shapes
+    of the blocks' input on ``batch`` (:func:`chain_input_shapes`)."""
+    seen: list[str] = []
+
+    def run_blocks(value: Any) -> Any:
+        seen.append(chain_input_shapes(value))
+        return run_stages(stages, value)
 
     def run_chain() -> Any:
-        with RunInterception(
-            found.run, lambda value: run_stages(stages, value), check_state=False, check_grad=False
-        ):
+        with RunInterception(found.run, run_blocks, check_state=False, check_grad=False):
             return call_model(model, batch)
 
     (plain, _), (chained_output, _) = model_and_chain_outputs(
@@ -233,6 +237,7 @@ def check_model_chain_output(
             "random numbers the model draws between their calls (a mask per layer) come from "
             "another point of the generator: draw them inside the blocks"
         )
+    return seen[0]
 
 
 def _rounding_difference(

@@ -74,6 +74,7 @@ class Request:
         refuse_mutation_of_saved_tensors("offremat.optimize is called")
         _refuse_wrong_type("chain", self.chain, Chain, "a path to a chain file (str or Path)")
         _refuse_wrong_type("plan", self.plan, Plan, "a path to a plan file (str or Path)")
+        check_request(self.solver, self.solver_options)  # a misspelt option: before profiling
 
     def example_plan(
         self,

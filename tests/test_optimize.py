@@ -981,3 +981,30 @@ def test_a_given_plan_that_offloads_asks_for_the_bandwidth(tmp_path) -> None:
         offremat.optimize(mlp(), x, plan=tmp_path / "plan.json")
     again = offremat.optimize(mlp(), x, plan=tmp_path / "plan.json", bandwidth="10GB/s")
     assert again.plan.ops == first.plan.ops
+
+
+def test_a_chain_of_a_models_blocks_made_for_another_batch_is_refused(tmp_path) -> None:
+    """As for an nn.Sequential: a chain of a model's blocks profiled on a batch of 256 rows,
+    given with one of 512, took its budget as a fraction of the smaller batch's keep-all
+    peak (9.72 MiB for 40%, where the batch's own profile gives 19.05: a new user's trial)."""
+    from tests.model_zoo import ResidualNet
+
+    torch.manual_seed(0)
+    model = ResidualNet()
+    small, large = torch.randn(16, 16), torch.randn(32, 16)
+    offremat.optimize(model, small, budget=0.5).chain.save(tmp_path / "chain.json")
+    with pytest.raises(ValueError, match="blocks' input had shapes"):
+        offremat.optimize(model, large, chain=tmp_path / "chain.json", budget=0.5)
+    offremat.optimize(model, small, chain=tmp_path / "chain.json", budget=0.5)
+
+
+def test_a_misspelt_solver_option_is_refused_before_profiling(monkeypatch) -> None:
+    import offremat._building
+
+    def never(*args, **kwargs):
+        raise AssertionError("profiled before the options were checked")
+
+    monkeypatch.setattr(offremat._building, "profile_model_chain", never)
+    monkeypatch.setattr(offremat._building, "profile_model", never)
+    with pytest.raises(ValueError, match="does not take option"):
+        offremat.optimize(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), time_limt_s=5)
