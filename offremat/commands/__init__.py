@@ -36,12 +36,17 @@ BUDGET_HELP = (
 )
 
 
+PIPED_WIDTH = 1000
+"""Columns a report has in a file or a pipe: more than any line of prose."""
+
+
 def report_console(stderr: bool = False) -> Console:
     """A console for a subcommand's report: prose wraps at a terminal's width, and stays one
     line per sentence in a file or a pipe, where rich would break it mid-phrase at 80
-    columns (tables keep 80)."""
+    columns (tables keep their own width)."""
     out = Console(stderr=stderr, highlight=False)
-    out.soft_wrap = not out.is_terminal
+    if not out.is_terminal:
+        out.width = PIPED_WIDTH
     return out
 
 
