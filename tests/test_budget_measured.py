@@ -903,13 +903,13 @@ def test_sizes_grown_within_the_budget_are_simulated_once(monkeypatch, caplog) -
     import logging
 
     import offremat
-    import offremat._step_budget as step_budget
+    import offremat._step_reports as step_reports
 
     model, (few, more) = _routed(8, 24)
     om = offremat.optimize(model, few, budget=4e6, solver="checkpoint-every-stage")
     simulated = []
-    real = step_budget.simulate
-    monkeypatch.setattr(step_budget, "simulate", lambda *a: simulated.append(1) or real(*a))
+    real = step_reports.simulate
+    monkeypatch.setattr(step_reports, "simulate", lambda *a: simulated.append(1) or real(*a))
     with caplog.at_level(logging.WARNING, logger="offremat"):
         for _ in range(3):
             om(more).backward()
@@ -919,7 +919,7 @@ def test_sizes_grown_within_the_budget_are_simulated_once(monkeypatch, caplog) -
 
 def test_outputs_grown_within_the_budget_are_simulated_once(monkeypatch) -> None:
     import offremat
-    import offremat._step_budget as step_budget
+    import offremat._step_reports as step_reports
 
     torch.manual_seed(0)
     x = torch.randn(4, 64, 32)
@@ -927,8 +927,8 @@ def test_outputs_grown_within_the_budget_are_simulated_once(monkeypatch) -> None
     om = offremat.optimize(_MaskedHeadNet(), {"x": x, "labels": few}, budget=8e6)
     om(x=x, labels=few)[0].backward()
     simulated = []
-    real = step_budget.simulate
-    monkeypatch.setattr(step_budget, "simulate", lambda *a: simulated.append(1) or real(*a))
+    real = step_reports.simulate
+    monkeypatch.setattr(step_reports, "simulate", lambda *a: simulated.append(1) or real(*a))
     for _ in range(3):
         om(x=x, labels=more)[0].backward()
     assert len(simulated) == 1
