@@ -174,7 +174,6 @@ def solve_milp(
         search = search_highs(model, warm_schedule, gap, deadline, report, floor_s=floor)
     else:
         search = search_cbc(model, warm_schedule, gap, deadline)
-    report(search.objective_s, search.bound_s, force=True)
 
     # A warm start that does not fit (the least-memory MILP's schedule, simulated) is no plan.
     usable = fallback_plan is not None and fallback_plan.feasible
@@ -195,6 +194,8 @@ def solve_milp(
     assert plan is not None
     objective = search.objective_s
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
+    # The last state shown is the plan returned: a warm start where it beat the search.
+    report(plan.predicted_time_s, bound, force=True)
     if objective is not None and bound is not None and math.isfinite(bound):
         gap_found = relative_gap(objective, bound)
     else:
