@@ -80,6 +80,10 @@ class Measured:
     # By parameter id, what the storage its gradient views holds beyond parameters' gradients
     # (offremat._pinned_grads).
     pinned_grads: dict[int, int] = field(default_factory=dict)
+    # By parameter id, the sparse gradient B(i) makes of a parameter (an
+    # nn.Embedding(sparse=True)'s), the part it adds to the running sum of one that several
+    # stages use (offremat._shared_grads.sparse_sums).
+    sparse_grad_parts: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class StageProfile:
@@ -109,6 +113,7 @@ class StageProfile:
         # holds each part from when it is made (offremat._shared_grads), where a gradient of
         # the stage's alone is added to .grad and freed.
         self.summed = list(summed)
+        self.sparse_grad_parts: dict[int, torch.Tensor] = {}  # the last backward's (Measured)
 
     def forward(
         self, grad: bool, marks: list[Any] | None = None, hooks: bool = True
@@ -225,6 +230,11 @@ class StageProfile:
                     )
                 )
         finally:
+            self.sparse_grad_parts = {
+                id(p): p.grad
+                for p in self.summed
+                if p.grad is not None and p.grad.layout != torch.strided
+            }
             for parameter, grad in zip(self.summed, kept_grads, strict=True):
                 parameter.grad = grad
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
@@ -279,7 +289,10 @@ class StageProfile:
                 handle.remove()
             for parameter in made:
                 parameter.grad = None
-        return dataclasses.replace(sizes, pinned_grads=pinned.pinned()), handed
+        sparse = {**pinned.sparse, **sizes.sparse_grad_parts}
+        return dataclasses.replace(
+            sizes, pinned_grads=pinned.pinned(), sparse_grad_parts=sparse
+        ), handed
 
     def _measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool
@@ -397,6 +410,7 @@ class StageProfile:
             leaf_bytes=leaf_bytes,
             leaf_grad_bytes=leaf_grad_bytes,
             outside_leaves=outside,
+            sparse_grad_parts=self.sparse_grad_parts,
         )
         if sizes_only:
             return sizes, handed

@@ -37,7 +37,7 @@ from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._pinned_grads import held_pinned_bytes
 from offremat._scan import fixed_storages, scan_modules
-from offremat._shared_grads import parameter_users, shared_gradient_bytes
+from offremat._shared_grads import parameter_users, shared_gradient_bytes, sparse_sums
 from offremat._stage import AutocastState
 from offremat._stage_profile import Measured, StageProfile
 from offremat._stage_state import hook_count
@@ -109,7 +109,9 @@ def profile_model(
     # So are the storages a parameter's gradient, a slice of a larger one, keeps alive from
     # its stage's backward (offremat._pinned_grads).
     parameters = [list(stage_module(g).parameters()) for g in grouped]
-    shared, added = shared_gradient_bytes(parameters)
+    sparse = sparse_sums(parameters, [m.sparse_grad_parts for m in measured])
+    shared, added = shared_gradient_bytes(parameters, sparse)
+    measured = [dataclasses.replace(m, sparse_grad_parts={}) for m in measured]
     hooked = [hooked_gradient_bytes(stage_parameters) for stage_parameters in parameters]
     several = {key for key, (_, used) in parameter_users(parameters).items() if len(used) > 1}
     pinned = held_pinned_bytes([m.pinned_grads for m in measured], several)

@@ -130,3 +130,52 @@ def test_a_sparse_tensor_made_in_a_block_or_carrying_a_gradient_is_refused() -> 
         offremat.optimize(made, (x, graph), budget=0.8)
     with pytest.raises(ValueError, match="sparse tensor that carries a gradient"):
         offremat.optimize(LearntGraphNetwork(), (x, graph), budget=0.8)
+
+
+class LookupBlock(nn.Module):
+    """A residual block that adds a lookup in a table every block shares."""
+
+    def __init__(self, table: nn.Module) -> None:
+        super().__init__()
+        self.up, self.down, self.table = nn.Linear(64, 128), nn.Linear(128, 64), table
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        looked_up = self.table(ids) if isinstance(self.table, nn.EmbeddingBag) else None
+        if looked_up is None:
+            looked_up = self.table(ids).mean(1)
+        return x + self.down(torch.relu(self.up(x))) + looked_up
+
+
+class SharedLookupNet(nn.Module):
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        kind = nn.EmbeddingBag if bag else nn.Embedding
+        table = kind(50, 64, sparse=True)
+        self.blocks = nn.ModuleList(LookupBlock(table) for _ in range(6))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, ids)
+        return self.head(x).sum()
+
+
+@pytest.mark.parametrize(("bag", "solver"), [(False, "dp"), (True, "dp"), (False, "milp")])
+def test_a_sparse_table_every_block_shares_is_counted_in_the_budget(bag: bool, solver: str) -> None:
+    """Its gradient's running sum holds every block's lookups, not the table's dense size: a
+    review measured 1.52 times the budget (1.35 to 1.55 across solvers, keep-all's too)."""
+    torch.manual_seed(0)
+    model = SharedLookupNet(bag)
+    plain = copy.deepcopy(model)
+    ids, x = torch.randint(0, 50, (256, 10)), torch.randn(256, 64)
+    link = "12GB/s" if solver == "milp" else None
+    optimized = offremat.optimize(model, (x, ids), budget=0.9, solver=solver, bandwidth=link)
+    assert set(optimized.plan.decisions.values()) != {"keep"}
+    for parameter in [*model.parameters(), *plain.parameters()]:
+        parameter.grad = torch.zeros_like(parameter)  # gradients are not activations
+    with StepMemory("cpu", inputs=(x, ids)) as memory:
+        optimized(x, ids).backward()
+    plain(x, ids).backward()
+    assert memory.peak_bytes <= optimized.plan.budget_bytes
+    pairs = zip(model.parameters(), plain.parameters(), strict=True)
+    assert all(torch.equal(ours.grad, theirs.grad) for ours, theirs in pairs)
