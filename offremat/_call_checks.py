@@ -41,6 +41,17 @@ def refuse_autocast(planned: AutocastState, now: AutocastState) -> None:
     )
 
 
+def refuse_outer_autocast(planned: AutocastState, now: AutocastState) -> None:
+    """A model given ``autocast=`` enters it for its steps, and inside another the inner one
+    wins: a step the caller ran under float16 ran in the plan's bfloat16, unsaid (a review)."""
+    raise RuntimeError(
+        f"this optimized model runs its steps under {_describe(planned)} (autocast= given to "
+        f"offremat.optimize), but this step is called inside {_describe(now)}, which it would "
+        "override: call it outside that autocast, or optimize with "
+        f"autocast={now.dtype} to train under that one"
+    )
+
+
 ATTENTION_KERNELS = ("flash", "memory-efficient", "math", "cuDNN")
 
 

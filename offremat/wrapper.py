@@ -41,6 +41,7 @@ from offremat._call_checks import (
     refuse_kv_cache,
     refuse_other_attention,
     refuse_other_default_dtype,
+    refuse_outer_autocast,
     refuse_recorded_outputs,
     transforms_in_blocks_refused,
 )
@@ -173,12 +174,13 @@ class OptimizedModule(nn.Module):
             self._plans.last.clear_stats()  # a refusal below leaves no old figures behind
         planned: AutocastState | None = self._autocast
         with ExitStack() as stack:
-            if planned is not None and self._forced_autocast:
+            now = None if planned is None else AutocastState.capture(planned.device_type)
+            if planned is not None and now is not None and self._forced_autocast:
+                if now.enabled and not planned.runs_as(now):
+                    refuse_outer_autocast(planned, now)
                 planned.enter(stack)
-            elif planned is not None:
-                now = AutocastState.capture(planned.device_type)
-                if not planned.runs_as(now):
-                    refuse_autocast(planned, now)
+            elif planned is not None and now is not None and not planned.runs_as(now):
+                refuse_autocast(planned, now)
             # A model pickled before the kernels were recorded has no record: not checked.
             planned_kernels = self.__dict__.get("_attention")
             if planned_kernels is not None and (kernels := attention_kernels()) != planned_kernels:

@@ -80,6 +80,20 @@ def test_a_step_without_the_autocast_it_was_planned_under_is_refused() -> None:
         om(batch)
 
 
+def test_a_step_inside_another_autocast_than_the_one_given_to_optimize_is_refused() -> None:
+    """The model enters the autocast given to optimize, and inside the caller's the inner one
+    wins: a step the caller ran under float16 ran in bfloat16, unsaid (review 38)."""
+    batch = gpt_batch(CONFIG, 2)
+    om = offremat.optimize(build_gpt(CONFIG), batch, budget=0.5, autocast=torch.bfloat16)
+    with (
+        torch.autocast("cpu", torch.float16),
+        pytest.raises(RuntimeError, match=r"called inside autocast torch\.float16"),
+    ):
+        om(batch)
+    with torch.autocast("cpu", torch.bfloat16):  # the same autocast: as asked
+        om(batch).backward()
+
+
 def test_a_keep_all_plan_under_the_callers_autocast_holds_no_cached_weights() -> None:
     # Run as plain autograd, a keep-all step still turns autocast's weight cache off: with
     # the backward inside the caller's autocast region, cached bf16 weight copies would be
