@@ -103,7 +103,10 @@ class PlanFunction(torch.autograd.Function):
             raise RuntimeError(
                 "create_graph=True (higher-order gradients, gradient penalties) is not "
                 "supported through an offremat-optimized model: its plan frees activations "
-                "as the backward goes. Compute the penalty on a model run without offremat"
+                "as the backward goes. Compute the penalty on a model run without offremat, "
+                "after zeroing the gradients: the backward ran through the code after the "
+                "blocks before it reached them, so parameters there (a head, a final norm) "
+                "already hold their part of this one"
             )
         return (None, None, *step.run_backward(grads, accumulate))
 

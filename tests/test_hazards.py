@@ -412,7 +412,8 @@ def test_gradients_with_respect_to_parameters_are_reported_unused_and_of_gradien
     unused = torch.autograd.grad(om(x).sum(), parameters, allow_unused=True)
     assert all(g is None for g in unused)
     x = x.requires_grad_()
-    with pytest.raises(RuntimeError, match="create_graph=True"):
+    # Parameters after the blocks may hold part of that backward: the refusal says so.
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*after zeroing the gradients"):
         torch.autograd.grad(om(x).sum(), x, create_graph=True)
     assert all(p.grad is None for p in parameters)
 
