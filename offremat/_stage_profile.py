@@ -13,7 +13,6 @@ import statistics
 import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,6 +35,7 @@ from offremat._stage import (
     enter_stage,
     norm_statistics_bytes,
 )
+from offremat._stage_figures import Measured
 from offremat._tensors import (
     copied,
     flatten,
@@ -48,42 +48,6 @@ from offremat._tensors import (
     version_of,
 )
 from offremat.measure import Allocations, StepMemory
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One stage's figures, before they become a :class:`Stage`."""
-
-    fwd_s: float
-    bwd_s: float
-    out_bytes: int
-    saved_bytes: int
-    fwd_tmp_bytes: int
-    bwd_tmp_bytes: int
-    nograd_fwd_tmp_bytes: int
-    grad_bytes: int
-    refill_s: float | None = None
-    # Made by the forward and still held after the backward by the modules themselves.
-    kept_bytes: int = 0
-    # The buffers the forward changes or other stages hold, copied to the step's end when the
-    # stage is recomputed.
-    changed_buffer_bytes: int = 0
-    # Tensors that require grad made by the forward as leaves of its graph (an RNN cell's
-    # initial state made with requires_grad=True), which only the graph holds, and the
-    # gradients B(i) gives them (see _measure).
-    leaf_bytes: int = 0
-    leaf_grad_bytes: int = 0
-    # The storage keys of the leaves its graph reaches that outlive the graph and are none of
-    # its parameters (a parameter kept in a block's __dict__, a closure's): refused where
-    # several stages reach one (profiler._refuse_shared_outside_leaves).
-    outside_leaves: frozenset[int] = frozenset()
-    # By parameter id, what the storage its gradient views holds beyond parameters' gradients
-    # (offremat._pinned_grads).
-    pinned_grads: dict[int, int] = field(default_factory=dict)
-    # By parameter id, the sparse gradient B(i) makes of a parameter (an
-    # nn.Embedding(sparse=True)'s), the part it adds to the running sum of one that several
-    # stages use (offremat._shared_grads.sparse_sums).
-    sparse_grad_parts: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class StageProfile:

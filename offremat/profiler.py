@@ -39,7 +39,8 @@ from offremat._pinned_grads import held_pinned_bytes
 from offremat._scan import fixed_storages, scan_modules
 from offremat._shared_grads import parameter_users, shared_gradient_bytes, sparse_sums
 from offremat._stage import AutocastState
-from offremat._stage_profile import Measured, StageProfile
+from offremat._stage_figures import Measured
+from offremat._stage_profile import StageProfile
 from offremat._stage_state import hook_count
 from offremat._tensors import (
     flatten,
