@@ -40,7 +40,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offremat._eager import EagerDispatchMode
-from offremat._memory import TensorRef
+from offremat._held import TensorRef
 from offremat._stage import SavedTensorPacker, backward_in_forward_error, check_versions
 from offremat._tensors import (
     TensorKind,

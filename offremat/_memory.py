@@ -7,12 +7,12 @@ Design notes.
   one storage in two plan tensors. A storage's device memory is released only when no plan
   tensor that is resident on the device still needs it, and its bytes count once.
 - The step never empties a storage in place. It holds each of its tensors through a
-  :class:`TensorRef` (the stage outputs it keeps and everything autograd saved, see
-  :mod:`offremat._stage`). Offloading copies the storage to the host and then drops every
-  reference the step holds to it; the memory is freed when nobody else holds it either. A
-  storage that a module attribute, a hook, autocast's cache or the caller also holds therefore
-  stays valid and stays counted: it is never emptied under its owner. A prefetch allocates a
-  new storage and the references rebuild their tensors over it.
+  :class:`~offremat._held.TensorRef` (the stage outputs it keeps and everything autograd
+  saved, see :mod:`offremat._stage`). Offloading copies the storage to the host and then
+  drops every reference the step holds to it; the memory is freed when nobody else holds it
+  either. A storage that a module attribute, a hook, autocast's cache or the caller also
+  holds therefore stays valid and stays counted: it is never emptied under its owner. A
+  prefetch allocates a new storage and the references rebuild their tensors over it.
 - Release during B(i). Autograd frees each saved tensor as soon as the node that reads it has
   run; the step lets go of a storage of x̄_i once autograd has taken every tensor the step
   held on it (:meth:`Residency.unpacked`), so B(i) frees memory node by node as plain autograd
@@ -40,116 +40,13 @@ Design notes.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
 
+from offremat._held import StorageRecord, TensorRef
 from offremat._host import CudaStreams, HostArena
-from offremat._tensors import byte_view, sparse_parts, storage_key, tensor_over, version_of
-
-
-class TensorRef:
-    """One tensor the step holds, rebuilt over its storage's current device copy.
-
-    ``original`` weakly references the tensor as autograd or the stage made it (its base, if
-    a view: :func:`offremat._tensors.version_owner`), so an in-place change made through it
-    after an offload is still seen. The layout a rebuild needs is read only when an offload
-    lets the tensor go (:meth:`release`): a step makes hundreds of references, rebuilds few.
-    """
-
-    __slots__ = (
-        "dtype",
-        "layout",
-        "original",
-        "rebuilt",
-        "record",
-        "size",
-        "taken",
-        "tensor",
-        "version",
-    )
-
-    def __init__(self, tensor: torch.Tensor, original: torch.Tensor | None = None):
-        owner = tensor if original is None else original
-        if owner._base is not None:  # version_owner, inlined: this runs per saved tensor
-            owner = owner._base
-        self.tensor: torch.Tensor | None = tensor
-        self.original = weakref.ref(owner)
-        self.version = version_of(tensor)
-        self.dtype = tensor.dtype
-        self.size = tensor.shape
-        self.layout: tuple[int, tuple[int, ...], bool, bool] | None = None
-        self.record: StorageRecord | None = None
-        self.rebuilt = False
-        self.taken = False
-
-    def release(self) -> None:
-        """Let go of the tensor, keeping what rebuilding it over another storage needs."""
-        tensor = self.tensor
-        if tensor is not None:
-            if self.layout is None:
-                self.layout = (
-                    tensor.storage_offset(),
-                    tuple(tensor.stride()),
-                    tensor.is_conj(),
-                    tensor.is_neg(),
-                )
-            self.tensor = None
-
-    def get(self) -> torch.Tensor:
-        """The tensor, over the storage resident now."""
-        if self.tensor is None:
-            assert self.record is not None and self.record.storage is not None
-            assert self.layout is not None, "a tensor let go without release() is not rebuilt"
-            offset, stride, conj, neg = self.layout
-            self.tensor = tensor_over(
-                self.record.storage, self.dtype, offset, tuple(self.size), stride, conj, neg
-            )
-            self.rebuilt = True
-        return self.tensor
-
-    def modified_version(self) -> int | None:
-        """The tensor's version now if it was changed in place since recorded, else None."""
-        # The tensor first held shares its version counter with the original (a detached
-        # alias does); a rebuilt one has a counter of its own.
-        for tensor in (self.original(), None if self.rebuilt else self.tensor):
-            if tensor is not None and version_of(tensor) != self.version:
-                return version_of(tensor)
-        return None
-
-
-class StorageRecord:
-    """One storage held by the step: its references, holders, where its bytes are, copies."""
-
-    __slots__ = (
-        "away_holders",
-        "device_ready",
-        "host",
-        "host_ready",
-        "key",
-        "movable",
-        "nbytes",
-        "on_device",
-        "refs",
-        "released",
-        "resident_holders",
-        "storage",
-    )
-
-    def __init__(self, key: int, storage: torch.UntypedStorage, movable: bool):
-        self.key = key
-        self.storage: torch.UntypedStorage | None = storage
-        self.nbytes = storage.nbytes()
-        self.movable = movable
-        self.refs: list[TensorRef] = []
-        self.resident_holders = 0
-        self.away_holders = 0
-        self.on_device = True
-        self.host: torch.Tensor | None = None
-        self.host_ready: torch.cuda.Event | None = None
-        self.device_ready: torch.cuda.Event | None = None
-        self.released = False
+from offremat._tensors import byte_view, sparse_parts, storage_key
 
 
 class Residency:

@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from offremat._call_state import innermost_saved_tensor_hooks
-from offremat._memory import Residency, TensorRef
+from offremat._held import TensorRef
+from offremat._memory import Residency
 from offremat._scan import NORM_STATISTICS
 from offremat._tensors import storage_key, tensor_over, unique_storages, version_of
 

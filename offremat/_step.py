@@ -22,7 +22,8 @@ from offremat._buffers import FirstForward, shared_buffer_keys
 from offremat._call_checks import refuse_disabled_saved_tensor_hooks
 from offremat._call_state import callers_saved_tensor_hooks_set_aside
 from offremat._clock import mark
-from offremat._memory import Residency, TensorRef
+from offremat._held import TensorRef
+from offremat._memory import Residency
 from offremat._rng import HostRandomReader, RngState, cuda_device_indices
 from offremat._scan import ModuleScan, fixed_storages
 from offremat._shared_grads import SharedGradients

@@ -27,7 +27,7 @@ from offremat._deferred import (
     StopRecomputation,
 )
 from offremat._graph_saved import graph_saved_bytes, sequence_mark
-from offremat._memory import StorageRecord, TensorRef
+from offremat._held import StorageRecord, TensorRef
 from offremat._rng import RngState, replayed_rng
 from offremat._stage import (
     GradSlot,

@@ -636,8 +636,9 @@ def test_a_prefetch_waiting_for_an_offload_beside_the_same_op_follows_its_releas
 
 
 def test_tiny_storages_move_and_foreign_ones_stay_resident_when_offloaded() -> None:
+    from offremat._held import TensorRef
     from offremat._host import HostArena
-    from offremat._memory import Residency, TensorRef
+    from offremat._memory import Residency
 
     residency = Residency(torch.device("cpu"), HostArena(pinned=False), None)
     big = torch.ones(1024)
