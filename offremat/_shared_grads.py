@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from offremat._tensors import storage_bytes, unique_storages
+from offremat._tensors import storage_bytes
 
 
 def shared_gradient_bytes(
@@ -60,22 +60,25 @@ def sparse_sums(
 ) -> dict[int, int]:
     """By id of each parameter that several stages use and whose gradient is sparse (an
     ``nn.Embedding(sparse=True)``), the most bytes its running sum holds, while a stage's
-    backward adds its part included (``parts``: per stage, the sparse gradient its profile
-    made).
+    backward adds its part and while the last one adds the sum to a ``.grad`` that exists
+    included (``parts``: per stage, the sparse gradient its profile made).
 
     A sparse sum keeps every part's indices and values, or adds values where torch finds the
-    same indices, so its sizes are the lookups': replayed here, the sums added as a step adds
-    them, out of place beside the old sum. Counted at the parameter's dense size instead, an
-    embedding that 6 blocks shared measured 1.52 times its budget (a review). A stage whose
-    part is missing (added to a ``.grad`` that existed) adds the last part seen again."""
+    same indices, so its sizes are the lookups': replayed here as a step adds them, out of
+    place beside the old sum, each addition's peak measured (:class:`StepMemory`). Counted at
+    the parameter's dense size instead, an embedding that 6 blocks shared measured 1.52 times
+    its budget (a review). A stage whose part is missing (added to a ``.grad`` that existed)
+    adds the last part seen again."""
+    from offremat.measure import StepMemory  # measure imports this module's package peers
+
     found: dict[int, int] = {}
-    for key, (_, stages) in parameter_users(stage_parameters).items():
+    for key, (parameter, stages) in parameter_users(stage_parameters).items():
         made = [parts[i - 1].get(key) for i in stages]
         if len(stages) == 1 or all(part is None for part in made):
             continue
         total: torch.Tensor | None = None
         seen: torch.Tensor | None = None
-        beside: list[int] = []
+        old = most = 0  # the sum before the last addition, which the step holds through it
         with torch.no_grad():
             for part in reversed(made):
                 seen = part if part is not None else seen
@@ -84,18 +87,19 @@ def sparse_sums(
                 if total is None:
                     total = seen
                     continue
-                old = unique_storages([total, seen])
-                added = total + seen
-                fresh = unique_storages([added]).keys() - old.keys()
-                # The old sum, and the new one's storages, live at once.
-                beside.append(
-                    storage_bytes([total])
-                    + sum(s.nbytes() for k, s in unique_storages([added]).items() if k in fresh)
-                )
+                with StepMemory(seen.device) as adding:
+                    added = total + seen
+                # The old sum, the part and the new sum live at once.
+                old = storage_bytes([total])
+                most = max(most, old + storage_bytes([seen]) + adding.step_peak_bytes)
                 total = added
-        if total is None:
-            continue
-        found[key] = max([storage_bytes([total]), *beside])
+            if total is None:
+                continue
+            dense = torch.zeros_like(parameter)
+            with StepMemory(total.device) as accumulating:
+                dense.add_(total)
+            most = max(most, old + storage_bytes([total]) + accumulating.step_peak_bytes)
+        found[key] = most
     return found
 
 
