@@ -26,6 +26,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from offremat._tensors import storage_bytes
+from offremat.measure import StepMemory
 
 
 def shared_gradient_bytes(
@@ -69,8 +70,6 @@ def sparse_sums(
     the parameter's dense size instead, an embedding that 6 blocks shared measured 1.52 times
     its budget (a review). A stage whose part is missing (added to a ``.grad`` that existed)
     adds the last part seen again."""
-    from offremat.measure import StepMemory  # measure imports this module's package peers
-
     found: dict[int, int] = {}
     for key, (parameter, stages) in parameter_users(stage_parameters).items():
         made = [parts[i - 1].get(key) for i in stages]
