@@ -59,9 +59,9 @@ class PinnedGradients:
         # Per parameter, the storage its latest gradient viewed (a stage runs its backward
         # several times while profiled: the latest counts).
         self._latest: dict[int, _Storage] = {}
-        # Per parameter, its latest gradient where that was sparse (an
-        # nn.Embedding(sparse=True)'s: sized by the lookups, see offremat._shared_grads).
-        self.sparse: dict[int, torch.Tensor] = {}
+        # The parameters whose gradient was sparse (an nn.Embedding(sparse=True)'s: see
+        # offremat._shared_grads.refuse_shared_sparse_gradients).
+        self.sparse: set[int] = set()
 
     def let_go(self, parameter: torch.Tensor) -> None:
         """Record the storage of ``parameter``'s gradient, and let the gradient go."""
@@ -75,7 +75,7 @@ class PinnedGradients:
             record.parts[id(parameter)] = grad.numel() * grad.element_size()
             self._latest[id(parameter)] = record
         elif grad is not None:
-            self.sparse[id(parameter)] = grad
+            self.sparse.add(id(parameter))
         parameter.grad = None
 
     def pinned(self) -> dict[int, int]:

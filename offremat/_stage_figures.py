@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass(frozen=True)
 class Measured:
@@ -38,7 +36,7 @@ class Measured:
     # By parameter id, what the storage its gradient views holds beyond parameters' gradients
     # (offremat._pinned_grads).
     pinned_grads: dict[int, int] = field(default_factory=dict)
-    # By parameter id, the sparse gradient B(i) makes of a parameter (an
-    # nn.Embedding(sparse=True)'s), the part it adds to the running sum of one that several
-    # stages use (offremat._shared_grads.sparse_sums).
-    sparse_grad_parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The ids of the parameters whose gradient B(i) made sparse (an nn.Embedding's with
+    # sparse=True), refused where several stages use one
+    # (offremat._shared_grads.refuse_shared_sparse_gradients).
+    sparse_grads: frozenset[int] = frozenset()

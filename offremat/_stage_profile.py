@@ -77,7 +77,7 @@ class StageProfile:
         # holds each part from when it is made (offremat._shared_grads), where a gradient of
         # the stage's alone is added to .grad and freed.
         self.summed = list(summed)
-        self.sparse_grad_parts: dict[int, torch.Tensor] = {}  # the last backward's (Measured)
+        self.sparse_grads: frozenset[int] = frozenset()  # the last backward's (see Measured)
 
     def forward(
         self, grad: bool, marks: list[Any] | None = None, hooks: bool = True
@@ -194,11 +194,9 @@ class StageProfile:
                     )
                 )
         finally:
-            self.sparse_grad_parts = {
-                id(p): p.grad
-                for p in self.summed
-                if p.grad is not None and p.grad.layout != torch.strided
-            }
+            self.sparse_grads = frozenset(
+                id(p) for p in self.summed if p.grad is not None and p.grad.layout != torch.strided
+            )
             for parameter, grad in zip(self.summed, kept_grads, strict=True):
                 parameter.grad = grad
         # The incoming gradient δ_i existed before the backward; δ_{i-1} is counted by the plan.
@@ -253,10 +251,8 @@ class StageProfile:
                 handle.remove()
             for parameter in made:
                 parameter.grad = None
-        sparse = {**pinned.sparse, **sizes.sparse_grad_parts}
-        return dataclasses.replace(
-            sizes, pinned_grads=pinned.pinned(), sparse_grad_parts=sparse
-        ), handed
+        sparse = sizes.sparse_grads | pinned.sparse
+        return dataclasses.replace(sizes, pinned_grads=pinned.pinned(), sparse_grads=sparse), handed
 
     def _measure(
         self, warmup: int, repeats: int, sizes_only: bool, last: bool
@@ -374,7 +370,7 @@ class StageProfile:
             leaf_bytes=leaf_bytes,
             leaf_grad_bytes=leaf_grad_bytes,
             outside_leaves=outside,
-            sparse_grad_parts=self.sparse_grad_parts,
+            sparse_grads=self.sparse_grads,
         )
         if sizes_only:
             return sizes, handed

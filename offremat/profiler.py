@@ -37,7 +37,11 @@ from offremat._buffers import shared_buffer_keys
 from offremat._link import measure_link
 from offremat._pinned_grads import held_pinned_bytes
 from offremat._scan import fixed_storages, scan_modules
-from offremat._shared_grads import parameter_users, shared_gradient_bytes, sparse_sums
+from offremat._shared_grads import (
+    parameter_users,
+    refuse_shared_sparse_gradients,
+    shared_gradient_bytes,
+)
 from offremat._stage import AutocastState
 from offremat._stage_figures import Measured
 from offremat._stage_profile import StageProfile
@@ -109,10 +113,10 @@ def profile_model(
     # are held to the end of the backward at most, and each earlier user's B adds to one.
     # So are the storages a parameter's gradient, a slice of a larger one, keeps alive from
     # its stage's backward (offremat._pinned_grads).
-    parameters = [list(stage_module(g).parameters()) for g in grouped]
-    sparse = sparse_sums(parameters, [m.sparse_grad_parts for m in measured])
-    shared, added = shared_gradient_bytes(parameters, sparse)
-    measured = [dataclasses.replace(m, sparse_grad_parts={}) for m in measured]
+    modules = [stage_module(g) for g in grouped]
+    parameters = [list(module.parameters()) for module in modules]
+    refuse_shared_sparse_gradients(names, modules, [m.sparse_grads for m in measured])
+    shared, added = shared_gradient_bytes(parameters)
     hooked = [hooked_gradient_bytes(stage_parameters) for stage_parameters in parameters]
     several = {key for key, (_, used) in parameter_users(parameters).items() if len(used) > 1}
     pinned = held_pinned_bytes([m.pinned_grads for m in measured], several)

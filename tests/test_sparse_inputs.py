@@ -135,13 +135,11 @@ def test_a_sparse_tensor_made_in_a_block_or_carrying_a_gradient_is_refused() -> 
 class LookupBlock(nn.Module):
     """A residual block that adds a lookup in a table every block shares."""
 
-    def __init__(self, table: nn.Module, scale: int) -> None:
+    def __init__(self, table: nn.Module) -> None:
         super().__init__()
         self.up, self.down, self.table = nn.Linear(64, 128), nn.Linear(128, 64), table
-        self.scale = scale  # which rows it looks up: the same as every block's where 1
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ids = ids * self.scale % 50
         looked_up = self.table(ids) if isinstance(self.table, nn.EmbeddingBag) else None
         if looked_up is None:
             looked_up = self.table(ids).mean(1)
@@ -149,11 +147,11 @@ class LookupBlock(nn.Module):
 
 
 class SharedLookupNet(nn.Module):
-    def __init__(self, bag: bool, distinct: bool) -> None:
+    def __init__(self, bag: bool) -> None:
         super().__init__()
         kind = nn.EmbeddingBag if bag else nn.Embedding
         table = kind(50, 64, sparse=True)
-        self.blocks = nn.ModuleList(LookupBlock(table, k + 1 if distinct else 1) for k in range(6))
+        self.blocks = nn.ModuleList(LookupBlock(table) for _ in range(6))
         self.head = nn.Linear(64, 1)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -162,29 +160,17 @@ class SharedLookupNet(nn.Module):
         return self.head(x).sum()
 
 
-@pytest.mark.parametrize(
-    ("bag", "solver", "distinct"),
-    [(False, "dp", False), (True, "dp", False), (False, "milp", False), (False, "dp", True)],
-)
-def test_a_sparse_table_every_block_shares_is_counted_in_the_budget(
-    bag: bool, solver: str, distinct: bool
-) -> None:
-    """Its gradient's running sum holds every block's lookups, not the table's dense size: a
-    review measured 1.52 times the budget (1.35 to 1.55 across solvers, keep-all's too).
-    Blocks that look up other rows make a sum of concatenated parts, about twice as large."""
+@pytest.mark.parametrize(("bag", "grads"), [(False, None), (True, None), (False, "zeros")])
+def test_a_sparse_table_several_blocks_share_is_refused(bag: bool, grads: str | None) -> None:
+    """Its gradient's running sum grows with the ids each batch looks up, which no plan
+    bounds: counted at the table's size, a review measured 1.52 times the budget; sized on
+    the profiled batch, 2.31 to 4.80 times on other batches of the same shapes (reviews 38
+    and 39). Refused whether or not the caller's .grad exists when optimize profiles."""
     torch.manual_seed(0)
-    model = SharedLookupNet(bag, distinct)
-    plain = copy.deepcopy(model)
+    model = SharedLookupNet(bag)
+    if grads == "zeros":
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
     ids, x = torch.randint(0, 50, (256, 10)), torch.randn(256, 64)
-    link = "12GB/s" if solver == "milp" else None
-    budget = 0.97 if distinct else 0.9  # the sum's peak is most of a step's
-    optimized = offremat.optimize(model, (x, ids), budget=budget, solver=solver, bandwidth=link)
-    assert set(optimized.plan.decisions.values()) != {"keep"}
-    for parameter in [*model.parameters(), *plain.parameters()]:
-        parameter.grad = torch.zeros_like(parameter)  # gradients are not activations
-    with StepMemory("cpu", inputs=(x, ids)) as memory:
-        optimized(x, ids).backward()
-    plain(x, ids).backward()
-    assert memory.peak_bytes <= optimized.plan.budget_bytes
-    pairs = zip(model.parameters(), plain.parameters(), strict=True)
-    assert all(torch.equal(ours.grad, theirs.grad) for ours, theirs in pairs)
+    with pytest.raises(ValueError, match=r"gradient is sparse .* sparse=False"):
+        offremat.optimize(model, (x, ids), budget=0.9)
