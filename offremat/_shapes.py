@@ -323,9 +323,10 @@ class ShapePlans(VariantPlanning, ShapeSolving):
             self.numbers.checks,
         )
         before = (self.module_state, self.modes)
-        if state not in self.by_state:  # planned anew: a refusal says what changed
-            self.state_change = f"the stages changed ({describe_change(before, state)})"
-        kept = swapped(self.by_state, before, current, state)
+        change = "" if state in self.by_state else describe_change(before, state)
+        if change:  # planned anew: a refusal says what changed
+            self.state_change = f"the stages changed ({change})"
+        kept = swapped(self.by_state, before, current, state, change)
         self.executors, self.profiled = kept.executors, kept.profiled
         self.provisional, self.variants = kept.provisional, kept.variants
         self.unprofiled, self.numbers.checks = kept.unprofiled, kept.checks

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from difflib import SequenceMatcher
 from typing import Any
 
 from torch import nn
@@ -161,21 +160,20 @@ def describe_change(before: StageState, after: StageState) -> str:
     added after ``optimize`` holds a new gradient per parameter), and the refusal says why."""
     (old, old_modes), (new, new_modes) = before, after
     counts: Counter[str] = Counter()
-    try:
-        opcodes = SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
-    except TypeError:  # an unhashable setting: no entry by entry comparison
-        opcodes = [("replace", 0, len(old), 0, len(new))]
-    for tag, i, j, k, m in opcodes:
-        if tag == "replace" and j - i == m - k:
-            for a, b in zip(old[i:j], new[k:m], strict=True):
+    if len(old) == len(new):  # the same walk: entry by entry, in linear time
+        for a, b in zip(old, new, strict=True):
+            if a != b:
                 counts.update(_changed(a, b))
-        elif tag != "equal":
-            counts.update(f"{_kind(e)} removed" for e in old[i:j])
-            counts.update(f"{_kind(e)} added" for e in new[k:m])
+    else:  # entries came or went: by kind, without aligning repeated blocks
+        had, has = Counter(map(_kind, old)), Counter(map(_kind, new))
+        counts.update({f"{kind} added": n for kind, n in (has - had).items()})
+        counts.update({f"{kind} removed": n for kind, n in (had - has).items()})
     if len(old_modes) == len(new_modes):
         switched = sum(a != b for a, b in zip(old_modes, new_modes, strict=True))
         if switched:
             counts["modules switched between training and eval"] += switched
+    elif set(old_modes) != set(new_modes):  # all in one mode before, or after
+        counts["modules switched between training and eval"] += abs(sum(new_modes) - sum(old_modes))
     if not counts:
         return "the stages' modules, parameters, hooks or settings changed"
     return "; ".join(f"{what} ({n})" for what, n in counts.items())

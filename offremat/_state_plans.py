@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from offremat._signatures import Signature, VariantKey
-from offremat._stage_state import StageState, describe_change
+from offremat._stage_state import StageState
 from offremat._value_checks import ValueChecks
 from offremat.executor import PlanExecutor
 from solvers.chain import Chain
@@ -37,10 +37,11 @@ def swapped(
     current_state: StageState,
     current: StatePlans,
     state: StageState,
+    change: str,
 ) -> StatePlans:
     """Put ``current`` (the plans of ``current_state``) aside in ``by_state`` and take out
-    those of ``state``: new and empty, said aloud, where none are kept. The last
-    :data:`KEPT_STATES` are kept."""
+    those of ``state``: new and empty, said aloud with ``change`` (what changed, in words),
+    where none are kept. The last :data:`KEPT_STATES` are kept."""
     by_state[current_state] = current
     kept = by_state.pop(state, None)
     if isinstance(kept, tuple):  # kept by a version before StatePlans (5: before checks)
@@ -51,8 +52,7 @@ def swapped(
         return kept
     if state[0] != current_state[0]:
         logger.warning(
-            "the model's stages changed (%s): planning each shape again for them",
-            describe_change(current_state, state),
+            "the model's stages changed (%s): planning each shape again for them", change
         )
     else:
         logger.warning(
