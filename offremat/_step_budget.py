@@ -22,6 +22,7 @@ from offremat._stage_sizes import Outgrown, StageSizes, grown_chain
 from offremat._tensors import allocated_bytes
 from offremat.measure import StepMemory
 from solvers.budget import format_bytes
+from solvers.chain import Chain
 
 if TYPE_CHECKING:
     from offremat.executor import PlanExecutor
@@ -187,6 +188,14 @@ def report_over_budget(
     )
 
 
+def grown_beyond_said(executor: PlanExecutor, sizes: StageSizes) -> Chain | None:
+    """``executor``'s chain grown to the stage ``sizes`` a step held, where they pass what
+    was said before by :data:`SAID_AGAIN` and what steps were checked on; else None."""
+    known = executor.said_sizes.scaled(SAID_AGAIN)
+    known.merge(executor.checked_sizes)
+    return grown_chain(executor.chain, sizes, known)
+
+
 def note_measured_growth(
     executor: PlanExecutor, memory: StepMemory, new_grad_bytes: int, sizes: StageSizes
 ) -> None:
@@ -203,9 +212,7 @@ def note_measured_growth(
     # As for an unmeasured step (report_grown_sizes): sizes said once are planned for again
     # only where a step holds a tenth more (a plan for them tried at every measured step said
     # at each that none fits, a review).
-    known = executor.said_sizes.scaled(SAID_AGAIN)
-    known.merge(executor.checked_sizes)
-    grown = grown_chain(executor.chain, sizes, known)
+    grown = grown_beyond_said(executor, sizes)
     if grown is not None:
         executor.outgrown = Outgrown(grown, sizes)
         executor.said_sizes.merge(sizes)  # said with the step (report_over_budget)

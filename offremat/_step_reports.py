@@ -10,8 +10,8 @@ from math import ceil
 from typing import TYPE_CHECKING, Any
 
 from offremat._call_checks import in_functorch_transform
-from offremat._stage_sizes import Outgrown, StageSizes, grown_chain, most_grown
-from offremat._step_budget import SAID_AGAIN, in_process_group
+from offremat._stage_sizes import Outgrown, StageSizes, most_grown
+from offremat._step_budget import grown_beyond_said, in_process_group
 from offremat._tensors import storage_bytes
 from offremat.measure import tree_leaf_tensors
 from solvers.budget import format_bytes
@@ -58,9 +58,7 @@ def report_grown_sizes(executor: PlanExecutor, sizes: StageSizes) -> None:
     # Sizes said once are said again only where a step holds a tenth more still (said once
     # per plan, a step at twice those sizes went unsaid where no plan fitted them:
     # experiments/routed_growth.py).
-    known = executor.said_sizes.scaled(SAID_AGAIN)
-    known.merge(executor.checked_sizes)
-    grown = grown_chain(executor.chain, sizes, known)
+    grown = grown_beyond_said(executor, sizes)
     if grown is None:
         return
     peak = simulate(executor.plan, grown).peak_bytes
