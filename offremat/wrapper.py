@@ -245,6 +245,15 @@ class OptimizedModule(nn.Module):
         if reason is not None and not self._plans.runs_plainly(batch):
             raise RuntimeError(reason)
 
+    def _get_name(self) -> str:
+        # The wrapped model's, which tools key on: Hugging Face's Trainer shifts a causal LM's
+        # labels for label smoothing by it, and trained "OptimizedModule" on unshifted ones.
+        return self._model._get_name()
+
+    def __repr__(self) -> str:
+        # What prints is the wrapper, under its own name.
+        return type(self).__name__ + super().__repr__()[len(self._get_name()) :]
+
     def extra_repr(self) -> str:
         plan = self.plan
         budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
