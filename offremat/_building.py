@@ -167,13 +167,13 @@ def _check_chain_input(chain: Chain, tensors: list[torch.Tensor]) -> None:
         )
 
 
-def _check_blocks_input(chain: Chain, shapes: str) -> None:
+def _check_blocks_input(chain: Chain, shapes: str | None) -> None:
     """Refuse a chain of a model's blocks profiled on a batch of other sizes, as
     :func:`_check_chain_input` does for a chain of the whole model: its budget, a fraction
     of its keep-all peak, was another batch's (a new user's trial: 9.72 MiB for 40% of a
     batch of 512, the fraction of the batch of 256 its chain was profiled on)."""
     profiled = chain.metadata.get("chain_input_shapes")
-    if profiled is not None and profiled != shapes:
+    if profiled is not None and shapes is not None and profiled != shapes:
         raise ValueError(
             f"the given chain was profiled where the blocks' input had shapes {profiled}, but "
             f"on the example batch it has {shapes}: its sizes are another batch's. Omit "

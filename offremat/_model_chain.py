@@ -198,10 +198,10 @@ def model_chain_stages(found: ModelChain, chain: Chain) -> list[nn.Module]:
 
 def check_model_chain_output(
     model: nn.Module, batch: Any, found: ModelChain, stages: Sequence[nn.Module]
-) -> str:
+) -> str | None:
     """Refuse a chain whose model output differs from the model's own on ``batch``, and a
     random draw that recomputation could not replay (:class:`GeneratorWatch`); the shapes
-    of the blocks' input on ``batch`` (:func:`chain_input_shapes`)."""
+    of the blocks' input on ``batch`` (:func:`chain_input_shapes`), None if they never ran."""
     seen: list[str] = []
 
     def run_blocks(value: Any) -> Any:
@@ -237,7 +237,7 @@ def check_model_chain_output(
             "random numbers the model draws between their calls (a mask per layer) come from "
             "another point of the generator: draw them inside the blocks"
         )
-    return seen[0]
+    return seen[0] if seen else None
 
 
 def _rounding_difference(
