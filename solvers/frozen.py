@@ -71,9 +71,9 @@ def lift(plan: Plan, chain: Chain) -> Plan:
         key: value + frozen_s if key in PLAN_TIME_INFO and value is not None else value
         for key, value in plan.info.items()
     }
-    objective, bound = info.get("objective"), info.get("best_bound")
-    if info.get("gap") is not None and objective and bound is not None:
-        info["gap"] = relative_gap(objective, bound)
+    time, bound = plan.predicted_time_s, info.get("best_bound")
+    if info.get("gap") is not None and time is not None and bound is not None:
+        info["gap"] = relative_gap(time + frozen_s, bound)  # the plan returned's
     return Plan(
         frozen_forwards(p) + moved, chain.stage_names, plan.solver, chain_name=chain.name, info=info
     )
@@ -166,9 +166,9 @@ def lift_merged(plan: Plan, chain: Chain) -> Plan:
         else value
         for key, value in plan.info.items()
     }
-    objective, bound = info.get("objective"), info.get("best_bound")
-    if info.get("gap") is not None and objective and bound is not None:
-        info["gap"] = relative_gap(objective, bound)
+    time, bound = plan.predicted_time_s, info.get("best_bound")
+    if info.get("gap") is not None and time is not None and bound is not None:
+        info["gap"] = relative_gap(time - dropped * frozen_s, bound)  # the plan returned's
     return Plan(tuple(lifted), chain.stage_names, plan.solver, chain_name=chain.name, info=info)
 
 

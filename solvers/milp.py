@@ -196,10 +196,8 @@ def solve_milp(
     bound = max(search.bound_s if search.bound_s is not None else -math.inf, floor)
     # The last state shown is the plan returned: a warm start where it beat the search.
     report(plan.predicted_time_s, bound, force=True)
-    if objective is not None and bound is not None and math.isfinite(bound):
-        gap_found = relative_gap(objective, bound)
-    else:
-        gap_found = None
+    # The gap of the plan returned, which the last state shown has too.
+    gap_found = relative_gap(plan.predicted_time_s, bound) if math.isfinite(bound) else None
     size = model.size
     # HiGHS proves its plan optimal among the MILP's family of plans (docs/milp.md), and its
     # dual bound holds for that family: a plan outside it (a non-persistent one, as DTR's can
