@@ -572,3 +572,25 @@ def test_the_least_budget_with_offloading_counts_the_copies_waits() -> None:
     with pytest.raises(InfeasibleBudgetError, match="least feasible budget is 14 B"):
         solve_milp(chain, 13, time_limit_s=5)
     assert simulate(solve_milp(chain, 14, time_limit_s=5), chain, 14).feasible
+
+
+def test_a_search_whose_plan_passes_the_budget_claims_no_optimum():
+    """The MILP's model and the simulator can disagree (here by one byte): its plan is then
+    no plan, a warm start is returned, and neither its status nor its bound says optimal (a
+    review found "optimal in its family, gap 0" on a plan 21 times slower than another that
+    fitted)."""
+    stage = {"fwd_tmp_bytes": 0, "bwd_tmp_bytes": 0}
+    chain = Chain(
+        "r",
+        453967,
+        (
+            Stage("s0", 0.36338456288935694, 0.7267691257787139, 3273, 3274, **stage),
+            Stage("s1", 0.0, 0.0, 879493, 1752114, **stage),
+            Stage("s3", 0.0, 0.0, 6653, 6653, **stage),
+        ),
+        link=Link(1000.0, 1000.0),
+    )
+    plan = solve_milp(chain, 3092120, time_limit_s=5.0)
+    assert plan.info["fallback"] and plan.info["solver_status"] != "optimal in its family"
+    assert plan.info["best_bound"] <= whole_tensor_bound_s(chain, 3092120, True) + 1e-12
+    assert plan.info["gap"] > 0
