@@ -228,6 +228,11 @@ class Plan:
                     f"plan: field {name!r} must be a finite non-negative {kind} or null, "
                     f"got {shown}"
                 )
+        beyond = max((op.index for op in ops), default=0)
+        if beyond > len(stages):
+            raise ValueError(
+                f"plan: field 'stages' names {len(stages)} stages, but 'ops' run stage {beyond}"
+            )
         plan = cls(
             ops=ops,
             stage_names=tuple(stages),

@@ -159,6 +159,16 @@ def test_op_text_names_the_tensor() -> None:
             )
             for index in (1.7, "2", True)
         ),
+        (  # fewer stage names than the ops run: an IndexError once, in decisions (review 41)
+            {
+                "format": "offremat.plan/1",
+                "stages": ["a"],
+                "solver": "x",
+                "ops": [{"op": "F_all", "index": 2}, {"op": "B", "index": 2}],
+                "decisions": {"a": "keep"},
+            },
+            "'stages' names 1 stages, but 'ops' run stage 2",
+        ),
     ],
 )
 def test_malformed_plans_name_the_field(raw: dict, message: str) -> None:
