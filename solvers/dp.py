@@ -22,8 +22,9 @@ opt(., s, t) with t < L, which runs after B(L), needs those bytes too.
 
 Design note, two forward temporaries: a forward with autograd (F_all) and one without (F_ck,
 F_none) have different transient peaks (the chain's ``fwd_tmp_bytes`` and
-``nograd_fwd_tmp_bytes``). The room for the forwards without autograd, x_t + max(x_s +
-ntmp_s, x_{j-1} + x_j + ntmp_j), therefore bounds the second option only: the first option
+``nograd_fwd_tmp_bytes``). The room for the forwards without autograd of a split at j,
+x_t + max(x_s + ntmp_s, x_{k-1} + x_k + ntmp_k for s < k < j), therefore bounds the second
+option only (rotor takes k up to t - 1 for every split, more than a split runs): the first option
 runs F_all(s), whose need x_t + x̄_s + ftmp_s is checked above, and its sub-problem checks its
 own forwards. With one temporary for both, as design.md has it, the two readings agree.
 
@@ -273,9 +274,10 @@ def _least_memory(chain: Chain, unit: float = 1.0) -> tuple[Sizes, np.ndarray, n
         for s in range(t - 1, 0, -1):
             first = max(int(sizes.saved[s]) + need[s + 1, t], sizes.forward_all_need(s, t))
             options = [(first, forward[s] + backward_s[s] + spent[s + 1, t], FORWARD_ALL)]
-            room, forwards = sizes.forward_room(s, t), 0.0
+            forwards = 0.0
             for j in range(s + 1, t + 1):
                 forwards += forward[j - 1]
+                room = sizes.split_room(s, j, t)
                 split = max(room, int(sizes.activation[j - 1]) + need[j, t], need[s, j - 1])
                 options.append((split, forwards + spent[j, t] + spent[s, j - 1], j))
             need[s, t], spent[s, t], choice[s, t] = min(options)

@@ -39,17 +39,10 @@ class ExactTable:
         self.saved = sizes.saved.tolist()
         self.activation = sizes.activation.tolist()
         self.own = [[0] * (length + 1) for _ in range(length + 2)]  # forward_all_need(s, t)
-        self.room = [[0] * (length + 1) for _ in range(length + 2)]  # forward_room(s, t)
+        self.levels = sizes.levels.tolist()  # Sizes.split_room's, as lists for speed
         self.keep = [[0] * (length + 1) for _ in range(length + 2)]
-        x, ft = sizes.activation, sizes.nograd_fwd_tmp
         for s in range(1, length + 1):
             self.keep[s][s] = self.need[s][s]
-            # forward_room's running maximum, extended one stage at a time (O(L^2) in all).
-            forwards = int(x[s] + ft[s])
-            for t in range(s + 1, length + 1):
-                if t > s + 1:
-                    forwards = max(forwards, int(x[t - 2] + x[t - 1] + ft[t - 1]))
-                self.room[s][t] = int(sizes.grad[t]) + forwards + sizes.held_after(t)
         for t in range(1, length + 1):
             for s in range(t - 1, 0, -1):
                 self.own[s][t] = sizes.forward_all_need(s, t)
@@ -59,6 +52,15 @@ class ExactTable:
         self.prefix = np.cumsum([0.0] + [stage.fwd_s for stage in chain.stages]).tolist()
         self.single = single_stage_times(chain)
         self.best: dict[State, tuple[float, int]] = {}
+
+    def split_floor(self, t: int) -> int:
+        """What every split of a sub-problem ending at t holds beside its forwards: δ_t and
+        the held bytes (:meth:`Sizes.split_room` is this plus ``levels``)."""
+        return int(self.sizes.grad[t]) + self.sizes.held_after(t)
+
+    def split_room(self, s: int, j: int, t: int) -> int:
+        """:meth:`Sizes.split_room`, from the table's levels."""
+        return self.split_floor(t) + self.levels[s][j]
 
     def state(self, s: int, t: int, m: int) -> State:
         """The state that answers opt(m, s, t): m clamped to keep(s, t)."""
@@ -72,9 +74,9 @@ class ExactTable:
         found: list[Option] = []
         if m >= self.own[s][t] and m - self.saved[s] >= need[s + 1][t]:
             found.append((FORWARD_ALL, self.fb[s], state(s + 1, t, m - self.saved[s]), None))
-        if m >= self.room[s][t]:
-            start = self.prefix[s - 1]
-            for j in range(s + 1, t + 1):
+        start, above = self.prefix[s - 1], self.split_floor(t)
+        for j in range(s + 1, t + 1):
+            if m >= above + self.levels[s][j]:
                 right = m - self.activation[j - 1]
                 if right >= need[j][t] and m >= need[s][j - 1]:
                     forwards = self.prefix[j - 1] - start

@@ -19,6 +19,7 @@ from solvers.budget import InfeasibleBudgetError
 from solvers.chain import Chain, Stage
 from solvers.dp import least_memory_plan, memory_need, solve_dp
 from solvers.plan import validate
+from solvers.registry import solve
 from solvers.simulator import simulate
 
 INF = math.inf
@@ -166,10 +167,13 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
             # Before L, (s, s) follows a forward of s that kept no x̄_s: F_all(s) refills.
             forward = stage.refill_s if s < chain.length else stage.fwd_s
             return forward + stage.bwd_s if m >= need else INF
-        # The room for the forwards without autograd bounds the second option (solvers/dp.py's
-        # design note; with one temporary for both kinds, as in design.md, it bounds both alike).
-        forwards = [x[s] + ntmp(s)] + [x[j - 1] + x[j] + ntmp(j) for j in range(s + 1, t)]
-        room = held(t) + g[t] + max(forwards)
+
+        # The room for the forwards without autograd a split at j runs, s..j-1, bounds it
+        # (solvers/dp.py's design note; rotor takes s..t-1 for every split).
+        def room(j: int) -> int:
+            forwards = [x[s] + ntmp(s)] + [x[k - 1] + x[k] + ntmp(k) for k in range(s + 1, j)]
+            return held(t) + g[t] + max(forwards)
+
         stage = chain.stage(s)
         first = INF
         own_need = max(
@@ -179,8 +183,8 @@ def recurrence(chain: Chain, budget: int, rotor_literal: bool = False) -> float:
         if m >= saved(s) and (rotor_literal or m >= own_need):
             first = stage.fwd_s + opt(m - saved(s), s + 1, t) + stage.bwd_s
         second = INF
-        for j in range(s + 1, t + 1) if m >= room else ():
-            if m >= x[j - 1]:
+        for j in range(s + 1, t + 1):
+            if m >= room(j) and m >= x[j - 1]:
                 forwards = sum(chain.stage(k).fwd_s for k in range(s, j))
                 second = min(second, forwards + opt(m - x[j - 1], j, t) + opt(m, s, j - 1))
         return min(first, second)
@@ -394,3 +398,46 @@ def test_the_least_memory_plan_peaks_at_the_least_memory_exactly(seed: int) -> N
         plan = least_memory_plan(chain)
         assert validate(plan, chain) == []
         assert simulate(plan, chain).peak_bytes == memory_need(chain)
+
+
+def test_a_split_needs_room_only_for_the_forwards_it_runs() -> None:
+    """Rotor's recurrence counts, for every split of (s, t), the forwards without autograd of
+    s..t-1; a split at j runs s..j-1. Here stage 2's no-grad temporary dominates, and the
+    split that runs F_ck(1) alone fits where rotor's room refused it: dp named 1413257 B the
+    least budget where chen's plan fits in 1405821 (a review)."""
+    stage = {"fwd_tmp_bytes": 0, "bwd_tmp_bytes": 0}
+    chain = Chain(
+        "r",
+        0,
+        (
+            Stage("s1", 1.0, 2.0, 664598, 672034, **stage),
+            Stage("s2", 1.0, 2.0, 1, 1978, nograd_fwd_tmp_bytes=965798, **stage),
+            Stage("s4", 1.0, 2.0, 369622, 369622, **stage),
+        ),
+    )
+    chen = solve(chain, 1405821, "chen")
+    assert memory_need(chain) <= chen.predicted_peak_bytes
+    plan = solve_dp(chain, chen.predicted_peak_bytes)
+    assert plan.predicted_time_s <= chen.predicted_time_s
+    for budget in range(memory_need(chain), memory_need(chain) + 3):
+        assert dp_time(chain, budget) == pytest.approx(exhaustive_optimum(chain, budget))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_matches_exhaustive_search_where_no_grad_temporaries_dominate(seed: int) -> None:
+    """The random chains above draw no-grad temporaries of at most 3 bytes, too small for the
+    room of a split's forwards to matter: here they outweigh the activations."""
+    rng = random.Random(seed)
+    chain = random_chain(rng, length=rng.randint(2, 4))
+    chain = replace(
+        chain,
+        stages=tuple(
+            replace(stage, nograd_fwd_tmp_bytes=rng.choice((0, 0, 12, 20)))
+            for stage in chain.stages
+        ),
+    )
+    need = memory_need(chain)
+    for budget in (need - 1, need, need + 3, need + 8):
+        expected = exhaustive_optimum(chain, budget)
+        assert dp_time(chain, budget) >= expected * (1 - 1e-9), budget
+        assert dp_time(chain, budget) == pytest.approx(recurrence(chain, budget)), budget
