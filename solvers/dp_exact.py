@@ -58,10 +58,6 @@ class ExactTable:
         the held bytes (:meth:`Sizes.split_room` is this plus ``levels``)."""
         return int(self.sizes.grad[t]) + self.sizes.held_after(t)
 
-    def split_room(self, s: int, j: int, t: int) -> int:
-        """:meth:`Sizes.split_room`, from the table's levels."""
-        return self.split_floor(t) + self.levels[s][j]
-
     def state(self, s: int, t: int, m: int) -> State:
         """The state that answers opt(m, s, t): m clamped to keep(s, t)."""
         keep = self.keep[s][t]

@@ -46,18 +46,17 @@ class Sizes:
             return np.array([math.ceil(v / unit) for v in values], dtype=np.int64)
 
         stages = chain.stages
+        activation = rounded([chain.input_bytes] + [s.out_bytes for s in stages])
+        nograd_fwd_tmp = rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages])
         return cls(
-            activation=rounded([chain.input_bytes] + [s.out_bytes for s in stages]),
+            activation=activation,
             grad=rounded([chain.input_grad_bytes] + [s.grad_bytes for s in stages]),
             saved=rounded([0] + [s.saved_bytes for s in stages]),
             fwd_tmp=rounded([0] + [s.fwd_tmp_bytes for s in stages]),
-            nograd_fwd_tmp=rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages]),
+            nograd_fwd_tmp=nograd_fwd_tmp,
             bwd_tmp=rounded([0] + [s.bwd_tmp_bytes for s in stages]),
             held=math.ceil(chain.held_bytes / unit),
-            levels=_forward_levels(
-                rounded([chain.input_bytes] + [s.out_bytes for s in stages]),
-                rounded([0] + [s.nograd_fwd_tmp_bytes for s in stages]),
-            ),
+            levels=_forward_levels(activation, nograd_fwd_tmp),
         )
 
     def held_after(self, t: int) -> int:

@@ -108,7 +108,7 @@ class _HostSplit:
         splits: list[tuple[int, float, int]] = []
         if s < length and m >= table.need[s][length]:
             for j in range(s + 1, length + 1):
-                if m >= table.need[s][j - 1] and m >= table.split_room(s, j, length):
+                if m >= table.need[s][j - 1] and m >= table.sizes.split_room(s, j, length):
                     own = table.prefix[j - 1] - table.prefix[s - 1] + self.opt(s, j - 1, m)
                     splits.append((j, own, m - table.activation[j - 1]))
         tails: list[tuple[float, int]] = [(np.inf, 0)] * len(splits)
